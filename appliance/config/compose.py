@@ -1,0 +1,69 @@
+"""Compose the Hydra config tree (Compose API) into a checked `ApplianceConfig`.
+
+We use `initialize_config_dir` + `compose` rather than `@hydra.main`: the CLI owns argv, the server
+can re-compose on reload, and nothing changes the working directory or sets up logging behind our back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import OmegaConf
+
+from appliance.config.schema import ApplianceConfig, ConfigError, register_configs
+
+# configs/ at the repository root; an installed wheel carries no configs, so --config-dir is then needed.
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+def compose_config(config_dir: str | os.PathLike | None = None, overrides: Sequence[str] = (),
+                   config_name: str = "config") -> ApplianceConfig:
+    """Compose `config_name` from `config_dir` with Hydra overrides; raise ConfigError with the key path."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    cdir = Path(config_dir) if config_dir is not None else DEFAULT_CONFIG_DIR
+    cdir = cdir.expanduser().resolve()
+    if not (cdir / f"{config_name}.yaml").is_file():
+        raise ConfigError(f"{cdir / (config_name + '.yaml')}: config file not found")
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=list(overrides))
+        obj = OmegaConf.to_object(cfg)  # resolves ${oc.env:...} and builds the dataclasses
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(f"{cdir}: {_one_line(e)}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    if not isinstance(obj, ApplianceConfig):
+        raise ConfigError(f"{cdir / (config_name + '.yaml')}: defaults list must start with appliance_schema")
+    obj.check()
+    return obj
+
+
+def _one_line(e: BaseException) -> str:
+    # Hydra wraps the OmegaConf error; the innermost message carries full_key / object_type.
+    msgs = []
+    cur: BaseException | None = e
+    while cur is not None:
+        msgs.append(str(cur).strip())
+        cur = cur.__cause__ or cur.__context__
+    out: list[str] = []
+    for m in msgs:
+        m = " ".join(m.split())
+        if m and not any(m in o for o in out):
+            out.append(m)
+    return " | ".join(out)
+
+
+def config_hash(cfg: ApplianceConfig) -> str:
+    """Stable content hash of a composed config (the reconciler stops early when it is unchanged)."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

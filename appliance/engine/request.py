@@ -1,0 +1,82 @@
+"""What callers hand the engine and what they get back: sampling parameters, output updates, errors.
+
+This is the engine's public contract: the HTTP server (server/) and the benchmark speak only these types
+plus `AsyncEngine` (engine/async_engine.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class EngineError(Exception):
+    """Base class of errors the engine reports to callers."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at engine.max_waiting_requests; the server answers 429 with Retry-After."""
+
+
+class EngineStoppedError(EngineError):
+    """The engine is shutting down or dead; the server answers 503."""
+
+
+class RequestError(EngineError):
+    """A request the engine cannot take (e.g. prompt plus max_tokens beyond the context); HTTP 400."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 or -1 = off
+    seed: Optional[int] = None  # same seed + same prompt = same text
+    stop: list[str] = field(default_factory=list)  # stop strings; the matched string is not returned
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (not returned)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    min_tokens: int = 0  # EOS and stop tokens are ignored before this many tokens
+
+    def validate(self) -> None:
+        """Raise RequestError with the field name when a value is out of range."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise RequestError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens must be in 0..max_tokens, got {self.min_tokens}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise RequestError("stop must be a list of non-empty strings")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class RequestOutput:
+    """One update for a request: the tokens and text produced since the previous update.
+
+    `text` never contains a partial multi-byte character, nor the start of a stop string that may
+    still complete; the final update (finished=True) flushes what was held back (minus a matched stop).
+    """
+
+    request_id: str
+    token_ids: list[int]  # new token ids since the last update
+    text: str  # new text since the last update
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error" once finished
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total generated so far
+    error: Optional[str] = None  # set when finish_reason == "error"
+    # Per-request timestamps (time.monotonic()), kept for the metrics issue.
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
