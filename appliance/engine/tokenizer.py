@@ -1,0 +1,104 @@
+"""Tokenizer wrapper and incremental detokenisation.
+
+Detokenising one token at a time is wrong for byte-level BPE: a multi-byte character (emoji, CJK,
+accented letters in some vocabularies) spans several tokens, and a token's text can depend on its left
+neighbour (leading-space handling). We therefore decode a short window of recent tokens twice, with
+and without the new ones, emit only the difference, and hold back text ending in U+FFFD (an unfinished
+character) until the next token completes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+# Tokens of left context decoded with each new token; enough for any merge to settle.
+_CONTEXT_TOKENS = 6
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(path))
+        eos: set[int] = set()
+        if self.hf.eos_token_id is not None:
+            eos.add(int(self.hf.eos_token_id))
+        gen_cfg = Path(path) / "generation_config.json"
+        if gen_cfg.is_file():
+            import json
+
+            g = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos.update([g] if isinstance(g, int) else (g or []))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` rendered by the model's chat template, ready for the reply."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template already wrote any BOS it wants.
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas that are safe to send."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+        self.tok = tokenizer
+        # Start with a little of the prompt as left context so the first token's leading space is right.
+        self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0  # start of the window decoded as context
+        self.read_offset = len(self.ids)  # tokens before this are already emitted as text
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the new text that is final (may be "")."""
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            # The emitted tokens become the next call's left context.
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return new
+        return ""
+
+    def flush(self) -> str:
+        """Text held back at the end (an unfinished character is returned as is)."""
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tok.decode(self.ids[self.prefix_offset:])
+        self.read_offset = len(self.ids)
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+
+
+def find_stop(text: str, stops: Sequence[str], start: int) -> Optional[int]:
+    """Index in `text` where the first stop string begins, searching matches that end after `start`."""
+    best: Optional[int] = None
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+def partial_stop_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string (hold it back)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if s.startswith(text[-n:]):
+                best = n
+                break
+    return best

