@@ -6,6 +6,7 @@ can re-compose on reload, and nothing changes the working directory or sets up l
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ def compose_config(config_dir: str | os.PathLike | None = None, overrides: Seque
     try:
         with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=list(overrides))
+        _reject_unknown_keys(cfg, ApplianceConfig, "")
         obj = OmegaConf.to_object(cfg)  # resolves ${oc.env:...} and builds the dataclasses
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(f"{cdir}: {_one_line(e)}") from None
@@ -46,6 +48,24 @@ def compose_config(config_dir: str | os.PathLike | None = None, overrides: Seque
         raise ConfigError(f"{cdir / (config_name + '.yaml')}: defaults list must start with appliance_schema")
     obj.check()
     return obj
+
+
+def _reject_unknown_keys(node: object, schema: type, prefix: str) -> None:
+    """Hydra's `+key=value` appends bypass struct mode; refuse keys the schema does not have."""
+    from omegaconf import DictConfig
+
+    import typing
+
+    hints = typing.get_type_hints(schema)  # resolves the string annotations of `from __future__`
+    assert isinstance(node, DictConfig)
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            raise ConfigError(f"{path}: unknown key (not in {schema.__name__})")
+        sub_schema = hints[key]
+        sub = node._get_node(key)
+        if isinstance(sub, DictConfig) and isinstance(sub_schema, type) and dataclasses.is_dataclass(sub_schema):
+            _reject_unknown_keys(sub, sub_schema, path + ".")
 
 
 def _one_line(e: BaseException) -> str:

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from appliance.config.schema import ConfigError
 from appliance.models.attention import AttentionMetadata, paged_attention, write_kv
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ConfigError):
     """The checkpoint's config.json describes something this model file cannot run."""
 
 
@@ -37,9 +38,10 @@ class ModelArgs:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v (Qwen2); o_proj never has one here
+    attention_bias: bool  # bias on q/k/v (Qwen2, Llama attention_bias=true)
     rope_scaling: Optional[dict[str, Any]] = None  # e.g. {"rope_type": "llama3", "factor": 8, ...}
     model_type: str = "llama"
+    o_proj_bias: bool = False  # Llama's attention_bias also biases o_proj; Qwen2's qkv bias does not
 
     @property
     def q_size(self) -> int:
@@ -85,6 +87,7 @@ class ModelArgs:
             attention_bias=bool(c.get("attention_bias", mt == "qwen2")),
             rope_scaling=scaling,
             model_type=mt,
+            o_proj_bias=bool(c.get("attention_bias", False)) and mt != "qwen2",
         )
 
 
@@ -168,7 +171,7 @@ class Attention(nn.Module):
         self.args = args
         self.qkv_proj = MergedLinear(args.hidden_size, {"q": args.q_size, "k": args.kv_size, "v": args.kv_size},
                                      bias=args.attention_bias)
-        self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=False)
+        self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_proj_bias)
         self.scale = args.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,

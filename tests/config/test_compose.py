@@ -42,10 +42,11 @@ def test_bad_override_names_the_key(override: str, key: str) -> None:
         compose_config(CONFIGS, [override])
 
 
-@pytest.mark.xfail(strict=True, reason="compose drops `+model.foo=1` silently instead of refusing it")
 def test_appended_unknown_key_fails() -> None:
     with pytest.raises(ConfigError, match=r"model\.foo"):
         compose_config(CONFIGS, ["+model.foo=1"])
+    with pytest.raises(ConfigError, match=r"bar: unknown key"):
+        compose_config(CONFIGS, ["+bar=2"])
 
 
 def test_unknown_group_option_fails() -> None:

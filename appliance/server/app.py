@@ -1,0 +1,339 @@
+"""HTTP routes: OpenAI-compatible /v1/*, the native /generate, and /health.
+
+Handlers parse and wire; protocol.py validates and builds the JSON, the engine does the work.
+Every error leaves as the OpenAI error shape (errors.py), bad input as a 400 naming the field.
+
+Client disconnects abort the engine requests: for streams, Starlette cancels the body iterator and
+`_SSEResponse` closes it; before the first byte and for non-streaming requests, the handler races the
+work against the ASGI `http.disconnect` message (`_until_disconnected`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from appliance.config.schema import ApplianceConfig
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.request import EngineError, EngineStoppedError, QueueFullError, RequestError
+from appliance.engine.tokenizer import Tokenizer
+from appliance.server import protocol
+from appliance.server.auth import ApiKeyAuth
+from appliance.server.errors import ApiError, bad_request, error_body
+from appliance.server.group import RequestGroup
+from appliance.server.protocol import Choice, ParsedRequest
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Seconds a client should wait before retrying after a 429 (the engine queue drains quickly).
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServerState:
+    """Shared with run.py: set `draining` on SIGTERM so /health and new requests answer 503."""
+
+    draining: bool = False
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the answer; nothing to send."""
+
+
+def build_app(engine: AsyncEngine, cfg: ApplianceConfig) -> Starlette:
+    """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`."""
+    api = _Api(engine, cfg)
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/generate", api.generate, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={
+        ApiError: _api_error,
+        HTTPException: _http_error,
+        _ClientGone: _client_gone,
+        Exception: _internal_error,
+    })
+    app.state.server = api.state
+    return app
+
+
+class _Api:
+    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig) -> None:
+        self.engine = engine
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.cfg = cfg
+        self.auth = ApiKeyAuth(cfg.server.api_keys)
+        self.state = ServerState()
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------------------ plain routes
+    async def health(self, request: Request) -> Response:
+        if self.state.draining:
+            raise ApiError(503, "The server is shutting down.", code="draining")
+        if not self.engine.healthy:
+            raise ApiError(503, "The engine is not running.", code="engine_stopped")
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        self.auth.check(request)
+        card = {"id": self.cfg.model.name, "object": "model", "created": self.created,
+                "owned_by": "appliance", "root": str(Path(self.cfg.model.path).expanduser()),
+                "parent": None, "max_model_len": self.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    def resolve_model(self, name: Optional[str]) -> str:
+        """The served model id for what the client sent as `model` (None = the base model).
+
+        The one place that maps names to models; adapters plug in here.
+        """
+        if name is None or name == self.cfg.model.name:
+            return self.cfg.model.name
+        raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+
+    # ------------------------------------------------------------------------------ OpenAI routes
+    async def completions(self, request: Request) -> Response:
+        req, model = await self._parse(request, protocol.parse_completion)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        group = await self._start(request, req, rid)
+        if req.stream:
+            return _SSEResponse(self._completion_stream(group, created, model, req.include_usage))
+        choices = await self._collect(request, group)
+        return JSONResponse(protocol.completion_response(rid, created, model, choices))
+
+    async def chat_completions(self, request: Request) -> Response:
+        req, model = await self._parse(request, protocol.parse_chat)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        group = await self._start(request, req, rid)
+        if req.stream:
+            return _SSEResponse(self._chat_stream(group, created, model, req.include_usage))
+        choices = await self._collect(request, group)
+        return JSONResponse(protocol.chat_response(rid, created, model, choices))
+
+    async def _completion_stream(self, group: RequestGroup, created: int, model: str,
+                                 include_usage: bool) -> AsyncIterator[str]:
+        rid = group.request_id
+        try:
+            async for i, out in group.updates():
+                _raise_if_failed(group.choices[i])
+                if out.text or out.finished:
+                    yield protocol.sse(protocol.completion_chunk(
+                        rid, created, model, i, out.text, group.choices[i].finish_reason, include_usage))
+            if include_usage:
+                yield protocol.sse(protocol.usage_chunk("text_completion", rid, created, model,
+                                                        group.choices))
+            yield protocol.SSE_DONE
+        except (ApiError, EngineError) as e:
+            yield _to_api_error(e).sse_event()
+            yield protocol.SSE_DONE
+        finally:
+            group.cancel()
+
+    async def _chat_stream(self, group: RequestGroup, created: int, model: str,
+                           include_usage: bool) -> AsyncIterator[str]:
+        rid = group.request_id
+        try:
+            for i in range(len(group.choices)):  # OpenAI opens each choice with the role
+                yield protocol.sse(protocol.chat_chunk(rid, created, model, i,
+                                                       {"role": "assistant", "content": ""}, None,
+                                                       include_usage))
+            async for i, out in group.updates():
+                _raise_if_failed(group.choices[i])
+                if out.text or out.finished:
+                    delta = {"content": out.text} if out.text else {}
+                    yield protocol.sse(protocol.chat_chunk(
+                        rid, created, model, i, delta, group.choices[i].finish_reason, include_usage))
+            if include_usage:
+                yield protocol.sse(protocol.usage_chunk("chat.completion.chunk", rid, created, model,
+                                                        group.choices))
+            yield protocol.SSE_DONE
+        except (ApiError, EngineError) as e:
+            yield _to_api_error(e).sse_event()
+            yield protocol.SSE_DONE
+        finally:
+            group.cancel()
+
+    # ------------------------------------------------------------------------------ native route
+    async def generate(self, request: Request) -> Response:
+        """SGLang-style /generate. Streams carry cumulative `text` / `output_ids` per `index`."""
+        req, _ = await self._parse(request, protocol.parse_generate)
+        group = await self._start(request, req, f"gen-{uuid.uuid4().hex}")
+        if req.stream:
+            return _SSEResponse(self._generate_stream(group))
+        choices = await self._collect(request, group)
+        items = [protocol.generate_item(group.job_request_id(i), c) for i, c in enumerate(choices)]
+        return JSONResponse(items if req.batched else items[0])
+
+    async def _generate_stream(self, group: RequestGroup) -> AsyncIterator[str]:
+        try:
+            async for i, out in group.updates():
+                c = group.choices[i]
+                _raise_if_failed(c)
+                if out.text or out.token_ids or out.finished:
+                    item = protocol.generate_item(group.job_request_id(i), c)
+                    item["index"] = i
+                    yield protocol.sse(item)
+            yield protocol.SSE_DONE
+        except (ApiError, EngineError) as e:
+            yield _to_api_error(e).sse_event()
+            yield protocol.SSE_DONE
+        finally:
+            group.cancel()
+
+    # ------------------------------------------------------------------------------ plumbing
+    async def _parse(self, request: Request,
+                     parse: Callable[[dict, Tokenizer, int], ParsedRequest]) -> tuple[ParsedRequest, str]:
+        self.auth.check(request)
+        if self.state.draining:
+            raise ApiError(503, "The server is shutting down.", code="draining")
+        body = protocol.parse_json_object(await self._read_body(request))
+        req = parse(body, self.tokenizer, self.engine.max_model_len)
+        return req, self.resolve_model(req.model)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.server.max_request_body_bytes
+        too_large = ApiError(413, f"The request body is larger than {limit} bytes "
+                                  "(server.max_request_body_bytes).", code="request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise bad_request(f"Invalid Content-Length header: {declared!r}.")
+            if int(declared) > limit:
+                raise too_large
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise _ClientGone() from None
+        return b"".join(chunks)
+
+    async def _start(self, request: Request, req: ParsedRequest, rid: str) -> RequestGroup:
+        group = RequestGroup(self.engine, req.jobs, rid)
+        try:
+            await _unless_disconnected(request, group.start())
+        except EngineError as e:
+            raise _to_api_error(e) from None
+        return group
+
+    async def _collect(self, request: Request, group: RequestGroup) -> list[Choice]:
+        try:
+            choices = await _unless_disconnected(request, group.collect())
+        except EngineError as e:
+            raise _to_api_error(e) from None
+        finally:
+            group.cancel()
+        for c in choices:
+            _raise_if_failed(c)
+        return choices
+
+
+class _SSEResponse(StreamingResponse):
+    """A `text/event-stream` response that always closes its body iterator.
+
+    Closing it runs the iterator's `finally`, which cancels the engine requests: whether the stream
+    ended, the client went away, or the server cancelled the handler.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise _ClientGone.
+
+    Call only after the body has been read: from then on the ASGI receive channel yields nothing but
+    `http.disconnect`.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():
+        raise _ClientGone()
+    return task.result()
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _raise_if_failed(choice: Choice) -> None:
+    if choice.finish_reason == "error":
+        raise ApiError(500, f"The engine failed on this request: {choice.error}", code="engine_error")
+    if choice.finish_reason == "abort":
+        raise ApiError(503, "The engine aborted this request.", code="aborted")
+
+
+def _to_api_error(e: ApiError | EngineError) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RequestError):
+        return bad_request(str(e))
+    if isinstance(e, QueueFullError):
+        return ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineStoppedError):
+        return ApiError(503, str(e), code="engine_stopped")
+    return ApiError(500, f"{type(e).__name__}: {e}", code="engine_error")
+
+
+# ---------------------------------------------------------------------------------- exception handlers
+
+async def _api_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, ApiError)
+    return e.response()
+
+
+async def _http_error(request: Request, e: Exception) -> Response:
+    """Starlette's own 404 (no route) and 405 (wrong method), in the OpenAI shape."""
+    assert isinstance(e, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    if e.status_code == 404:
+        message = f"No route {request.method} {request.url.path}."
+    elif e.status_code == 405:
+        allow = (e.headers or {}).get("Allow", "")
+        message = f"Method {request.method} is not allowed on {request.url.path} (allowed: {allow})."
+    else:
+        message = str(e.detail)
+    return ApiError(e.status_code, message, code=code, headers=e.headers).response()
+
+
+async def _client_gone(request: Request, e: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+
+async def _internal_error(request: Request, e: Exception) -> Response:
+    # Starlette re-raises after this, so uvicorn logs the traceback too.
+    return JSONResponse(error_body(500, f"Internal server error: {type(e).__name__}"), status_code=500)

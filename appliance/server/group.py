@@ -1,0 +1,94 @@
+"""The engine requests behind one HTTP request (N prompts = N choices), run concurrently.
+
+Each job runs in its own task that owns its `AsyncEngine.generate` iterator, so cancelling the task
+(client gone, handler cancelled) closes the iterator, which aborts the request in the engine and
+frees its KV blocks. Updates from all jobs are merged, in arrival order, onto one queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Union
+
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.request import RequestOutput
+from appliance.server.protocol import Choice, Job
+
+_Item = tuple[int, Union[RequestOutput, Exception]]
+
+
+class RequestGroup:
+    def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str) -> None:
+        self._engine = engine
+        self._jobs = jobs
+        self.request_id = request_id
+        self.choices = [Choice(prompt_tokens=len(j.prompt_ids)) for j in jobs]
+        self._finished = [False] * len(jobs)
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._buffer: list[tuple[int, RequestOutput]] = []  # updates read by start(), not yet yielded
+
+    def job_request_id(self, index: int) -> str:
+        return self.request_id if len(self._jobs) == 1 else f"{self.request_id}-{index}"
+
+    async def start(self) -> None:
+        """Submit every job; return once each has its first update.
+
+        The engine refuses a request (RequestError, QueueFullError, EngineStoppedError) before its first
+        update, so this is where they surface, before any response byte is sent; on one, every job of
+        the group is aborted and the error is raised.
+        """
+        self._tasks = [asyncio.create_task(self._run(i, job)) for i, job in enumerate(self._jobs)]
+        started: set[int] = set()
+        try:
+            while len(started) < len(self._jobs):
+                i, item = await self._queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                started.add(i)
+                self._buffer.append((i, item))
+        except BaseException:
+            self.cancel()
+            raise
+
+    async def updates(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every update (index, delta) after start(), applied to `choices`; ends when all finished."""
+        while self._buffer:
+            i, out = self._buffer.pop(0)
+            self._apply(i, out)
+            yield i, out
+        while not all(self._finished):
+            i, item = await self._queue.get()
+            if isinstance(item, Exception):
+                raise item
+            self._apply(i, item)
+            yield i, item
+
+    async def collect(self) -> list[Choice]:
+        async for _ in self.updates():
+            pass
+        return self.choices
+
+    def cancel(self) -> None:
+        """Abort every job still running. Synchronous on purpose: safe in a `finally` under a
+        cancelled scope (the tasks run their abort on the next loop iteration)."""
+        for t in self._tasks:
+            t.cancel()
+
+    def _apply(self, i: int, out: RequestOutput) -> None:
+        c = self.choices[i]
+        c.text += out.text
+        c.token_ids.extend(out.token_ids)
+        c.completion_tokens = out.completion_tokens
+        if out.finished:
+            self._finished[i] = True
+            c.finish_reason = out.finish_reason
+            c.error = out.error
+
+    async def _run(self, i: int, job: Job) -> None:
+        try:
+            async for out in self._engine.generate(job.prompt_ids, job.params,
+                                                   request_id=self.job_request_id(i)):
+                self._queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the handler, which answers it (or 500s)
+            self._queue.put_nowait((i, e))

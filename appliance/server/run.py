@@ -1,0 +1,123 @@
+"""Run the server: build the engine, serve HTTP with uvicorn, drain on SIGTERM/SIGINT.
+
+Shutdown sequence on the first SIGTERM or SIGINT:
+  1. /health and new inference requests answer 503 (the listener stays open so clients get an answer);
+  2. in-flight requests run to completion for at most server.shutdown_timeout_s (AsyncEngine.drain);
+     whatever is left then is aborted (streams end with an error event, others get 503);
+  3. uvicorn closes the listener and connections, the engine stops, `serve` returns (exit status 0).
+A second signal during the drain exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Iterator, Optional
+
+import uvicorn
+
+from appliance.config.schema import ApplianceConfig
+from appliance.engine.async_engine import AsyncEngine
+from appliance.server.app import ServerState, build_app
+
+log = logging.getLogger(__name__)
+
+# After the drain, how long uvicorn waits for connections to finish before cancelling them.
+_CONNECTION_CLOSE_TIMEOUT_S = 5
+
+
+def serve(cfg: ApplianceConfig) -> None:
+    """Load the model, start the engine and serve until a signal; returns after a clean shutdown."""
+    from appliance.engine.engine import LLMEngine
+
+    _setup_logging(cfg.server.log_level)
+    log.info("loading model %s from %s", cfg.model.name, cfg.model.path)
+    engine = AsyncEngine(LLMEngine.from_config(cfg))
+    engine.start()
+    try:
+        make_server(engine, cfg).run()
+    finally:
+        engine.shutdown()
+    log.info("server stopped")
+
+
+def make_server(engine: AsyncEngine, cfg: ApplianceConfig) -> "DrainingServer":
+    """A uvicorn server for a started `engine` on cfg.server.host/port (port 0 = any free port)."""
+    app = build_app(engine, cfg)
+    config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
+                            log_level=cfg.server.log_level, lifespan="off",
+                            timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT_S)
+    return DrainingServer(config, engine, app.state.server, cfg.server.shutdown_timeout_s)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose exit signal starts a drain instead of closing at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, state: ServerState,
+                 shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.state = state
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._drain_requested = False
+        self._drain_task: Optional[asyncio.Task] = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with server.port=0); valid once `started`."""
+        return self.servers[0].sockets[0].getsockname()[1]
+
+    def request_drain(self) -> None:
+        """Start the shutdown sequence; safe from a signal handler or another thread (sets a flag
+        that the server's loop picks up within 0.1 s)."""
+        self._drain_requested = True
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        if self._drain_requested:
+            log.warning("second %s: exiting without waiting", signal.Signals(sig).name)
+            self.should_exit = True
+            self.force_exit = True
+        else:
+            log.info("%s: draining (at most %.0f s)", signal.Signals(sig).name, self.shutdown_timeout_s)
+            self.request_drain()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # Like uvicorn's, but without re-raising the signal after the shutdown: uvicorn does that so
+        # the default handler kills the process, which would make a clean drain exit with 143, not 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        self.state.draining = True
+        self.engine.stop_accepting()
+        log.info("draining %d in-flight request(s)", self.engine.num_in_flight)
+        if not await self.engine.drain(self.shutdown_timeout_s):
+            log.warning("server.shutdown_timeout_s (%s s) passed with %d request(s) in flight; aborting",
+                        self.shutdown_timeout_s, self.engine.num_in_flight)
+            # Stopping the engine ends the remaining requests with EngineStoppedError; the join
+            # blocks, so keep it off the event loop that must still send those answers.
+            await asyncio.to_thread(self.engine.shutdown)
+        self.should_exit = True
+
+
+def _setup_logging(level: str) -> None:
+    # uvicorn configures only its own loggers; give ours a handler at the same level.
+    std = {"trace": "DEBUG"}.get(level.lower(), level.upper())
+    logging.basicConfig(level=std, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
