@@ -1,0 +1,39 @@
+"""Incremental detokenisation against the tokenizer's full decode, multi-byte characters included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+
+TEXTS = [
+    "Hello world, this is plain ASCII text.",
+    "Ünïcödé: naïve café, Straße, 東京タワー, 🚀🌍 emojis and 👩‍👩‍👧 families.",
+    "  leading spaces\nnew lines\ttabs and   runs  ",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_dir: Path) -> Tokenizer:
+    return Tokenizer(default_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_full_decode(tok: Tokenizer, text: str) -> None:
+    prompt = tok.encode("Say:")
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, prompt)
+    pieces = [d.add(t) for t in ids]
+    pieces.append(d.flush())
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_helpers() -> None:
+    assert find_stop("abc STOP def", ["STOP"], 0) == 4
+    assert find_stop("abc STOP def", ["STOP"], 9) is None
+    assert find_stop("abc STOP", ["STOP"], 6) == 4  # match straddles what was already searched
+    assert partial_stop_len("hello ST", ["STOP"]) == 2
+    assert partial_stop_len("hello", ["STOP"]) == 0

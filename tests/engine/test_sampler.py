@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import torch
+
+from appliance.engine.request import SamplingParams
+from appliance.engine.sampler import sample
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_is_argmax_and_banned_tokens_are_skipped() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 2.0]])
+    p = SamplingParams(temperature=0.0)
+    assert sample(logits, [p, p], [None, None]) == [1, 0]
+    assert sample(logits, [p, p], [None, None], banned=[[1], []]) == [2, 0]
+
+
+def test_top_k_one_is_greedy_and_top_k_limits_support() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    top3 = set(logits[0].topk(3).indices.tolist())
+    p = SamplingParams(temperature=1.0, top_k=3)
+    draws = {sample(logits, [p], [gen(i)])[0] for i in range(200)}
+    assert draws <= top3 and len(draws) > 1
+
+
+def test_top_p_keeps_smallest_set_reaching_p() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    p = SamplingParams(temperature=1.0, top_p=0.7)
+    draws = {sample(probs.log(), [p], [gen(i)])[0] for i in range(300)}
+    assert draws == {0, 1}
+
+
+def test_same_seed_same_draws_regardless_of_batch() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 100)
+    p = SamplingParams(temperature=0.8)
+    alone = [sample(logits[1:2], [p], [gen(42)])[0] for _ in range(1)]
+    batch = sample(logits, [p, p, p], [gen(1), gen(42), gen(3)])
+    assert batch[1] == alone[0]

@@ -1,0 +1,108 @@
+"""Scheduler policy in plain Python: budgets, FIFO admission, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+from appliance.config.schema import EngineConfig
+from appliance.engine.block_manager import BlockManager
+from appliance.engine.request import SamplingParams
+from appliance.engine.scheduler import Scheduler, SchedulerOutput
+from appliance.engine.sequence import Sequence, SeqStatus
+
+
+def make(num_blocks: int = 100, block_size: int = 4, **cfg) -> Scheduler:
+    return Scheduler(EngineConfig(**cfg), BlockManager(num_blocks, block_size))
+
+
+def add(s: Scheduler, rid: str, n: int) -> Sequence:
+    q = Sequence(rid, list(range(n)), SamplingParams(max_tokens=100), 0.0)
+    s.add(q)
+    return q
+
+
+def fake_step(s: Scheduler, out: SchedulerOutput) -> None:
+    """What the engine does after the model ran: record computed tokens, append a sampled token."""
+    samplers = [x.seq for x in out.prefills + out.decodes if x.samples]
+    s.after_step(out)
+    for q in samplers:
+        q.output_token_ids.append(7)
+
+
+def test_new_requests_join_running_batch_each_step() -> None:
+    s = make()
+    a = add(s, "a", 5)
+    out = s.schedule()
+    assert [x.seq for x in out.prefills] == [a] and out.prefills[0].num_new_tokens == 5
+    fake_step(s, out)
+    b = add(s, "b", 3)
+    out = s.schedule()
+    assert [x.seq for x in out.decodes] == [a] and [x.seq for x in out.prefills] == [b]
+
+
+def test_token_budget_chunks_long_prompt() -> None:
+    s = make(max_num_batched_tokens=4)
+    a = add(s, "a", 10)
+    chunks = []
+    for _ in range(3):
+        out = s.schedule()
+        chunks.append(out.prefills[0].num_new_tokens)
+        assert out.prefills[0].samples == (sum(chunks) == 10)
+        fake_step(s, out)
+    assert chunks == [4, 4, 2] and a.num_computed_tokens == 10 and len(a.output_token_ids) == 1
+
+
+def test_no_chunking_waits_for_budget() -> None:
+    s = make(max_num_batched_tokens=6, enable_chunked_prefill=False)
+    add(s, "a", 4)
+    add(s, "b", 4)
+    out = s.schedule()
+    assert [x.seq.request_id for x in out.prefills] == ["a"]
+
+
+def test_max_num_seqs_limits_running() -> None:
+    s = make(max_num_seqs=2)
+    for r in "abc":
+        add(s, r, 2)
+    out = s.schedule()
+    assert len(out.prefills) == 2 and [q.request_id for q in s.waiting] == ["c"]
+
+
+def test_fifo_admission_when_blocks_run_out() -> None:
+    s = make(num_blocks=3, block_size=4)
+    add(s, "big", 12)  # takes all 3 blocks
+    add(s, "small", 1)
+    out = s.schedule()
+    assert [x.seq.request_id for x in out.prefills] == ["big"]
+    assert [q.request_id for q in s.waiting] == ["small"]
+
+
+def test_preempts_newest_when_blocks_run_out_and_requeues_it_first() -> None:
+    s = make(num_blocks=4, block_size=2)
+    a, b = add(s, "a", 4), add(s, "b", 4)  # 2 blocks each: cache full
+    fake_step(s, s.schedule())
+    # Both now hold 5 tokens' worth of sequence and need a third block: b (newest) is preempted.
+    out = s.schedule()
+    assert out.preempted == [b]
+    assert [x.seq for x in out.decodes] == [a]
+    assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert s.waiting[0] is b and b.output_token_ids == [7]  # generated tokens kept, recomputed later
+    fake_step(s, out)
+    s.remove(a)
+    out = s.schedule()
+    assert [x.seq for x in out.prefills] == [b] and out.prefills[0].num_new_tokens == 5
+
+
+def test_lone_sequence_preempting_itself_does_not_loop() -> None:
+    s = make(num_blocks=2, block_size=2)
+    a = add(s, "a", 4)
+    fake_step(s, s.schedule())
+    out = s.schedule()  # needs a third block, none exists: it preempts itself, nothing runs
+    assert out.preempted == [a] and out.empty
+
+
+def test_remove_frees_waiting_and_running() -> None:
+    s = make()
+    a, b = add(s, "a", 3), add(s, "b", 3)
+    s.schedule()
+    s.remove(a)
+    s.remove(b)
+    assert s.bm.num_used == 0 and not s.has_unfinished()
