@@ -1,0 +1,122 @@
+"""GPU check of the engine on one CUDA device: parity with transformers, then decode throughput.
+
+The device host cannot download weights and the working tree it receives is capped in size, so this
+uses the default model's architecture (SmolLM2-135M config.json) with random weights, and the
+default model's tokenizer files (small) from --tokenizer. Numbers are for the plain-torch engine of
+issue 2 (no CUDA graphs, no Triton attention yet: issue 7 brings those).
+
+    python benchmarks/gpu_check.py --tokenizer DIR [--batches 1 8 32 64] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from appliance.config.compose import compose_config
+from appliance.engine.engine import LLMEngine
+from appliance.engine.request import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_CONFIG = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def make_model(dest: Path, tokenizer: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(dest)
+    for f in tokenizer.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(f, dest / f.name)
+
+
+def engine_for(model_dir: Path, dtype: str, max_seqs: int) -> LLMEngine:
+    return LLMEngine(compose_config(REPO / "configs", [
+        f"model.path={model_dir}", f"model.dtype={dtype}", "model.device=cuda",
+        f"engine.max_num_seqs={max_seqs}", "engine.num_kv_blocks=4096"]))
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict[str, list[int]], float]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", type=Path, required=True)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+    with tempfile.TemporaryDirectory() as td:
+        d = Path(td)
+        make_model(d, args.tokenizer)
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 49000, (args.prompt_len,), generator=gen).tolist() for _ in range(max(args.batches))]
+        greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+        # 1. Parity in float32 on the GPU: greedy tokens of 4 prompts, batched, against transformers.
+        eng = engine_for(d, "float32", 64)
+        ours, _ = run(eng, prompts[:4], greedy)
+        ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
+        same = 0
+        for i in range(4):
+            ids = torch.tensor([prompts[i]], device="cuda")
+            want = ref.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+            same += int(want[0, args.prompt_len:].tolist() == ours[str(i)])
+        print(f"fp32 greedy parity with transformers on cuda: {same}/4 prompts identical (32 tokens)")
+        del eng, ref
+        torch.cuda.empty_cache()
+
+        # 2. bf16 throughput: ours vs transformers generate on the same prompts.
+        eng = engine_for(d, "bfloat16", max(args.batches))
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+        params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        run(eng, prompts[:2], params)  # warm-up
+        rows = []
+        for b in args.batches:
+            outs, dt = run(eng, prompts[:b], params)
+            n = sum(len(v) for v in outs.values())
+            ids = torch.tensor(prompts[:b], device="cuda")
+            hf.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hf.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)
+            torch.cuda.synchronize()
+            hdt = time.perf_counter() - t0
+            rows.append((b, n / dt, b * args.new_tokens / hdt))
+        print(f"\nbf16, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, tokens/s (prefill included)")
+        print(f"{'batch':>6} {'appliance':>10} {'transformers':>13}")
+        for b, ours_tps, hf_tps in rows:
+            print(f"{b:>6} {ours_tps:>10.0f} {hf_tps:>13.0f}")
+        print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
