@@ -54,6 +54,10 @@ class ModelRunner:
         want = cfg.model.max_model_len or max_pos
         if want > max_pos:
             raise ConfigError(f"model.max_model_len: {want} exceeds the model's max_position_embeddings {max_pos}")
+        sw = self.args.sliding_window
+        if sw is not None and want > sw:
+            raise ConfigError(f"model.max_model_len: {want} exceeds the model's sliding_window {sw}; sliding-window "
+                              f"attention is not implemented, so set model.max_model_len <= {sw}")
         self.max_model_len = want
         self.block_size = cfg.engine.kv_block_size
         self.model: LlamaModel = load_model(model_path, self.dtype, self.device, self.max_model_len)

@@ -42,6 +42,9 @@ class ModelArgs:
     rope_scaling: Optional[dict[str, Any]] = None  # e.g. {"rope_type": "llama3", "factor": 8, ...}
     model_type: str = "llama"
     o_proj_bias: bool = False  # Llama's attention_bias also biases o_proj; Qwen2's qkv bias does not
+    # Mistral/Qwen2 sliding-window attention: we attend to the full context, which is only the same
+    # model when the context never exceeds the window (the model runner caps max_model_len to it).
+    sliding_window: Optional[int] = None
 
     @property
     def q_size(self) -> int:
@@ -88,6 +91,8 @@ class ModelArgs:
             rope_scaling=scaling,
             model_type=mt,
             o_proj_bias=bool(c.get("attention_bias", False)) and mt != "qwen2",
+            sliding_window=(c.get("sliding_window") if (mt == "mistral" or c.get("use_sliding_window"))
+                            else None),
         )
 
 

@@ -92,3 +92,28 @@ def test_greedy_generation_matches_transformers(which: str, default_model_dir: P
     want = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[0, len(ids):].tolist()
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_llama_family_architectures_match_transformers(arch: str, tmp_path: Path,
+                                                             default_model_dir: Path) -> None:
+    import shutil
+
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from appliance.engine.tokenizer import Tokenizer
+
+    cfg_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[arch]
+    torch.manual_seed(0)
+    ref = model_cls(cfg_cls(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                            tie_word_embeddings=False))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.08)
+    ref.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / f, tmp_path / f)
+    args = ModelArgs.from_hf_config(__import__("json").loads((tmp_path / "config.json").read_text()))
+    assert args.attention_bias == (arch == "qwen2") and not args.o_proj_bias
+    check_parity(tmp_path, Tokenizer(tmp_path).encode(PROMPT))
