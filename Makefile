@@ -12,8 +12,10 @@ ARGS ?=
 # Per-test limit in seconds (pytest-timeout); a hung engine test fails instead of eating CI's time.
 TEST_TIMEOUT ?= 300
 PYTEST_ARGS ?=
+# e.g. BENCH_ARGS="--skip-online --new-tokens 32" (see benchmarks/bench_cpu.py --help).
+BENCH_ARGS ?=
 
-.PHONY: install install-dev prepare serve test FORCE
+.PHONY: install install-dev prepare serve test bench FORCE
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -46,5 +48,9 @@ serve: install prepare
 
 test: install-dev prepare
 	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+
+# Not a test: measures CPU tokens/s and loopback TTFT, rewrites its section of docs/benchmarks.md.
+bench: install-dev prepare
+	$(PY) benchmarks/bench_cpu.py $(BENCH_ARGS)
 
 FORCE:
