@@ -111,16 +111,67 @@ class ServerConfig:
             raise ConfigError("server.admin_key: must be null or a non-empty string")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    """Engine-level LoRA settings; they change only with a restart."""
+
+    enabled: bool = False
+    # GPU slot buffers are preallocated at this rank; adapters above it are refused.
+    max_lora_rank: int = 16
+    # Projections that may carry LoRA weights: a list of LORA_TARGETS, or ["all"].
+    target_modules: list[str] = field(default_factory=lambda: ["all"])
+    # GPU slots: most distinct adapters in one batch.
+    max_loras_per_batch: int = 4
+    # CPU tier: most adapters whose weights stay in host memory.
+    max_loaded_loras: int = 16
+    eviction_policy: str = "lru"  # lru | fifo
+    backend: str = "torch"  # torch (triton, csgmv come with the kernels issue)
+    # GPU: copy adapters host->device on a side stream while the batch runs.
+    overlap_loading: bool = False
+    # > 0: once a request waited this long for a slot, stop admitting new requests of one resident
+    # unpinned adapter so its slot frees.
+    drain_wait_threshold_s: float = 0.0
+    # Directories adapters may be loaded from (after resolving symlinks and `..`).
+    adapter_roots: list[str] = field(default_factory=list)
+
+    def resolved_targets(self) -> tuple[str, ...]:
+        return LORA_TARGETS if list(self.target_modules) == ["all"] else tuple(self.target_modules)
+
+    def check(self) -> None:
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"lora.max_lora_rank: must be >= 1, got {self.max_lora_rank}")
+        bad = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if list(self.target_modules) != ["all"] and (bad or not self.target_modules):
+            raise ConfigError(f"lora.target_modules: {bad or '[]'} not allowed; use a list of "
+                              f"{', '.join(LORA_TARGETS)} or [all]")
+        if self.max_loras_per_batch < 1:
+            raise ConfigError(f"lora.max_loras_per_batch: must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_loaded_loras < self.max_loras_per_batch:
+            raise ConfigError(f"lora.max_loaded_loras: must be >= lora.max_loras_per_batch "
+                              f"({self.max_loras_per_batch}), got {self.max_loaded_loras}")
+        if self.eviction_policy not in ("lru", "fifo"):
+            raise ConfigError(f"lora.eviction_policy: {self.eviction_policy!r} is not one of lru, fifo")
+        if self.backend not in ("torch",):
+            raise ConfigError(f"lora.backend: {self.backend!r} is not available (torch)")
+        if self.drain_wait_threshold_s < 0:
+            raise ConfigError(f"lora.drain_wait_threshold_s: must be >= 0, got {self.drain_wait_threshold_s}")
+
+
 @dataclass
 class ApplianceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def check(self) -> None:
         self.model.check()
         self.engine.check()
         self.server.check()
+        self.lora.check()
         if (
             not self.engine.enable_chunked_prefill
             and self.model.max_model_len is not None
@@ -139,3 +190,4 @@ def register_configs() -> None:
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="engine", name="engine_schema", node=EngineConfig)
     cs.store(group="server", name="server_schema", node=ServerConfig)
+    cs.store(group="lora", name="lora_schema", node=LoRAConfig)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -20,6 +20,9 @@ from appliance.engine.sampler import sample
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.engine.sequence import Sequence, SeqStatus
 from appliance.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+
+if TYPE_CHECKING:
+    from appliance.lora.manager import LoRAManager
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +43,14 @@ class LLMEngine:
             raise ConfigError(f"model.path: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                               f"only {self.runner.args.vocab_size}")
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
-        self.scheduler = Scheduler(cfg.engine, self.block_manager)
+        self.lora: Optional[LoRAManager] = None
+        if cfg.lora.enabled:
+            from appliance.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
+                                    self.runner.device)
+            self.runner.lora = self.lora
+        self.scheduler = Scheduler(cfg.engine, self.block_manager, self.lora.pool if self.lora else None)
         self.seqs: dict[str, Sequence] = {}
         # Requests without a seed draw from generators seeded by this one (model.seed), so a restarted
         # server replays the same sequence of unseeded samples.
@@ -84,13 +94,18 @@ class LLMEngine:
                                f"{self.config.max_num_batched_tokens} and chunked prefill is off")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: Optional[float] = None) -> None:
+                    arrival_time: Optional[float] = None, adapter: Optional[str] = None) -> None:
+        """`adapter` is a LoRA adapter key from `self.lora.resolve(model)` (None = base model)."""
         params.validate()
         self.check_request(prompt_token_ids, params)
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
+        if adapter is not None:
+            if self.lora is None or adapter not in self.lora.keys or self.lora.keys[adapter].retired:
+                raise RequestError(f"adapter {adapter.rsplit('@', 1)[0]!r} is not loaded")
+            self.lora.request_added(adapter)
         seq = Sequence(request_id, list(prompt_token_ids), params,
-                       arrival_time if arrival_time is not None else time.monotonic())
+                       arrival_time if arrival_time is not None else time.monotonic(), adapter=adapter)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
@@ -103,6 +118,11 @@ class LLMEngine:
         seq = self.seqs.pop(request_id, None)
         if seq is not None and seq.status is not SeqStatus.FINISHED:
             self.scheduler.remove(seq)
+            self._adapter_done(seq)
+
+    def _adapter_done(self, seq: Sequence) -> None:
+        if seq.adapter is not None and self.lora is not None:
+            self.lora.request_done(seq.adapter)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -174,5 +194,6 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.finish_time = now
         self.scheduler.remove(seq)
+        self._adapter_done(seq)
         self.seqs.pop(seq.request_id, None)
         return self._emit(seq, len(seq.text), finished=True)  # type: ignore[return-value]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -16,6 +17,9 @@ from appliance.engine.scheduler import SchedulerOutput
 from appliance.models.attention import AttentionMetadata, PrefillSeq
 from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, read_hf_config
+
+if TYPE_CHECKING:
+    from appliance.lora.manager import LoRAManager
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,8 @@ class ModelRunner:
         # One tensor for the whole cache: [layers, k|v, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(a.num_layers, 2, self.num_blocks, self.block_size, a.num_kv_heads,
                                     a.head_dim, dtype=self.dtype, device=self.device)
+        # Set by the engine when lora.enabled: wraps the linears and fills the step's LoRABatchInfo.
+        self.lora: Optional["LoRAManager"] = None
         log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                  self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
@@ -142,6 +148,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run one step; float32 logits [N, vocab] for the sampling sequences, prefills then decodes."""
+        if self.lora is not None:
+            self.lora.ensure_loaded(plan.slot_loads)
+            steps = plan.prefills + plan.decodes  # the order prepare() flattens them in
+            self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
         x = self.prepare(plan)
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
         return self.model.compute_logits(hidden[x.logits_indices])

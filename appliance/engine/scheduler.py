@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional, Protocol
 
 from appliance.config.schema import EngineConfig
 from appliance.engine.block_manager import BlockManager
@@ -31,11 +32,21 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+class Slots(Protocol):
+    """What the scheduler needs of the LoRA slot pool (appliance/lora/pool.py)."""
+
+    def acquire(self, name: str) -> Optional[object]: ...
+
+    def release(self, name: str) -> None: ...
+
+
 @dataclass
 class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)  # more than one new token, or first pass
     decodes: list[ScheduledSeq] = field(default_factory=list)  # exactly one new token, cache warm
     preempted: list[Sequence] = field(default_factory=list)
+    # (slot, adapter key) pairs newly assigned this step: their weights must be in the slot before running.
+    slot_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -47,9 +58,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, slots: Optional[Slots] = None) -> None:
         self.cfg = cfg
         self.bm = block_manager
+        self.slots = slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: index 0 is the oldest
         self.num_preemptions = 0
@@ -60,9 +72,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out (finished or aborted) and free its blocks."""
+        """Take a sequence out (finished or aborted) and free its blocks and adapter slot."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self._release_slot(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.bm.free(seq)
@@ -99,17 +112,27 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences only when nobody had to be preempted this step (else we would thrash).
-        while (not out.preempted and self.waiting and budget > 0
+        # A sequence whose adapter gets no slot stays waiting and the scan goes on: base requests and
+        # requests of resident adapters are not blocked behind it.
+        j = 0
+        while (not out.preempted and j < len(self.waiting) and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[j]
             n = seq.num_uncomputed
             if n > budget:
                 if not self.cfg.enable_chunked_prefill:
                     break
                 n = budget
             if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
-                break  # FIFO: do not let a later, smaller request jump the queue
-            self.waiting.popleft()
+                break  # FIFO for KV blocks: a later, smaller request must not starve this one
+            if seq.adapter is not None and self.slots is not None:
+                got = self.slots.acquire(seq.adapter)
+                if got is None:
+                    j += 1
+                    continue
+                if got.needs_load:  # type: ignore[attr-defined]
+                    out.slot_loads.append((got.slot, seq.adapter))  # type: ignore[attr-defined]
+            del self.waiting[j]
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -123,8 +146,13 @@ class Scheduler:
                 out.prefills.append(s)
         return out
 
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.adapter is not None and self.slots is not None:
+            self.slots.release(seq.adapter)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_slot(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -21,6 +21,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    # LoRA adapter key "name@generation" (None = base model); the slot is held while RUNNING.
+    adapter: Optional[str] = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V are in the cache. Preemption resets it to 0 (recompute prompt + outputs).

@@ -1,0 +1,107 @@
+"""LoRA wrappers around the model's linears, and the slot buffers they own.
+
+`apply_lora(model, ...)` replaces each targeted projection (qkv_proj, o_proj, gate_up_proj, down_proj)
+with a `LoRALinear` that runs the base linear and adds the adapters' deltas for the step's tokens. The
+model file does not change: the wrappers read the step's `LoRABatchInfo` from a shared `LoRAContext`
+that the model runner fills once per step (explicit object, no globals).
+
+Slot buffers per wrapped projection (S slots, n slices, R = max_lora_rank):
+    A [S, n, R, in], B [S, out, R]; an adapter's module of rank r < R fills [:r] and leaves zeros,
+    a projection the adapter does not target stays all zero (its delta is exactly 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from appliance.lora.batch import LoRABatchInfo
+from appliance.models.llama import LlamaModel, MergedLinear
+from kernels.reference import lora_apply_grouped
+
+# Our fused module -> the PEFT projection names of its slices, in output order.
+FUSED_SLICES = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
+}
+
+
+@dataclass
+class LoRAContext:
+    """The step's LoRA state, shared by every wrapper; None = no adapter token in this step."""
+
+    info: Optional[LoRABatchInfo] = None
+    wrappers: dict[str, "LoRALinear"] = field(default_factory=dict)  # "layers.{i}.{module}" -> wrapper
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, slice_names: tuple[str, ...], slice_sizes: list[int],
+                 num_slots: int, max_rank: int, ctx: LoRAContext) -> None:
+        super().__init__()
+        self.base = base
+        self.slice_names = slice_names
+        self.out_offsets = [0]
+        for s in slice_sizes:
+            self.out_offsets.append(self.out_offsets[-1] + s)
+        w = base.weight
+        n = len(slice_names)
+        self.A = torch.zeros(num_slots, n, max_rank, base.in_features, dtype=w.dtype, device=w.device)
+        self.B = torch.zeros(num_slots, base.out_features, max_rank, dtype=w.dtype, device=w.device)
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        info = self.ctx.info
+        if info is not None and info.groups:
+            lora_apply_grouped(y, x, self.A, self.B, info.groups, self.out_offsets)
+        return y
+
+    def load_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str) -> None:
+        """Fill `slot` from an adapter's weights {"layers.{i}.{proj}": (A [r, in], B·scale [out, r])}."""
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+        for i, proj in enumerate(self.slice_names):
+            ab = weights.get(f"{prefix}.{proj}")
+            if ab is None:
+                continue
+            a, b = ab
+            r = a.shape[0]
+            lo, hi = self.out_offsets[i], self.out_offsets[i + 1]
+            self.A[slot, i, :r].copy_(a, non_blocking=True)
+            self.B[slot, lo:hi, :r].copy_(b, non_blocking=True)
+
+    def clear_slot(self, slot: int) -> None:
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+
+
+def apply_lora(model: LlamaModel, targets: tuple[str, ...], num_slots: int, max_rank: int) -> LoRAContext:
+    """Wrap the projections that carry any of `targets`; return the context the runner fills per step."""
+    ctx = LoRAContext()
+    for i, layer in enumerate(model.layers):
+        for path, names in FUSED_SLICES.items():
+            if not set(names) & set(targets):
+                continue
+            parent_name, attr = path.split(".")
+            parent = getattr(layer, parent_name)
+            base = getattr(parent, attr)
+            if isinstance(base, MergedLinear):
+                sizes = list(base.slice_sizes.values())
+            else:
+                sizes = [base.out_features]
+            wrapper = LoRALinear(base, names, sizes, num_slots, max_rank, ctx)
+            setattr(parent, attr, wrapper)
+            ctx.wrappers[f"layers.{i}.{path}"] = wrapper
+    return ctx
+
+
+def load_adapter_into_slot(ctx: LoRAContext, slot: int,
+                           weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for key, wrapper in ctx.wrappers.items():
+        layer_prefix = key.rsplit(".", 2)[0]  # "layers.{i}"
+        wrapper.load_slot(slot, weights, layer_prefix)

@@ -1,0 +1,62 @@
+"""Pure-torch twins of the multi-LoRA ops: the oracle for the Triton kernels and the `torch` backend.
+
+Shapes (S = GPU slots, n = slices of a fused projection, R = max_lora_rank, T = tokens in the step):
+    x [T, in], A [S, n, R, in], B [S, out, R], token_slots [T] (-1 = base token, no adapter)
+Slice i of the fused output occupies columns out_offsets[i]:out_offsets[i+1] of y and rows of B.
+B already carries each module's scale (alpha/r or alpha/sqrt(r)), folded in when the adapter loads.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """h[t, i, :] = x[t] @ A[slot[t], i]ᵀ  (0 for base tokens).
+
+    x [T, in], A [S, n, R, in], token_slots [T] -> h [T, n, R] in x's dtype (fp32 accumulation).
+    """
+    T, n, R = x.shape[0], A.shape[1], A.shape[2]
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation at least (fp64 stays fp64)
+    h = torch.zeros(T, n, R, dtype=acc, device=x.device)
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        idx = (token_slots == slot).nonzero().squeeze(1)
+        h[idx] = torch.einsum("ti,nri->tnr", x[idx].to(acc), A[slot].to(acc))
+    return h.to(x.dtype)
+
+
+def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
+                out_offsets: Sequence[int]) -> torch.Tensor:
+    """y[t, o_i:o_{i+1}] += h[t, i] @ B[slot[t], o_i:o_{i+1}]ᵀ for every slice i, in place; returns y.
+
+    y [T, out], h [T, n, R], B [S, out, R], token_slots [T], out_offsets [n + 1].
+    """
+    acc = torch.promote_types(y.dtype, torch.float32)
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        idx = (token_slots == slot).nonzero().squeeze(1)
+        for i in range(len(out_offsets) - 1):
+            lo, hi = out_offsets[i], out_offsets[i + 1]
+            delta = h[idx, i].to(acc) @ B[slot, lo:hi].to(acc).T
+            y[idx, lo:hi] += delta.to(y.dtype)
+    return y
+
+
+def lora_apply_grouped(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                       groups: Sequence[tuple[int, torch.Tensor]], out_offsets: Sequence[int]) -> torch.Tensor:
+    """The `torch` backend: shrink then expand, one adapter group at a time (same math as above).
+
+    groups: (slot, token indices [k]) for each slot present in the step, built once per step by
+    LoRABatchInfo so no per-layer host sync is needed.
+    """
+    for slot, idx in groups:
+        xs = x.index_select(0, idx)
+        h = torch.einsum("ti,nri->tnr", xs, A[slot])  # [k, n, R]
+        parts = [h[:, i] @ B[slot, out_offsets[i]:out_offsets[i + 1]].T for i in range(len(out_offsets) - 1)]
+        y.index_add_(0, idx, torch.cat(parts, dim=1))
+    return y
