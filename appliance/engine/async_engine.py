@@ -13,10 +13,11 @@ import itertools
 import logging
 import threading
 import time
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from appliance.engine.engine import LLMEngine
 from appliance.engine.request import (
+    EngineError,
     EngineStoppedError,
     QueueFullError,
     RequestOutput,
@@ -35,8 +36,10 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         # Inbox, filled by callers, drained by the engine thread at the start of each step.
-        self._to_add: list[tuple[str, list[int], SamplingParams]] = []
+        self._to_add: list[tuple[str, list[int], SamplingParams, Optional[str]]] = []
         self._to_abort: list[str] = []
+        # Callables to run on the engine thread between steps (admin operations such as adapter loads).
+        self._calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
         # request_id -> (event loop, queue) to deliver updates on the caller's loop.
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._accepting = True
@@ -80,11 +83,13 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- requests
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None,
+                       adapter: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Stream updates for one request until it finishes.
 
         Raises RequestError (bad params or too long), QueueFullError, EngineStoppedError before the
         first update. Breaking out of the loop, or cancelling the task, aborts the request.
+        `adapter` is a LoRA adapter key from `engine.lora.resolve(model)`; None = base model.
         """
         params.validate()
         self.engine.check_request(prompt_token_ids, params)
@@ -101,7 +106,7 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid}")
             self._streams[rid] = (asyncio.get_running_loop(), queue)
-            self._to_add.append((rid, list(prompt_token_ids), params))
+            self._to_add.append((rid, list(prompt_token_ids), params, adapter))
             self._wakeup.notify_all()
         finished = False
         try:
@@ -117,6 +122,20 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn()` on the engine thread between two steps and return its result (or raise its error).
+
+        Admin operations go through here so they never race a step (the engine is single-threaded).
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        with self._lock:
+            if self._dead is not None or self._stop:
+                raise EngineStoppedError("the engine is not running")
+            self._calls.append((fn, loop, fut))
+            self._wakeup.notify_all()
+        return await fut
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._streams.pop(request_id, None) is not None:
@@ -128,19 +147,31 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    while not (self._stop or self._to_add or self._to_abort
+                    while not (self._stop or self._to_add or self._to_abort or self._calls
                                or self.engine.has_unfinished()):
                         self._wakeup.wait()
                     if self._stop:
                         break
                     to_add, self._to_add = self._to_add, []
                     to_abort, self._to_abort = self._to_abort, []
+                    calls, self._calls = self._calls, []
+                for fn, loop, fut in calls:
+                    try:
+                        result: Any = fn()
+                    except Exception as e:  # noqa: BLE001 - handed to the caller, who reports it
+                        _resolve(loop, fut, error=e)
+                    else:
+                        _resolve(loop, fut, result=result)
                 for rid in to_abort:
                     self.engine.abort(rid)
-                for rid, ids, params in to_add:
+                for rid, ids, params, adapter in to_add:
                     if rid in to_abort:
                         continue
-                    self.engine.add_request(rid, ids, params)
+                    try:
+                        self.engine.add_request(rid, ids, params, adapter=adapter)
+                    except EngineError as e:
+                        # E.g. the adapter was unloaded between resolve and add: fail this request only.
+                        self._fail(rid, e)
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
@@ -151,8 +182,17 @@ class AsyncEngine:
                                      else f"the engine stopped: {self._dead}")
             with self._lock:
                 streams, self._streams = self._streams, {}
+                calls, self._calls = self._calls, []
             for loop, queue in streams.values():
                 _put(loop, queue, err)
+            for _, loop, fut in calls:
+                _resolve(loop, fut, error=err)
+
+    def _fail(self, rid: str, err: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(rid, None)
+        if stream is not None:
+            _put(stream[0], stream[1], err)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -166,6 +206,22 @@ class AsyncEngine:
                 targets.append((stream, out))
         for (loop, queue), out in targets:
             _put(loop, queue, out)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+             error: Optional[BaseException] = None) -> None:
+    def settle() -> None:
+        if fut.done():
+            return  # the caller gave up (cancelled)
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the caller's loop is closed
 
 
 def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: object) -> None:
