@@ -50,7 +50,8 @@ class LLMEngine:
             self.lora = LoRAManager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
                                     self.runner.device)
             self.runner.lora = self.lora
-        self.scheduler = Scheduler(cfg.engine, self.block_manager, self.lora.pool if self.lora else None)
+        self.scheduler = Scheduler(cfg.engine, self.block_manager, self.lora.pool if self.lora else None,
+                                   drain_wait_threshold_s=cfg.lora.drain_wait_threshold_s)
         self.seqs: dict[str, Sequence] = {}
         # Requests without a seed draw from generators seeded by this one (model.seed), so a restarted
         # server replays the same sequence of unseeded samples.

@@ -12,9 +12,10 @@ Pure Python, no torch: tested in milliseconds.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Callable, Mapping, Optional, Protocol
 
 from appliance.config.schema import EngineConfig
 from appliance.engine.block_manager import BlockManager
@@ -37,7 +38,12 @@ class Slots(Protocol):
 
     def acquire(self, name: str) -> Optional[object]: ...
 
-    def release(self, name: str) -> None: ...
+    def release(self, name: str) -> object: ...
+
+    def lookup(self, name: str) -> Optional[int]: ...
+
+    def drain_victim(self, waiting_since: Mapping[str, float], now: float, threshold_s: float,
+                     current: Optional[str] = None) -> Optional[str]: ...
 
 
 @dataclass
@@ -58,10 +64,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, slots: Optional[Slots] = None) -> None:
+    def __init__(self, cfg: EngineConfig, block_manager: BlockManager, slots: Optional[Slots] = None,
+                 drain_wait_threshold_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.bm = block_manager
         self.slots = slots
+        self.drain_wait_threshold_s = drain_wait_threshold_s
+        self.clock = clock
+        # Adapter whose new requests are held back so its slot frees for one that waited too long.
+        self.draining: Optional[str] = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: index 0 is the oldest
         self.num_preemptions = 0
@@ -114,6 +125,7 @@ class Scheduler:
         # Admit waiting sequences only when nobody had to be preempted this step (else we would thrash).
         # A sequence whose adapter gets no slot stays waiting and the scan goes on: base requests and
         # requests of resident adapters are not blocked behind it.
+        self._update_drain()
         j = 0
         while (not out.preempted and j < len(self.waiting) and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
@@ -126,10 +138,13 @@ class Scheduler:
             if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
                 break  # FIFO for KV blocks: a later, smaller request must not starve this one
             if seq.adapter is not None and self.slots is not None:
-                got = self.slots.acquire(seq.adapter)
+                got = None if seq.adapter == self.draining else self.slots.acquire(seq.adapter)
                 if got is None:
+                    if seq.slot_wait_since is None and seq.adapter != self.draining:
+                        seq.slot_wait_since = self.clock()
                     j += 1
                     continue
+                seq.slot_wait_since = None
                 if got.needs_load:  # type: ignore[attr-defined]
                     out.slot_loads.append((got.slot, seq.adapter))  # type: ignore[attr-defined]
             del self.waiting[j]
@@ -145,6 +160,20 @@ class Scheduler:
             else:
                 out.prefills.append(s)
         return out
+
+    def _update_drain(self) -> None:
+        """Drain rule (lora.drain_wait_threshold_s): once a request waited too long for a slot, stop
+        admitting new requests of one resident unpinned adapter so that its slot frees."""
+        if self.slots is None or self.drain_wait_threshold_s <= 0:
+            return
+        if self.draining is not None and self.slots.lookup(self.draining) is None:
+            self.draining = None  # its slot went to someone else: done
+        since: dict[str, float] = {}
+        for q in self.waiting:
+            if q.slot_wait_since is not None and q.adapter is not None:
+                since[q.adapter] = min(since.get(q.adapter, q.slot_wait_since), q.slot_wait_since)
+        self.draining = self.slots.drain_victim(since, self.clock(), self.drain_wait_threshold_s,
+                                                current=self.draining)
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.adapter is not None and self.slots is not None:

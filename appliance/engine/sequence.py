@@ -24,6 +24,8 @@ class Sequence:
     # LoRA adapter key "name@generation" (None = base model); the slot is held while RUNNING.
     adapter: Optional[str] = None
     output_token_ids: list[int] = field(default_factory=list)
+    # When this request was first refused a LoRA slot (drives the drain rule); None = not waiting for one.
+    slot_wait_since: Optional[float] = None
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V are in the cache. Preemption resets it to 0 (recompute prompt + outputs).
     num_computed_tokens: int = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from appliance.config.schema import EngineConfig
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.request import SamplingParams
@@ -106,3 +108,53 @@ def test_remove_frees_waiting_and_running() -> None:
     s.remove(a)
     s.remove(b)
     assert s.bm.num_used == 0 and not s.has_unfinished()
+
+
+def add_lora(s: Scheduler, rid: str, adapter: str) -> Sequence:
+    q = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=100), 0.0, adapter=adapter)
+    s.add(q)
+    return q
+
+
+def ids(out: SchedulerOutput) -> set[str]:
+    return {x.seq.request_id for x in out.prefills + out.decodes}
+
+
+def test_adapter_without_slot_waits_without_blocking_others() -> None:
+    from appliance.lora.pool import SlotPool
+
+    s = Scheduler(EngineConfig(), BlockManager(100, 4), SlotPool(1, "lru"))
+    add_lora(s, "a1", "a")
+    add_lora(s, "b1", "b")  # no slot left for b
+    add(s, "base", 3)  # behind b in the queue, must still run
+    add_lora(s, "a2", "a")  # resident adapter: runs too
+    out = s.schedule()
+    assert ids(out) == {"a1", "base", "a2"}
+    assert out.slot_loads == [(0, "a")]
+    assert [q.request_id for q in s.waiting] == ["b1"]
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.0])
+def test_drain_rule_stops_admitting_the_resident_adapter(threshold: float) -> None:
+    from appliance.lora.pool import SlotPool
+
+    now = [0.0]
+    s = Scheduler(EngineConfig(), BlockManager(100, 4), SlotPool(1, "lru"),
+                  drain_wait_threshold_s=threshold, clock=lambda: now[0])
+    a1 = add_lora(s, "a1", "a")
+    fake_step(s, s.schedule())
+    b1 = add_lora(s, "b1", "b")
+    fake_step(s, s.schedule())
+    assert b1.slot_wait_since == 0.0
+    now[0] = 2.0  # b has now waited longer than the threshold
+    a2 = add_lora(s, "a2", "a")
+    out = s.schedule()
+    if threshold == 0.0:
+        assert "a2" in ids(out)  # rule off: the resident adapter keeps its slot busy
+        return
+    assert "a2" not in ids(out) and s.draining == "a"
+    fake_step(s, out)
+    s.remove(a1)  # a's last running request ends: its slot frees and b gets it
+    out = s.schedule()
+    assert "b1" in ids(out) and out.slot_loads == [(0, "b")]
+    assert a2.status is SeqStatus.WAITING
