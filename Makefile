@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # e.g. BENCH_ARGS="--skip-online --new-tokens 32" (see benchmarks/bench_cpu.py --help).
 BENCH_ARGS ?=
 
-.PHONY: install install-dev prepare serve test bench FORCE
+.PHONY: install install-dev prepare serve test bench bench-lora FORCE
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -52,5 +52,9 @@ test: install-dev prepare
 # Not a test: measures CPU tokens/s and loopback TTFT, rewrites its section of docs/benchmarks.md.
 bench: install-dev prepare
 	$(PY) benchmarks/bench_cpu.py $(BENCH_ARGS)
+
+# CPU tokens/s with 0, 1, 4 and 8 distinct LoRA adapters in a batch of 8; rewrites its docs section.
+bench-lora: install-dev prepare
+	$(PY) benchmarks/bench_lora_cpu.py $(BENCH_ARGS)
 
 FORCE:
