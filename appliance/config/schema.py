@@ -156,6 +156,10 @@ class LoRAConfig:
             raise ConfigError(f"lora.eviction_policy: {self.eviction_policy!r} is not one of lru, fifo")
         if self.backend not in ("torch",):
             raise ConfigError(f"lora.backend: {self.backend!r} is not available (torch)")
+        if self.overlap_loading:
+            # Refused rather than silently ignored: adapters load synchronously between steps for now.
+            raise ConfigError("lora.overlap_loading: not implemented yet (adapters load between steps); "
+                              "set it to false")
         if self.drain_wait_threshold_s < 0:
             raise ConfigError(f"lora.drain_wait_threshold_s: must be >= 0, got {self.drain_wait_threshold_s}")
 
