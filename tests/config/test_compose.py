@@ -96,3 +96,23 @@ def test_config_hash_tracks_content() -> None:
     a, b = compose_config(CONFIGS), compose_config(CONFIGS)
     assert config_hash(a) == config_hash(b)
     assert config_hash(compose_config(CONFIGS, ["server.port=9001"])) != config_hash(a)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("lora.eviction_policy=random", "lora.eviction_policy"),
+    ("lora.target_modules=[lm_head]", "lora.target_modules"),
+    ("lora.max_loaded_loras=1", "lora.max_loaded_loras"),
+    ("lora.max_lora_rank=0", "lora.max_lora_rank"),
+    ("lora.backend=csgmv", "lora.backend"),
+    ("lora.overlap_loading=true", "lora.overlap_loading"),
+])
+def test_invalid_lora_settings_name_their_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        compose_config(CONFIGS, [override])
+
+
+def test_lora_targets_all_expands() -> None:
+    cfg = compose_config(CONFIGS, ["lora.target_modules=[all]"])
+    assert "down_proj" in cfg.lora.resolved_targets() and len(cfg.lora.resolved_targets()) == 7
+    cfg = compose_config(CONFIGS, ["lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.lora.resolved_targets() == ("q_proj", "v_proj")
