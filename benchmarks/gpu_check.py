@@ -44,10 +44,89 @@ def make_model(dest: Path, tokenizer: Path) -> None:
             shutil.copy(f, dest / f.name)
 
 
-def engine_for(model_dir: Path, dtype: str, max_seqs: int) -> LLMEngine:
+def engine_for(model_dir: Path, dtype: str, max_seqs: int, *extra: str) -> LLMEngine:
     return LLMEngine(compose_config(REPO / "configs", [
         f"model.path={model_dir}", f"model.dtype={dtype}", "model.device=cuda",
-        f"engine.max_num_seqs={max_seqs}", "engine.num_kv_blocks=4096"]))
+        f"engine.max_num_seqs={max_seqs}", "engine.num_kv_blocks=4096", *extra]))
+
+
+def make_adapters(model_dir: Path, root: Path, n: int, rank: int) -> list[Path]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    for i in range(n):
+        torch.manual_seed(100 + i)
+        m = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                      init_lora_weights=False))
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.05)
+        m.save_pretrained(root / f"a{i}")
+        out.append(root / f"a{i}")
+    return out
+
+
+def lora_section(d: Path, prompts: list[list[int]], batches: list[int], new_tokens: int) -> None:
+    """fp32 mixed-adapter parity with peft on CUDA, then bf16 tokens/s with 0/1/4/8 adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root = d / "adapters"
+    paths = make_adapters(d, root, 8, 16)
+    lora = ["lora.enabled=true", "lora.max_lora_rank=16", "lora.max_loras_per_batch=8", f"lora.adapter_roots=[{root}]"]
+    eng = engine_for(d, "float32", 64, *lora)
+    for i, p in enumerate(paths):
+        eng.lora.load(f"a{i}", str(p))
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    jobs = [(i % 4, prompts[i]) for i in range(8)]
+    torch.cuda.synchronize()
+    for j, (a, ids) in enumerate(jobs):
+        eng.add_request(str(j), ids, greedy, adapter=eng.lora.resolve(f"a{a}"))
+    got: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    same = 0
+    for a in range(4):
+        ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), paths[a])
+        ref = ref.cuda().eval()
+        for j, (aj, ids) in enumerate(jobs):
+            if aj != a:
+                continue
+            want = ref.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            same += int(want == got[str(j)])
+    print(f"fp32 mixed batch (4 adapters x 2 prompts) vs peft on cuda: {same}/8 identical (16 tokens)")
+    del eng
+    torch.cuda.empty_cache()
+    eng = engine_for(d, "bfloat16", max(batches), *lora)
+    for i, p in enumerate(paths):
+        eng.lora.load(f"a{i}", str(p))
+    keys = [eng.lora.resolve(f"a{i}") for i in range(8)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    b = max(batches)
+    print(f"\nbf16 LoRA (rank 16, all 7 projections), batch {b}, tokens/s")
+    for label, nad in (("base only", 0), ("1 adapter", 1), ("4 distinct", 4), ("8 distinct", 8)):
+        keyset = [None] * b if nad == 0 else [keys[i % nad] for i in range(b)]
+        run_keys(eng, prompts[:2], keyset[:2], params)  # warm-up, loads the slots
+        outs, dt = run_keys(eng, prompts[:b], keyset, params)
+        print(f"{label:>11}: {sum(len(v) for v in outs.values()) / dt:8.0f}")
+
+
+def run_keys(engine: LLMEngine, prompts: list[list[int]], keys: list, params: SamplingParams):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, (p, k) in enumerate(zip(prompts, keys)):
+        engine.add_request(f"k{i}-{t0}", p, params, adapter=k)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict[str, list[int]], float]:
@@ -69,6 +148,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--lora", action="store_true", help="also check multi-LoRA parity and speed")
+    ap.add_argument("--skip-base", action="store_true")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -80,6 +161,10 @@ def main() -> None:
         prompts = [torch.randint(3, 49000, (args.prompt_len,), generator=gen).tolist() for _ in range(max(args.batches))]
         greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
+        if args.lora:
+            lora_section(d, prompts, args.batches, args.new_tokens)
+        if args.skip_base:
+            return
         # 1. Parity in float32 on the GPU: greedy tokens of 4 prompts, batched, against transformers.
         eng = engine_for(d, "float32", 64)
         ours, _ = run(eng, prompts[:4], greedy)
