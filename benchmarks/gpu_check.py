@@ -130,16 +130,7 @@ def run_keys(engine: LLMEngine, prompts: list[list[int]], keys: list, params: Sa
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict[str, list[int]], float]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
+    return run_keys(engine, prompts, [None] * len(prompts), params)
 
 
 def main() -> None:
