@@ -1,4 +1,4 @@
-"""HTTP routes: OpenAI-compatible /v1/*, the native /generate, and /health.
+"""HTTP routes: OpenAI-compatible /v1/*, the native /generate, /health, and the LoRA admin routes.
 
 Handlers parse and wire; protocol.py validates and builds the JSON, the engine does the work.
 Every error leaves as the OpenAI error shape (errors.py), bad input as a 400 naming the field.
@@ -6,6 +6,9 @@ Every error leaves as the OpenAI error shape (errors.py), bad input as a 400 nam
 Client disconnects abort the engine requests: for streams, Starlette cancels the body iterator and
 `_SSEResponse` closes it; before the first byte and for non-streaming requests, the handler races the
 work against the ASGI `http.disconnect` message (`_until_disconnected`).
+
+LoRA: a request names an adapter by OpenAI `model` (adapter name or "<base>:<adapter>") or /generate
+`lora_path`; `resolve_model` maps names to engine adapter keys, on the engine thread (admin.py says why).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import EngineError, EngineStoppedError, QueueFullError, RequestError
 from appliance.engine.tokenizer import Tokenizer
+from appliance.lora.registry import LoRAStateError
 from appliance.server import protocol
+from appliance.server.admin import AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
@@ -40,6 +45,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Seconds a client should wait before retrying after a 429 (the engine queue drains quickly).
 RETRY_AFTER_S = 1
+# Most times a request is resubmitted because its adapter was reloaded in place meanwhile (see _start).
+_ADAPTER_RETRIES = 8
 
 
 @dataclass
@@ -62,6 +69,7 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig) -> Starlette:
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/generate", api.generate, methods=["POST"]),
+        *api.admin.routes(),
     ]
     app = Starlette(routes=routes, exception_handlers={
         ApiError: _api_error,
@@ -81,6 +89,7 @@ class _Api:
         self.auth = ApiKeyAuth(cfg.server.api_keys)
         self.state = ServerState()
         self.created = int(time.time())
+        self.admin = AdminApi(engine, cfg, self._read_json)
 
     # ------------------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
@@ -92,19 +101,52 @@ class _Api:
 
     async def models(self, request: Request) -> Response:
         self.auth.check(request)
-        card = {"id": self.cfg.model.name, "object": "model", "created": self.created,
-                "owned_by": "appliance", "root": str(Path(self.cfg.model.path).expanduser()),
-                "parent": None, "max_model_len": self.engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        base = self.cfg.model.name
+        cards = [{"id": base, "object": "model", "created": self.created, "owned_by": "appliance",
+                  "root": str(Path(self.cfg.model.path).expanduser()), "parent": None,
+                  "max_model_len": self.engine.max_model_len}]
+        lora = self.engine.engine.lora
+        if lora is not None:
+            entries = await run_on_engine(self.engine, lora.registry.entries)
+            cards += [adapter_card(e, base, self.admin.created(e.id, self.created)) for e in entries]
+        return JSONResponse({"object": "list", "data": cards})
 
-    def resolve_model(self, name: Optional[str]) -> str:
-        """The served model id for what the client sent as `model` (None = the base model).
+    async def resolve_model(self, names: list[Optional[str]], param: str) -> list[Optional[str]]:
+        """The engine adapter key (None = base model) for each name a client sent as `model` or
+        `lora_path`: the base model's name, an adapter name, or "<base>:<adapter>"; None = base.
 
-        The one place that maps names to models; adapters plug in here.
+        The one place that maps names to models. Unknown names answer 404 model_not_found. Adapter
+        names are resolved in one engine call (so a batch sees one consistent registry), which waits for
+        the step in progress: at most one step of extra latency, and none for base-model requests.
         """
-        if name is None or name == self.cfg.model.name:
-            return self.cfg.model.name
-        raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+        base = self.cfg.model.name
+        asked = sorted({n for n in names if n is not None and n != base})
+        found: dict[str, Optional[str] | LoRAStateError] = {}
+        lora = self.engine.engine.lora
+        if asked and lora is None:
+            raise ApiError(404, f"The model '{asked[0]}' does not exist: this server serves only "
+                                f"'{base}' (LoRA adapters are off: lora.enabled is false).",
+                           param=param, code="model_not_found")
+        if asked:
+            def resolve_all() -> dict[str, Optional[str] | LoRAStateError]:
+                out: dict[str, Optional[str] | LoRAStateError] = {}
+                for n in asked:
+                    try:
+                        out[n] = lora.resolve(n)
+                    except LoRAStateError as e:  # unknown: answered below as 404
+                        out[n] = e
+                return out
+
+            found = await run_on_engine(self.engine, resolve_all)
+        keys: list[Optional[str]] = []
+        for i, n in enumerate(names):
+            key = found.get(n) if n is not None else None
+            if isinstance(key, LoRAStateError):
+                where = param if param == "model" or len(names) == 1 else f"{param}[{i}]"
+                raise ApiError(404, f"The model '{n}' does not exist: {key.message}", param=where,
+                               code="model_not_found")
+            keys.append(key)
+        return keys
 
     # ------------------------------------------------------------------------------ OpenAI routes
     async def completions(self, request: Request) -> Response:
@@ -198,12 +240,28 @@ class _Api:
     # ------------------------------------------------------------------------------ plumbing
     async def _parse(self, request: Request,
                      parse: Callable[[dict, Tokenizer, int], ParsedRequest]) -> tuple[ParsedRequest, str]:
+        """Parse the body and resolve its model / adapters; returns the request and the `model` to
+        answer with (the base model's name, or the adapter as the client named it)."""
         self.auth.check(request)
         if self.state.draining:
             raise ApiError(503, "The server is shutting down.", code="draining")
-        body = protocol.parse_json_object(await self._read_body(request))
-        req = parse(body, self.tokenizer, self.engine.max_model_len)
-        return req, self.resolve_model(req.model)
+        req = parse(await self._read_json(request), self.tokenizer, self.engine.max_model_len)
+        base = self.cfg.model.name
+        if req.lora_paths is not None:  # /generate: one adapter per input
+            if req.model is not None and req.model != base:
+                raise bad_request(f"Send the adapter either as 'model' or as 'lora_path', not both "
+                                  f"('model' is {req.model!r}).", "lora_path")
+            names, param = req.lora_paths, "lora_path"
+        else:
+            names, param = [req.model] * len(req.jobs), "model"
+        keys = await self.resolve_model(names, param)
+        for job, name, key in zip(req.jobs, names, keys):
+            job.lora, job.adapter = (name, key) if key is not None else (None, None)
+        model = req.model if req.model is not None and keys and keys[0] is not None else base
+        return req, model
+
+    async def _read_json(self, request: Request) -> dict:
+        return protocol.parse_json_object(await self._read_body(request))
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.cfg.server.max_request_body_bytes
@@ -227,12 +285,31 @@ class _Api:
         return b"".join(chunks)
 
     async def _start(self, request: Request, req: ParsedRequest, rid: str) -> RequestGroup:
-        group = RequestGroup(self.engine, req.jobs, rid)
-        try:
-            await _unless_disconnected(request, group.start())
-        except EngineError as e:
-            raise _to_api_error(e) from None
-        return group
+        """Submit the request's jobs; return once each has its first update.
+
+        An adapter resolved for this request may be unloaded, or reloaded in place, between resolving
+        and the engine taking the request; the engine then refuses the old key. So on a refusal the
+        adapters are resolved again: gone -> 404; reloaded -> retry on the new weights (each retry
+        follows a real reload, and there are at most _ADAPTER_RETRIES); unchanged -> the refusal.
+        """
+        for attempt in range(_ADAPTER_RETRIES + 1):
+            group = RequestGroup(self.engine, req.jobs, rid)
+            try:
+                await _unless_disconnected(request, group.start())
+                return group
+            except RequestError as e:
+                if not any(j.adapter for j in req.jobs) or attempt == _ADAPTER_RETRIES:
+                    raise _to_api_error(e) from None
+                await group.close()  # frees the request ids for the retry
+                keys = await self.resolve_model([j.lora for j in req.jobs],
+                                                "model" if req.lora_paths is None else "lora_path")
+                if keys == [j.adapter for j in req.jobs]:
+                    raise _to_api_error(e) from None
+                for job, key in zip(req.jobs, keys):
+                    job.adapter = key
+            except EngineError as e:
+                raise _to_api_error(e) from None
+        raise AssertionError("unreachable")
 
     async def _collect(self, request: Request, group: RequestGroup) -> list[Choice]:
         try:

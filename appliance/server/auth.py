@@ -1,4 +1,5 @@
-"""Bearer API keys for the inference routes (server.api_keys; empty = open)."""
+"""Bearer keys: server.api_keys for the inference routes (empty = open), server.admin_key for the admin
+routes (null = admin API off)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,23 @@ def keys_match(token: bytes, keys: Sequence[bytes]) -> bool:
     for key in keys:
         ok |= hmac.compare_digest(token, key)
     return ok
+
+
+class AdminAuth:
+    """The admin routes' key (server.admin_key). Unset = the admin API is off: 403, whatever is sent."""
+
+    def __init__(self, key: str | None) -> None:
+        self._key = None if key is None else key.encode("utf-8")
+
+    def check(self, request: Request) -> None:
+        if self._key is None:
+            raise ApiError(403, "The admin API is disabled: server.admin_key is not set. Set it "
+                                "(e.g. APPLIANCE_ADMIN_KEY) and restart to use the admin routes.",
+                           code="admin_disabled")
+        token = bearer_token(request)
+        if token is None:
+            raise ApiError(401, "Missing admin key: send 'Authorization: Bearer <server.admin_key>'.",
+                           code="invalid_admin_key", headers={"WWW-Authenticate": "Bearer"})
+        if not keys_match(token, [self._key]):
+            raise ApiError(401, "Incorrect admin key provided.", code="invalid_admin_key",
+                           headers={"WWW-Authenticate": "Bearer"})

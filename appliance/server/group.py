@@ -75,6 +75,12 @@ class RequestGroup:
         for t in self._tasks:
             t.cancel()
 
+    async def close(self) -> None:
+        """Cancel every job and wait until each has aborted its engine request (so the request ids
+        are free again, e.g. to retry the group)."""
+        self.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def _apply(self, i: int, out: RequestOutput) -> None:
         c = self.choices[i]
         c.text += out.text
@@ -88,7 +94,8 @@ class RequestGroup:
     async def _run(self, i: int, job: Job) -> None:
         try:
             async for out in self._engine.generate(job.prompt_ids, job.params,
-                                                   request_id=self.job_request_id(i)):
+                                                   request_id=self.job_request_id(i),
+                                                   adapter=job.adapter):
                 self._queue.put_nowait((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the handler, which answers it (or 500s)
             self._queue.put_nowait((i, e))

@@ -40,7 +40,7 @@ _CHAT_UNSUPPORTED: dict[str, tuple] = {
     "audio": (None,), "modalities": (None, ["text"]),
 }
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "model"}
+_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "model", "lora_path"}
 _GENERATE_SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop",
                            "stop_token_ids", "seed", "ignore_eos"}
 
@@ -51,6 +51,8 @@ class Job:
 
     prompt_ids: list[int]
     params: SamplingParams
+    lora: Optional[str] = None  # the adapter as the client named it (`model` / `lora_path`); None = base
+    adapter: Optional[str] = None  # its engine key, set by the app when it resolves `lora`
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool = False  # stream_options.include_usage
     batched: bool = False  # /generate: the input was a list, so the answer is a list
+    lora_paths: Optional[list[Optional[str]]] = None  # /generate `lora_path`, one per job (null = base)
 
 
 @dataclass
@@ -379,7 +382,8 @@ def _content(content: Any, param: str) -> str:
 
 
 def parse_generate(body: dict, tokenizer: Tokenizer, max_model_len: int) -> ParsedRequest:
-    """POST /generate (SGLang-style): `text` or `input_ids`, single or batch, plus `sampling_params`."""
+    """POST /generate (SGLang-style): `text` or `input_ids`, single or batch, plus `sampling_params` and
+    `lora_path` (the adapter per input)."""
     limits = _Limits(tokenizer, max_model_len)
     unknown = sorted(set(body) - _GENERATE_KEYS)
     if unknown:
@@ -424,7 +428,20 @@ def parse_generate(body: dict, tokenizer: Tokenizer, max_model_len: int) -> Pars
                           max_tokens_param=prefix + "max_new_tokens", min_tokens_key="min_new_tokens")
         _check_prompt_len(ids, limits, "text" if text is not None else "input_ids")
         jobs.append(Job(ids, build(len(ids), GENERATE_DEFAULT_MAX_NEW_TOKENS)))
-    return ParsedRequest(model, jobs, stream, batched=batched)
+    return ParsedRequest(model, jobs, stream, batched=batched,
+                         lora_paths=_lora_paths(body.get("lora_path"), len(jobs), batched))
+
+
+def _lora_paths(v: Any, n: int, batched: bool) -> Optional[list[Optional[str]]]:
+    """/generate `lora_path` (SGLang): an adapter name for every input, or (batch) one per input."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return [v] * n
+    if isinstance(v, list) and batched and len(v) == n and all(x is None or isinstance(x, str) for x in v):
+        return list(v)
+    raise bad_request("'lora_path' must be an adapter name, null, or (for a batch) an array of one "
+                      f"adapter name or null per input ({n}).", "lora_path")
 
 
 # ------------------------------------------------------------------------------------------ responses

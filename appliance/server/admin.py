@@ -1,0 +1,202 @@
+"""LoRA admin routes, and the adapter views they and /v1/models show.
+
+    POST /load_lora_adapter    (also /v1/...)  {lora_name, lora_path, pinned?, load_inplace?}
+    POST /unload_lora_adapter  (also /v1/...)  {lora_name}
+    GET  /v1/adapters                          live state of every adapter, GPU slot pool, CPU tier
+
+Every admin route needs `Authorization: Bearer <server.admin_key>` (auth.AdminAuth). The names and
+bodies are SGLang's and vLLM's, so their clients and scripts work unchanged.
+
+Every read or change of LoRA state runs on the engine thread through `AsyncEngine.call`, between two
+steps: the manager, its registry and its slot pool are single-threaded, and the engine thread mutates
+them while it steps. A load also reads and checks the adapter's files there, so a large adapter pauses
+stepping for as long as that takes (loading beside the running batch is a later item).
+
+Refusals keep the OpenAI error shape: AdapterError (the adapter's files or path) -> 400,
+LoRAStateError -> its own status (404 unknown name, 409 duplicate name or no slot free to pin,
+400 pin limit or invalid name). The manager changes nothing when it refuses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Awaitable, Callable, Optional, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from appliance.config.schema import ApplianceConfig
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.request import EngineError, EngineStoppedError
+from appliance.lora.adapter import AdapterError
+from appliance.lora.manager import LoRAManager, adapter_key
+from appliance.lora.registry import AdapterEntry, LoRAStateError
+from appliance.server.auth import AdminAuth
+from appliance.server.errors import ApiError, bad_request
+
+T = TypeVar("T")
+
+_LOAD_KEYS = {"lora_name", "lora_path", "pinned", "load_inplace"}
+_UNLOAD_KEYS = {"lora_name"}
+_STATE_CODES = {400: "invalid_lora_request", 404: "adapter_not_found", 409: "adapter_conflict"}
+
+
+class AdminApi:
+    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig,
+                 read_json: Callable[[Request], Awaitable[dict]]) -> None:
+        self.engine = engine
+        self.lora: Optional[LoRAManager] = engine.engine.lora  # None when lora.enabled is false
+        self.base_name = cfg.model.name
+        self.auth = AdminAuth(cfg.server.admin_key)
+        self.read_json = read_json  # the app's body reader: size limit, JSON object check
+        # Adapter id -> when it was loaded through this API (unix s), for the `created` of its model card.
+        self._created: dict[int, int] = {}
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/load_lora_adapter", self.load, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self.load, methods=["POST"]),
+            Route("/unload_lora_adapter", self.unload, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload, methods=["POST"]),
+            Route("/v1/adapters", self.adapters, methods=["GET"]),
+        ]
+
+    def created(self, adapter_id: int, default: int) -> int:
+        return self._created.get(adapter_id, default)
+
+    # ------------------------------------------------------------------------------ routes
+    async def load(self, request: Request) -> Response:
+        self.auth.check(request)
+        body = await self.read_json(request)
+        _check_keys(body, _LOAD_KEYS, request.url.path)
+        name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
+        pinned, inplace = _opt_bool(body, "pinned"), _opt_bool(body, "load_inplace")
+        lora = self._enabled()
+
+        def load() -> dict[str, Any]:
+            return adapter_view(lora, lora.load(name, path, pinned=pinned, inplace=inplace))
+
+        view = await run_on_engine(self.engine, load)
+        self._created.setdefault(view["id"], int(time.time()))  # an in-place reload keeps its card's date
+        verb = "reloaded in place" if inplace else "loaded"
+        return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb} from {view['path']}.",
+                             "adapter": view})
+
+    async def unload(self, request: Request) -> Response:
+        self.auth.check(request)
+        body = await self.read_json(request)
+        _check_keys(body, _UNLOAD_KEYS, request.url.path)
+        name = _required_str(body, "lora_name")
+        lora = self._enabled()
+
+        def unload() -> tuple[int, int]:
+            entry = lora.registry.get(name)  # 404 when unknown, before anything changes
+            key = adapter_key(entry.name, entry.generation)
+            lora.unload(name)
+            st = lora.keys.get(key)  # still there while requests run on its weights
+            return entry.id, (st.in_flight if st is not None else 0)
+
+        adapter_id, in_flight = await run_on_engine(self.engine, unload)
+        self._created.pop(adapter_id, None)
+        tail = (f" {in_flight} request(s) still running on it finish first; its weights are freed then."
+                if in_flight else "")
+        return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' unloaded.{tail}",
+                             "in_flight": in_flight})
+
+    async def adapters(self, request: Request) -> Response:
+        self.auth.check(request)
+        if self.lora is None:
+            return JSONResponse({"object": "list", "enabled": False, "data": [], "retiring": [],
+                                 "pool": None, "cache": None})
+        lora = self.lora
+        return JSONResponse(await run_on_engine(self.engine, lambda: snapshot(lora)))
+
+    def _enabled(self) -> LoRAManager:
+        if self.lora is None:
+            raise ApiError(400, "LoRA serving is off (lora.enabled is false): restart with "
+                                "lora.enabled=true to load adapters.", code="lora_disabled")
+        return self.lora
+
+
+# ---------------------------------------------------------------------------------- views
+# These read the manager: call them on the engine thread only (inside run_on_engine).
+
+def adapter_view(lora: LoRAManager, entry: AdapterEntry) -> dict[str, Any]:
+    """One adapter as GET /v1/adapters shows it.
+
+    tier: "gpu" when its current weights hold a slot, "cpu" when they are in the host cache, else
+    "disk" (registered; read again on the next request). in_flight: requests (waiting or running) on
+    its current weights; requests still on the weights before an in-place reload are under `retiring`.
+    """
+    key = adapter_key(entry.name, entry.generation)
+    slot = lora.pool.lookup(key)
+    tier = "gpu" if slot is not None else "cpu" if key in lora.host else "disk"
+    st = lora.keys.get(key)
+    return {"name": entry.name, "path": entry.path, "pinned": entry.pinned, "id": entry.id,
+            "rank": entry.rank, "target_modules": list(entry.target_modules), "checksum": entry.checksum,
+            "base_model_name": entry.base_model_name, "generation": entry.generation, "tier": tier,
+            "slot": slot, "in_flight": st.in_flight if st is not None else 0}
+
+
+def snapshot(lora: LoRAManager) -> dict[str, Any]:
+    """The body of GET /v1/adapters: the reconciler's source of truth."""
+    entries = lora.registry.entries()
+    live = {adapter_key(e.name, e.generation) for e in entries}
+    # Unloaded or replaced weights that requests still run on; they leave when those finish.
+    retiring = [{"key": k, "in_flight": st.in_flight, "slot": lora.pool.lookup(k)}
+                for k, st in lora.keys.items() if k not in live]
+    pool, cache = lora.pool.stats(), lora.host.stats()
+    return {"object": "list", "enabled": True, "data": [adapter_view(lora, e) for e in entries],
+            "retiring": retiring,
+            "pool": {"slots": pool.slots, "used": pool.used, "pinned": pool.pinned,
+                     "pinned_limit": pool.slots - 1, "evictions": pool.evictions},
+            "cache": {"entries": cache.entries, "capacity": cache.capacity, "loads": cache.loads,
+                      "evictions": cache.evictions}}
+
+
+def adapter_card(entry: AdapterEntry, base_name: str, created: int) -> dict[str, Any]:
+    """The /v1/models card of an adapter (vLLM's lineage: parent = base model, root = adapter path)."""
+    return {"id": entry.name, "object": "model", "created": created, "owned_by": "appliance",
+            "root": entry.path, "parent": base_name}
+
+
+async def run_on_engine(engine: AsyncEngine, fn: Callable[[], T]) -> T:
+    """`fn()` on the engine thread; LoRA refusals and a stopped engine become ApiErrors."""
+    try:
+        return await engine.call(fn)
+    except AdapterError as e:
+        raise ApiError(400, str(e), param="lora_path", code="invalid_adapter") from None
+    except LoRAStateError as e:
+        raise ApiError(e.status, e.message, param="lora_name" if e.status in (404, 409) else None,
+                       code=_STATE_CODES.get(e.status)) from None
+    except EngineStoppedError as e:
+        raise ApiError(503, str(e), code="engine_stopped") from None
+    except EngineError as e:
+        raise ApiError(500, f"{type(e).__name__}: {e}", code="engine_error") from None
+
+
+# ---------------------------------------------------------------------------------- body fields
+
+def _check_keys(body: dict, known: set[str], route: str) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad_request(f"Unknown field(s) {unknown}; {route} takes {sorted(known)}.", unknown[0])
+
+
+def _required_str(body: dict, key: str) -> str:
+    v = body.get(key)
+    if v is None:
+        raise bad_request(f"Missing required field '{key}'.", key)
+    if not isinstance(v, str) or not v.strip():
+        raise bad_request(f"'{key}' must be a non-empty string.", key)
+    return v
+
+
+def _opt_bool(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad_request(f"'{key}' must be a boolean.", key)
+    return v
