@@ -84,7 +84,7 @@ def lora_section(d: Path, prompts: list[list[int]], batches: list[int], new_toke
     jobs = [(i % 4, prompts[i]) for i in range(8)]
     torch.cuda.synchronize()
     for j, (a, ids) in enumerate(jobs):
-        eng.add_request(str(j), ids, greedy, adapter=eng.lora.resolve(f"a{a}"))
+        eng.add_request(str(j), ids, greedy, adapter=f"a{a}")
     got: dict[str, list[int]] = {}
     while eng.has_unfinished():
         for o in eng.step():
@@ -105,7 +105,7 @@ def lora_section(d: Path, prompts: list[list[int]], batches: list[int], new_toke
     eng = engine_for(d, "bfloat16", max(batches), *lora)
     for i, p in enumerate(paths):
         eng.lora.load(f"a{i}", str(p))
-    keys = [eng.lora.resolve(f"a{i}") for i in range(8)]
+    keys = [f"a{i}" for i in range(8)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     b = max(batches)
     print(f"\nbf16 LoRA (rank 16, all 7 projections), batch {b}, tokens/s")

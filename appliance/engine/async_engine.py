@@ -89,7 +89,8 @@ class AsyncEngine:
 
         Raises RequestError (bad params or too long), QueueFullError, EngineStoppedError before the
         first update. Breaking out of the loop, or cancelling the task, aborts the request.
-        `adapter` is a LoRA adapter key from `engine.lora.resolve(model)`; None = base model.
+        `adapter` is the LoRA adapter as the client named it (None = base model); the engine
+        resolves it when it takes the request (AdapterNotFoundError if it is not loaded then).
         """
         params.validate()
         self.engine.check_request(prompt_token_ids, params)

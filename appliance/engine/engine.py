@@ -15,7 +15,7 @@ import torch
 from appliance.config.schema import ApplianceConfig, ConfigError
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.model_runner import ModelRunner
-from appliance.engine.request import RequestError, RequestOutput, SamplingParams
+from appliance.engine.request import AdapterNotFoundError, RequestError, RequestOutput, SamplingParams
 from appliance.engine.sampler import sample
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.engine.sequence import Sequence, SeqStatus
@@ -45,9 +45,10 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.lora: Optional[LoRAManager] = None
         if cfg.lora.enabled:
-            from appliance.lora.manager import LoRAManager
+            # Imported here so a base-only engine never loads the LoRA modules.
+            from appliance.lora.manager import LoRAManager as Manager
 
-            self.lora = LoRAManager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
+            self.lora = Manager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
                                     self.runner.device)
             self.runner.lora = self.lora
         self.scheduler = Scheduler(cfg.engine, self.block_manager, self.lora.pool if self.lora else None,
@@ -96,17 +97,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, adapter: Optional[str] = None) -> None:
-        """`adapter` is a LoRA adapter key from `self.lora.resolve(model)` (None = base model)."""
+        """`adapter`: the LoRA adapter as the client named it (name or "<base>:<adapter>"; None or the
+        base model's name = base). It is resolved here, on the engine thread, so a reload in place
+        between the caller's check and this call gives the request the new weights, and an unload
+        gives AdapterNotFoundError."""
         params.validate()
         self.check_request(prompt_token_ids, params)
         if request_id in self.seqs:
             raise RequestError(f"duplicate request id {request_id!r}")
-        if adapter is not None:
-            if self.lora is None or adapter not in self.lora.keys or self.lora.keys[adapter].retired:
-                raise RequestError(f"adapter {adapter.rsplit('@', 1)[0]!r} is not loaded")
-            self.lora.request_added(adapter)
+        key = self._resolve_adapter(adapter)
+        if key is not None:
+            self.lora.request_added(key)  # type: ignore[union-attr]
         seq = Sequence(request_id, list(prompt_token_ids), params,
-                       arrival_time if arrival_time is not None else time.monotonic(), adapter=adapter)
+                       arrival_time if arrival_time is not None else time.monotonic(), adapter=key)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
@@ -114,6 +117,20 @@ class LLMEngine:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def _resolve_adapter(self, name: Optional[str]) -> Optional[str]:
+        """Adapter key (name@generation) for a client-facing adapter name; None = base model."""
+        if name is None or name == self.model_name:
+            return None
+        if self.lora is None:
+            raise AdapterNotFoundError(f"The model '{name}' does not exist (LoRA adapters are off: "
+                                       "lora.enabled is false).")
+        from appliance.lora.registry import LoRAStateError
+
+        try:
+            return self.lora.resolve(name)
+        except LoRAStateError as e:
+            raise AdapterNotFoundError(f"The model '{name}' does not exist: {e.message}") from None
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)

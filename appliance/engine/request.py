@@ -26,6 +26,10 @@ class RequestError(EngineError):
     """A request the engine cannot take (e.g. prompt plus max_tokens beyond the context); HTTP 400."""
 
 
+class AdapterNotFoundError(RequestError):
+    """The request names an adapter that is not loaded (HTTP 404 model_not_found)."""
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16

@@ -30,7 +30,8 @@ from starlette.types import Receive, Scope, Send
 
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.request import EngineError, EngineStoppedError, QueueFullError, RequestError
+from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineStoppedError, QueueFullError,
+                                      RequestError)
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.registry import LoRAStateError
 from appliance.server import protocol
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Seconds a client should wait before retrying after a 429 (the engine queue drains quickly).
 RETRY_AFTER_S = 1
-# Most times a request is resubmitted because its adapter was reloaded in place meanwhile (see _start).
-_ADAPTER_RETRIES = 8
 
 
 @dataclass
@@ -256,7 +255,7 @@ class _Api:
             names, param = [req.model] * len(req.jobs), "model"
         keys = await self.resolve_model(names, param)
         for job, name, key in zip(req.jobs, names, keys):
-            job.lora, job.adapter = (name, key) if key is not None else (None, None)
+            job.adapter = name if key is not None else None
         model = req.model if req.model is not None and keys and keys[0] is not None else base
         return req, model
 
@@ -287,29 +286,15 @@ class _Api:
     async def _start(self, request: Request, req: ParsedRequest, rid: str) -> RequestGroup:
         """Submit the request's jobs; return once each has its first update.
 
-        An adapter resolved for this request may be unloaded, or reloaded in place, between resolving
-        and the engine taking the request; the engine then refuses the old key. So on a refusal the
-        adapters are resolved again: gone -> 404; reloaded -> retry on the new weights (each retry
-        follows a real reload, and there are at most _ADAPTER_RETRIES); unchanged -> the refusal.
+        Adapters travel by the name the client used: the engine resolves it again when it takes the
+        request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
-        for attempt in range(_ADAPTER_RETRIES + 1):
-            group = RequestGroup(self.engine, req.jobs, rid)
-            try:
-                await _unless_disconnected(request, group.start())
-                return group
-            except RequestError as e:
-                if not any(j.adapter for j in req.jobs) or attempt == _ADAPTER_RETRIES:
-                    raise _to_api_error(e) from None
-                await group.close()  # frees the request ids for the retry
-                keys = await self.resolve_model([j.lora for j in req.jobs],
-                                                "model" if req.lora_paths is None else "lora_path")
-                if keys == [j.adapter for j in req.jobs]:
-                    raise _to_api_error(e) from None
-                for job, key in zip(req.jobs, keys):
-                    job.adapter = key
-            except EngineError as e:
-                raise _to_api_error(e) from None
-        raise AssertionError("unreachable")
+        group = RequestGroup(self.engine, req.jobs, rid)
+        try:
+            await _unless_disconnected(request, group.start())
+        except EngineError as e:
+            raise _to_api_error(e) from None
+        return group
 
     async def _collect(self, request: Request, group: RequestGroup) -> list[Choice]:
         try:
@@ -377,6 +362,8 @@ def _raise_if_failed(choice: Choice) -> None:
 def _to_api_error(e: ApiError | EngineError) -> ApiError:
     if isinstance(e, ApiError):
         return e
+    if isinstance(e, AdapterNotFoundError):
+        return ApiError(404, str(e), param="model", code="model_not_found")
     if isinstance(e, RequestError):
         return bad_request(str(e))
     if isinstance(e, QueueFullError):

@@ -51,8 +51,9 @@ class Job:
 
     prompt_ids: list[int]
     params: SamplingParams
-    lora: Optional[str] = None  # the adapter as the client named it (`model` / `lora_path`); None = base
-    adapter: Optional[str] = None  # its engine key, set by the app when it resolves `lora`
+    # The adapter as the client named it (`model` / `lora_path`), set once the app checked it exists;
+    # None = base. The engine resolves it again when it takes the request.
+    adapter: Optional[str] = None
 
 
 @dataclass

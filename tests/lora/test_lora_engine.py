@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from appliance.engine.engine import LLMEngine
-from appliance.engine.request import RequestError, SamplingParams
+from appliance.engine.request import AdapterNotFoundError, SamplingParams
 from tests.conftest import default_config
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
@@ -87,8 +87,7 @@ def lora_engine(model_dir: Path, root: Path, *overrides: str) -> LLMEngine:
 def run_mixed(engine: LLMEngine, jobs: list[tuple[str | None, int]]) -> dict[int, list[int]]:
     """Submit every (adapter name, prompt index) at once; job index -> greedy tokens."""
     for j, (name, p) in enumerate(jobs):
-        key = engine.lora.resolve(name) if name else None
-        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY, adapter=key)
+        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY, adapter=name)
     res: dict[int, list[int]] = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -105,8 +104,7 @@ def test_mixed_batch_matches_peft_per_adapter(adapters: dict[str, Path], oracle:
     jobs = [(name, p) for name in [None, *adapters] for p in range(len(PROMPTS))]
     # First step only: every request prefills in one batch; compare its last-position logits to peft.
     for j, (name, p) in enumerate(jobs):
-        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY,
-                           adapter=engine.lora.resolve(name) if name else None)
+        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY, adapter=name)
     plan = engine.scheduler.schedule()
     assert len(plan.prefills) == len(jobs)
     logits = engine.runner.execute(plan)
@@ -136,8 +134,7 @@ def test_two_slots_one_pinned_four_in_use(adapters: dict[str, Path], oracle: dic
     pinned_slot = engine.lora.pool.lookup(engine.lora.resolve(names[0]))
     jobs = [(n, p) for n in [None, *names] for p in range(2)]
     for j, (name, p) in enumerate(jobs):
-        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY,
-                           adapter=engine.lora.resolve(name) if name else None)
+        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY, adapter=name)
     got: dict[int, list[int]] = {}
     while engine.has_unfinished():
         plan = engine.scheduler.schedule()
@@ -158,7 +155,7 @@ def test_unload_waits_for_in_flight_and_reload_in_place(adapters: dict[str, Path
     root = next(iter(adapters.values())).parent
     engine = lora_engine(tiny_model_dir, root)
     engine.lora.load("a", str(adapters["qv4"]))
-    engine.add_request("r", engine.tokenizer.encode(PROMPTS[0]), GREEDY, adapter=engine.lora.resolve("a"))
+    engine.add_request("r", engine.tokenizer.encode(PROMPTS[0]), GREEDY, adapter="a")
     out: list[int] = sum((o.token_ids for o in engine.step()), [])
     engine.lora.unload("a")
     while engine.has_unfinished():
@@ -174,14 +171,18 @@ def test_unload_waits_for_in_flight_and_reload_in_place(adapters: dict[str, Path
 
     # In-place reload: a running request finishes on the old weights, later ones get the new.
     engine.lora.load("b", str(adapters["qv4"]))
-    engine.add_request("old", engine.tokenizer.encode(PROMPTS[1]), GREEDY, adapter=engine.lora.resolve("b"))
+    engine.add_request("old", engine.tokenizer.encode(PROMPTS[1]), GREEDY, adapter="b")
     res: dict[str, list[int]] = {"old": sum((o.token_ids for o in engine.step()), [])}
     engine.lora.load("b", str(adapters["all8rs"]), inplace=True)
-    engine.add_request("new", engine.tokenizer.encode(PROMPTS[1]), GREEDY, adapter=engine.lora.resolve("b"))
+    engine.add_request("new", engine.tokenizer.encode(PROMPTS[1]), GREEDY, adapter="b")
     while engine.has_unfinished():
         for o in engine.step():
             res.setdefault(o.request_id, []).extend(o.token_ids)
     assert res["old"] == oracle["qv4"][0][1]
     assert res["new"] == oracle["all8rs"][0][1]
-    with pytest.raises(RequestError):
-        engine.add_request("gone", [1, 2], GREEDY, adapter="nope@0")
+    with pytest.raises(AdapterNotFoundError):
+        engine.add_request("gone", [1, 2], GREEDY, adapter="a")  # unloaded above
+    base = engine.model_name
+    engine.add_request("prefixed", engine.tokenizer.encode(PROMPTS[1]), GREEDY, adapter=f"{base}:b")
+    assert engine.seqs["prefixed"].adapter == engine.lora.resolve("b")
+    engine.abort("prefixed")
