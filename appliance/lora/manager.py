@@ -1,8 +1,8 @@
 """The engine's LoRA subsystem: registry + CPU tier + GPU slot pool + the wrapped model's slot buffers.
 
-Requests carry an adapter *key* `name@generation`, fixed when the request is added: an in-place reload
-bumps the generation, so requests already in flight finish on the old weights (old key) while new ones
-get the new weights (new key). A key stays alive while any request uses it; unloading removes the name
+Requests carry an adapter *key* `name@N`, fixed when the request is added. Every load, in-place reloads
+included, makes a new key (N never repeats, even when a name is unloaded and loaded again), so
+requests already in flight finish on the old weights (old key) while new ones get the new weights. A key stays alive while any request uses it; unloading removes the name
 from the registry at once (new requests get 404) and retires the key, which is dropped from the slot
 pool and the CPU tier once its last request is done.
 
@@ -12,6 +12,7 @@ them to tensors. It runs on the engine thread; the HTTP layer reaches it through
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -32,10 +33,6 @@ log = logging.getLogger(__name__)
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def adapter_key(name: str, generation: int) -> str:
-    return f"{name}@{generation}"
-
-
 @dataclass
 class KeyState:
     spec: AdapterSpec
@@ -53,7 +50,9 @@ class LoRAManager:
         self.device = device
         self.registry = Registry()
         self.pool = SlotPool(cfg.max_loras_per_batch, cfg.eviction_policy)
-        self.keys: dict[str, KeyState] = {}
+        self.keys: dict[str, KeyState] = {}  # every live key, current or retiring
+        self.current: dict[str, str] = {}  # adapter name -> the key new requests get
+        self._key_numbers = itertools.count()
         self.host = HostCache(cfg.max_loaded_loras, self._read_weights)
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank)
@@ -61,40 +60,54 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ admin operations
     def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False) -> AdapterEntry:
-        """Register (or with `inplace`, replace) an adapter. Raises AdapterError / LoRAStateError and
-        then leaves everything as it was."""
-        resolved = resolve_adapter_path(path, self.cfg.adapter_roots)
-        spec = inspect_adapter(resolved, self.cfg, self.args)
+        """Register (or with `inplace`, replace) an adapter.
+
+        Every check comes before the first change (names, then files, then the pin), so a refused
+        load raises AdapterError / LoRAStateError and leaves registry, slots and CPU tier as they were.
+        """
         old: Optional[AdapterEntry] = None
         if inplace:
             old = self.registry.get(name)  # 404 when unknown
-        elif name in self.registry.names():
+        elif name in self.registry:
             raise LoRAStateError(f"adapter {name!r} is already loaded (use load_inplace to replace it)", 409)
         if name == self.base_name:
             raise LoRAStateError(f"adapter name {name!r} is the base model's name", 400)
-        # Read the weights now so a corrupt file fails before anything changes.
-        weights = load_adapter_weights(spec, self.dtype)
+        resolved = resolve_adapter_path(path, self.cfg.adapter_roots)
+        spec = inspect_adapter(resolved, self.cfg, self.args)
+        weights = load_adapter_weights(spec, self.dtype)  # a corrupt file fails here, before any change
+        old_key = self.current[name] if old is not None else None
+        key = f"{name}@{next(self._key_numbers)}"
+        if pinned:
+            # A pinned adapter reloaded in place hands its pin to the new weights: unpin the old
+            # generation first so the swap does not count twice against the pin limit.
+            if old_key is not None and old.pinned:
+                self.pool.unpin(old_key)
+            try:
+                acquired = self.pool.pin(key)
+            except LoRAStateError:
+                if old_key is not None and old.pinned:
+                    self.pool.pin(old_key)  # give the pin back: it was ours a moment ago
+                raise
+            if acquired.needs_load:
+                self._fill_slot(acquired.slot, key, spec, weights)
+        elif old_key is not None and old.pinned:
+            self.pool.unpin(old_key)  # reloaded without pinned=true: the new weights are not pinned
         fields = dict(path=str(resolved), pinned=pinned, checksum=spec.checksum, rank=spec.rank,
                       target_modules=spec.target_modules, base_model_name=spec.base_model_name)
         entry = self.registry.replace(name, **fields) if old is not None else self.registry.add(name, **fields)
-        key = adapter_key(name, entry.generation)
+        self.current[name] = key
         self.keys[key] = KeyState(spec)
         self.host.put(key, weights)
         if pinned:
-            try:
-                self._pin(key)
-            except LoRAStateError:
-                self._rollback_add(name, key, old)
-                raise
-        if old is not None:
+            self.host.pin(key)
+        if old_key is not None:
             # Requests in flight on the old weights keep them until they finish.
-            self._retire(adapter_key(name, old.generation))
+            self._retire(old_key)
         return entry
 
     def unload(self, name: str) -> None:
-        entry = self.registry.get(name)  # 404 when unknown
-        self.registry.remove(name)
-        self._retire(adapter_key(name, entry.generation))
+        self.registry.remove(name)  # 404 when unknown
+        self._retire(self.current.pop(name))
 
     def resolve(self, model: Optional[str]) -> Optional[str]:
         """The adapter key for an OpenAI `model` / native lora_path value (None = base model)."""
@@ -103,7 +116,7 @@ class LoRAManager:
         name = self.registry.resolve_model(model, self.base_name)
         if name is None:
             return None
-        return adapter_key(name, self.registry.get(name).generation)
+        return self.current[name]
 
     # ------------------------------------------------------------------ request lifecycle
     def request_added(self, key: str) -> None:
@@ -119,9 +132,11 @@ class LoRAManager:
     def ensure_loaded(self, loads: list[tuple[int, str]]) -> None:
         """Copy each (slot, key) the scheduler just assigned into the slot buffers."""
         for slot, key in loads:
-            weights = self.host.get(key)
-            load_adapter_into_slot(self.ctx, slot, weights)
-            self.slot_ranks[slot] = self.keys[key].spec.rank
+            self._fill_slot(slot, key, self.keys[key].spec, self.host.get(key))
+
+    def _fill_slot(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
+        load_adapter_into_slot(self.ctx, slot, weights)
+        self.slot_ranks[slot] = spec.rank
 
     def begin_step(self, seg_lens: list[int], seg_keys: list[Optional[str]]) -> None:
         slots = [-1 if k is None else self.pool.lookup(k) for k in seg_keys]
@@ -134,12 +149,6 @@ class LoRAManager:
     def _read_weights(self, key: str) -> Weights:
         st = self.keys[key]
         return load_adapter_weights(st.spec, self.dtype)
-
-    def _pin(self, key: str) -> None:
-        acquired = self.pool.pin(key)  # raises LoRAStateError when over the limit or no slot is free
-        if acquired.needs_load:
-            self.ensure_loaded([(acquired.slot, key)])
-        self.host.pin(key)
 
     def _retire(self, key: str) -> None:
         st = self.keys.get(key)
@@ -157,11 +166,3 @@ class LoRAManager:
         if key in self.host:
             self.host.drop(key)
         del self.keys[key]
-
-    def _rollback_add(self, name: str, key: str, old: Optional[AdapterEntry]) -> None:
-        del self.keys[key]
-        self.host.drop(key)
-        if old is None:
-            self.registry.remove(name)
-        else:
-            self.registry.restore(old)

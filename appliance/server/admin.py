@@ -30,7 +30,7 @@ from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import EngineError, EngineStoppedError
 from appliance.lora.adapter import AdapterError
-from appliance.lora.manager import LoRAManager, adapter_key
+from appliance.lora.manager import LoRAManager
 from appliance.lora.registry import AdapterEntry, LoRAStateError
 from appliance.server.auth import AdminAuth
 from appliance.server.errors import ApiError, bad_request
@@ -92,7 +92,7 @@ class AdminApi:
 
         def unload() -> tuple[int, int]:
             entry = lora.registry.get(name)  # 404 when unknown, before anything changes
-            key = adapter_key(entry.name, entry.generation)
+            key = lora.current[name]
             lora.unload(name)
             st = lora.keys.get(key)  # still there while requests run on its weights
             return entry.id, (st.in_flight if st is not None else 0)
@@ -129,7 +129,7 @@ def adapter_view(lora: LoRAManager, entry: AdapterEntry) -> dict[str, Any]:
     "disk" (registered; read again on the next request). in_flight: requests (waiting or running) on
     its current weights; requests still on the weights before an in-place reload are under `retiring`.
     """
-    key = adapter_key(entry.name, entry.generation)
+    key = lora.current[entry.name]
     slot = lora.pool.lookup(key)
     tier = "gpu" if slot is not None else "cpu" if key in lora.host else "disk"
     st = lora.keys.get(key)
@@ -142,7 +142,7 @@ def adapter_view(lora: LoRAManager, entry: AdapterEntry) -> dict[str, Any]:
 def snapshot(lora: LoRAManager) -> dict[str, Any]:
     """The body of GET /v1/adapters: the reconciler's source of truth."""
     entries = lora.registry.entries()
-    live = {adapter_key(e.name, e.generation) for e in entries}
+    live = set(lora.current.values())
     # Unloaded or replaced weights that requests still run on; they leave when those finish.
     retiring = [{"key": k, "in_flight": st.in_flight, "slot": lora.pool.lookup(k)}
                 for k, st in lora.keys.items() if k not in live]

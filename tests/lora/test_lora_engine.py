@@ -186,3 +186,21 @@ def test_unload_waits_for_in_flight_and_reload_in_place(adapters: dict[str, Path
     engine.add_request("prefixed", engine.tokenizer.encode(PROMPTS[1]), GREEDY, adapter=f"{base}:b")
     assert engine.seqs["prefixed"].adapter == engine.lora.resolve("b")
     engine.abort("prefixed")
+
+
+def test_reload_same_name_while_old_weights_still_in_flight(adapters: dict[str, Path], oracle: dict,
+                                                            tiny_model_dir: Path) -> None:
+    root = next(iter(adapters.values())).parent
+    engine = lora_engine(tiny_model_dir, root)
+    engine.lora.load("x", str(adapters["qv4"]), pinned=True)
+    engine.add_request("old", engine.tokenizer.encode(PROMPTS[2]), GREEDY, adapter="x")
+    res: dict[str, list[int]] = {"old": sum((o.token_ids for o in engine.step()), [])}
+    engine.lora.unload("x")
+    engine.lora.load("x", str(adapters["down2"]), pinned=True)  # same name, new weights, old still running
+    engine.add_request("new", engine.tokenizer.encode(PROMPTS[2]), GREEDY, adapter="x")
+    while engine.has_unfinished():
+        for o in engine.step():
+            res.setdefault(o.request_id, []).extend(o.token_ids)
+    assert res["old"] == oracle["qv4"][0][2]
+    assert res["new"] == oracle["down2"][0][2]
+    assert list(engine.lora.keys) == [engine.lora.current["x"]]  # the old weights left with their request
