@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
 
 # Where `appliance model prepare` writes the embedded default model unless model.path says otherwise.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -165,17 +166,39 @@ class LoRAConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """One adapter the appliance loads at start: `adapters.<name>.*`."""
+
+    path: str = MISSING
+    pinned: bool = False
+    # Expectations checked against the adapter's own config (null = not checked).
+    rank: Optional[int] = None
+    target_modules: Optional[list[str]] = None
+    base_model: Optional[str] = None
+
+
+@dataclass
 class ApplianceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # Adapters loaded at start, name -> settings (the reconciler issue adds group files and live apply).
+    adapters: dict[str, AdapterConfig] = field(default_factory=dict)
 
     def check(self) -> None:
         self.model.check()
         self.engine.check()
         self.server.check()
         self.lora.check()
+        if self.adapters and not self.lora.enabled:
+            raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")
+        for name, a in self.adapters.items():
+            if a.target_modules is not None and any(t not in LORA_TARGETS for t in a.target_modules):
+                raise ConfigError(f"adapters.{name}.target_modules: {a.target_modules} not all in {LORA_TARGETS}")
+            if a.rank is not None and not 1 <= a.rank <= self.lora.max_lora_rank:
+                raise ConfigError(f"adapters.{name}.rank: {a.rank} is not in 1..lora.max_lora_rank "
+                                  f"({self.lora.max_lora_rank})")
         if (
             not self.engine.enable_chunked_prefill
             and self.model.max_model_len is not None

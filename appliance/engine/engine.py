@@ -51,12 +51,36 @@ class LLMEngine:
             self.lora = Manager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
                                     self.runner.device)
             self.runner.lora = self.lora
+            self._load_configured_adapters(cfg)
         self.scheduler = Scheduler(cfg.engine, self.block_manager, self.lora.pool if self.lora else None,
                                    drain_wait_threshold_s=cfg.lora.drain_wait_threshold_s)
         self.seqs: dict[str, Sequence] = {}
         # Requests without a seed draw from generators seeded by this one (model.seed), so a restarted
         # server replays the same sequence of unseeded samples.
         self._seed_rng = torch.Generator().manual_seed(cfg.model.seed)
+
+    def _load_configured_adapters(self, cfg: ApplianceConfig) -> None:
+        """Load `adapters.*` at start; a bad one stops the start with its key path."""
+        from appliance.lora.adapter import AdapterError
+        from appliance.lora.registry import LoRAStateError
+
+        assert self.lora is not None
+        for name, a in cfg.adapters.items():
+            try:
+                entry = self.lora.load(name, a.path, pinned=a.pinned)
+            except (AdapterError, LoRAStateError) as e:
+                raise ConfigError(f"adapters.{name}: {e}") from None
+            wrong = []
+            if a.rank is not None and entry.rank != a.rank:
+                wrong.append(f"adapters.{name}.rank: expected {a.rank}, the adapter has rank {entry.rank}")
+            if a.target_modules is not None and sorted(a.target_modules) != sorted(entry.target_modules):
+                wrong.append(f"adapters.{name}.target_modules: expected {sorted(a.target_modules)}, the adapter "
+                             f"targets {sorted(entry.target_modules)}")
+            if a.base_model is not None and entry.base_model_name != a.base_model:
+                wrong.append(f"adapters.{name}.base_model: expected {a.base_model!r}, the adapter was trained "
+                             f"on {entry.base_model_name!r}")
+            if wrong:
+                raise ConfigError("; ".join(wrong))
 
     @classmethod
     def from_config(cls, cfg: ApplianceConfig) -> "LLMEngine":

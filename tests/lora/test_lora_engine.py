@@ -204,3 +204,40 @@ def test_reload_same_name_while_old_weights_still_in_flight(adapters: dict[str, 
     assert res["old"] == oracle["qv4"][0][2]
     assert res["new"] == oracle["down2"][0][2]
     assert list(engine.lora.keys) == [engine.lora.current["x"]]  # the old weights left with their request
+
+
+def config_with_adapters(tmp: Path, adapters_yaml: str, *overrides: str):
+    """The repo's config tree plus an `adapters:` block, as an operator would write it."""
+    import shutil
+
+    from appliance.config.compose import compose_config
+    from tests.conftest import REPO
+
+    cdir = tmp / "configs"
+    shutil.copytree(REPO / "configs", cdir, dirs_exist_ok=True)
+    with open(cdir / "config.yaml", "a") as f:
+        f.write("adapters:\n" + adapters_yaml)
+    return compose_config(cdir, list(overrides))
+
+
+def test_adapters_listed_in_config_load_at_start(adapters: dict[str, Path], oracle: dict, tiny_model_dir: Path,
+                                                 tmp_path: Path) -> None:
+    from appliance.config.schema import ConfigError
+
+    root = next(iter(adapters.values())).parent
+    lora = [f"model.path={tiny_model_dir}", "engine.num_kv_blocks=128", "lora.enabled=true", "lora.max_lora_rank=8",
+            f"lora.adapter_roots=[{root}]"]
+    good = f"  a:\n    path: {adapters['qv4']}\n    pinned: true\n    rank: 4\n    target_modules: [q_proj, v_proj]\n"
+    engine = LLMEngine(config_with_adapters(tmp_path / "ok", good, *lora))
+    assert engine.lora.registry.get("a").pinned
+    assert run_mixed(engine, [("a", 0)])[0] == oracle["qv4"][0][0]
+    wrong_rank = f"  a:\n    path: {adapters['qv4']}\n    rank: 8\n"
+    with pytest.raises(ConfigError, match=r"adapters\.a\.rank: expected 8, the adapter has rank 4"):
+        LLMEngine(config_with_adapters(tmp_path / "rank", wrong_rank, *lora))
+    outside = f"  b:\n    path: {root}/../elsewhere\n"
+    with pytest.raises(ConfigError, match=r"adapters\.b: .*outside lora.adapter_roots"):
+        LLMEngine(config_with_adapters(tmp_path / "outside", outside, *lora))
+    with pytest.raises(ConfigError, match="lora.enabled is false"):
+        config_with_adapters(tmp_path / "off", good, f"model.path={tiny_model_dir}")
+    with pytest.raises(ConfigError, match=r"adapters\.a\.(foo|.*foo)"):
+        config_with_adapters(tmp_path / "typo", good + "    foo: 1\n", *lora)
