@@ -3,6 +3,7 @@
     appliance serve [--config-dir DIR] [overrides...]
     appliance model prepare [--config-dir DIR] [--force] [overrides...]
     appliance config show [--config-dir DIR] [overrides...]
+    appliance validate [--config-dir DIR] [overrides...]
 
 Overrides are Hydra's `key=value` (e.g. `server.port=9000 model.dtype=bfloat16`). Exit codes: 0 ok,
 1 a config or model error (printed as `error: ...`), 2 bad arguments (argparse).
@@ -49,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(prepare)
     prepare.set_defaults(func=_prepare)
 
+    validate = sub.add_parser("validate", help="check the config, the model dir and the listed adapters "
+                                               "without a server (exit 0 valid, 1 invalid)")
+    _config_args(validate)
+    validate.set_defaults(func=_validate)
+
     config = sub.add_parser("config", help="inspect the composed config").add_subparsers(
         dest="action", required=True, metavar="ACTION")
     show = config.add_parser("show", help="print the composed, checked config as YAML (secrets masked)")
@@ -67,6 +73,19 @@ def _compose(args: argparse.Namespace) -> ApplianceConfig:
     from appliance.config.compose import compose_config
 
     return compose_config(args.config_dir, args.overrides)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from appliance.config.validate import validate
+
+    cfg, problems = validate(args.config_dir, args.overrides)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    assert cfg is not None
+    print(f"valid: model {cfg.model.name} at {cfg.model.path}, {len(cfg.adapters)} adapter(s)")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

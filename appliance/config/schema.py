@@ -10,7 +10,7 @@ own dataclass here and a slot in `ApplianceConfig`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -175,6 +175,20 @@ class AdapterConfig:
     rank: Optional[int] = None
     target_modules: Optional[list[str]] = None
     base_model: Optional[str] = None
+
+    def mismatches(self, name: str, rank: int, target_modules: Sequence[str],
+                   base_model_name: Optional[str]) -> list[str]:
+        """Where the adapter's own config disagrees with what the YAML expects, one line each."""
+        out = []
+        if self.rank is not None and rank != self.rank:
+            out.append(f"adapters.{name}.rank: expected {self.rank}, the adapter has rank {rank}")
+        if self.target_modules is not None and sorted(self.target_modules) != sorted(target_modules):
+            out.append(f"adapters.{name}.target_modules: expected {sorted(self.target_modules)}, the adapter "
+                       f"targets {sorted(target_modules)}")
+        if self.base_model is not None and base_model_name != self.base_model:
+            out.append(f"adapters.{name}.base_model: expected {self.base_model!r}, the adapter was trained "
+                       f"on {base_model_name!r}")
+        return out
 
 
 @dataclass

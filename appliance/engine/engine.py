@@ -70,15 +70,7 @@ class LLMEngine:
                 entry = self.lora.load(name, a.path, pinned=a.pinned)
             except (AdapterError, LoRAStateError) as e:
                 raise ConfigError(f"adapters.{name}: {e}") from None
-            wrong = []
-            if a.rank is not None and entry.rank != a.rank:
-                wrong.append(f"adapters.{name}.rank: expected {a.rank}, the adapter has rank {entry.rank}")
-            if a.target_modules is not None and sorted(a.target_modules) != sorted(entry.target_modules):
-                wrong.append(f"adapters.{name}.target_modules: expected {sorted(a.target_modules)}, the adapter "
-                             f"targets {sorted(entry.target_modules)}")
-            if a.base_model is not None and entry.base_model_name != a.base_model:
-                wrong.append(f"adapters.{name}.base_model: expected {a.base_model!r}, the adapter was trained "
-                             f"on {entry.base_model_name!r}")
+            wrong = a.mismatches(name, entry.rank, entry.target_modules, entry.base_model_name)
             if wrong:
                 raise ConfigError("; ".join(wrong))
 

@@ -1,0 +1,47 @@
+"""`appliance validate`: everything that can be checked about a config without starting a server.
+
+Schema (types, unknown keys, invariants) comes from compose; then the model directory's config.json,
+then every adapter listed under `adapters:`: path inside lora.adapter_roots, a PEFT dir we accept
+(read from its config and safetensors header only, no weights), rank and targets within the engine's
+LoRA settings, and the expectations written in the YAML. All problems are collected, one line each.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+from appliance.config.compose import compose_config
+from appliance.config.schema import ApplianceConfig, ConfigError
+
+
+def validate(config_dir: str | os.PathLike | None, overrides: Sequence[str]) -> tuple[Optional[ApplianceConfig], list[str]]:
+    """The composed config (None when it does not compose) and every problem found, one line each."""
+    try:
+        cfg = compose_config(config_dir, overrides)
+    except ConfigError as e:
+        return None, [str(e)]
+    from appliance.lora.adapter import AdapterError, inspect_adapter, resolve_adapter_path
+    from appliance.models.llama import ModelArgs
+    from appliance.models.weights import read_hf_config
+
+    problems: list[str] = []
+    args: Optional[ModelArgs] = None
+    model_dir = Path(cfg.model.path).expanduser()
+    try:
+        args = ModelArgs.from_hf_config(read_hf_config(model_dir))
+    except ConfigError as e:
+        hint = " (run `appliance model prepare`)" if cfg.model.source and not model_dir.exists() else ""
+        problems.append(f"model.path: {e}{hint}")
+    for name, a in cfg.adapters.items():
+        try:
+            resolved = resolve_adapter_path(a.path, cfg.lora.adapter_roots)
+            if args is None:
+                continue  # shapes need the base model; its problem is already listed
+            spec = inspect_adapter(resolved, cfg.lora, args)
+        except AdapterError as e:
+            problems.append(f"adapters.{name}.path: {e}")
+            continue
+        problems += a.mismatches(name, spec.rank, spec.target_modules, spec.base_model_name)
+    return cfg, problems
