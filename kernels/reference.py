@@ -47,6 +47,21 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, token_slots: 
     return y
 
 
+def lora_apply_gathered(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                        token_slots: torch.Tensor, out_offsets: Sequence[int]) -> torch.Tensor:
+    """The same math with each token's A and B gathered: a fixed handful of ops however many adapters
+    the step holds, at the price of copying [T, n, R, in] + [T, out, R] weights. The `torch` backend
+    uses it for small steps (decode), where the per-adapter loop's op count dominates."""
+    valid = (token_slots >= 0).to(x.dtype)
+    s = token_slots.clamp(min=0)
+    h = torch.einsum("ti,tnri->tnr", x, A[s]) * valid[:, None, None]  # base tokens contribute 0
+    Bs = B[s]  # [T, out, R]
+    for i in range(len(out_offsets) - 1):
+        lo, hi = out_offsets[i], out_offsets[i + 1]
+        y[:, lo:hi] += torch.einsum("tr,tor->to", h[:, i], Bs[:, lo:hi])
+    return y
+
+
 def lora_apply_grouped(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                        groups: Sequence[tuple[int, torch.Tensor]], out_offsets: Sequence[int]) -> torch.Tensor:
     """The `torch` backend: shrink then expand, one adapter group at a time (same math as above).

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 import torch
 
 
+# Up to this many tokens in a step, gathering per-token weights beats the per-adapter loop (decode).
+GATHER_MAX_TOKENS = 64
+
+
 @dataclass
 class LoRABatchInfo:
     seg_indptr: torch.Tensor  # [num_segs + 1] int32: token offsets of the segments
@@ -20,6 +24,8 @@ class LoRABatchInfo:
     slot_ranks: torch.Tensor  # [S] int32: rank of the adapter in each slot (0 = empty)
     token_slots: torch.Tensor  # [T] int64: slot of each token, -1 = base
     groups: list[tuple[int, torch.Tensor]]  # (slot, token indices [k] int64) per slot present
+    # Few tokens, several adapters: gather each token's A/B instead of looping over adapters.
+    gather: bool = False
 
     @classmethod
     def build(cls, seg_lens: list[int], seg_slots: list[int], slot_ranks: list[int],
@@ -40,4 +46,5 @@ class LoRABatchInfo:
             slot_ranks=torch.tensor(slot_ranks, dtype=torch.int32, device=device),
             token_slots=torch.tensor(token_slots, dtype=torch.long, device=device),
             groups=groups,
+            gather=len(groups) > 1 and len(token_slots) <= GATHER_MAX_TOKENS,
         )

@@ -20,7 +20,7 @@ from torch import nn
 
 from appliance.lora.batch import LoRABatchInfo
 from appliance.models.llama import LlamaModel, MergedLinear
-from kernels.reference import lora_apply_grouped
+from kernels.reference import lora_apply_gathered, lora_apply_grouped
 
 # Our fused module -> the PEFT projection names of its slices, in output order.
 FUSED_SLICES = {
@@ -57,7 +57,11 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         info = self.ctx.info
-        if info is not None and info.groups:
+        if info is None or not info.groups:
+            return y
+        if info.gather:
+            lora_apply_gathered(y, x, self.A, self.B, info.token_slots, self.out_offsets)
+        else:
             lora_apply_grouped(y, x, self.A, self.B, info.groups, self.out_offsets)
         return y
 
