@@ -34,6 +34,7 @@ from appliance.lora.manager import LoRAManager
 from appliance.lora.registry import AdapterEntry, LoRAStateError
 from appliance.server.auth import AdminAuth
 from appliance.server.errors import ApiError, bad_request
+from appliance.server.protocol import opt_bool
 
 T = TypeVar("T")
 
@@ -194,9 +195,5 @@ def _required_str(body: dict, key: str) -> str:
 
 
 def _opt_bool(body: dict, key: str) -> bool:
-    v = body.get(key)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise bad_request(f"'{key}' must be a boolean.", key)
-    return v
+    """An optional boolean field, false when absent (same check as the inference routes)."""
+    return bool(opt_bool(body, key, key))

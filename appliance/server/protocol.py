@@ -137,7 +137,7 @@ def _number(d: dict, key: str, param: str) -> Optional[float]:
     return f
 
 
-def _bool(d: dict, key: str, param: str) -> Optional[bool]:
+def opt_bool(d: dict, key: str, param: str) -> Optional[bool]:
     v = d.get(key)
     if v is None:
         return None
@@ -203,7 +203,7 @@ def _sampling(d: dict, limits: _Limits, *, prefix: str, max_tokens: Optional[int
     top_k = _int(d, "top_k", p + "top_k")
     seed = _int(d, "seed", p + "seed")
     min_tokens = _int(d, min_tokens_key, p + min_tokens_key)
-    ignore_eos = _bool(d, "ignore_eos", p + "ignore_eos")
+    ignore_eos = opt_bool(d, "ignore_eos", p + "ignore_eos")
     stop = _stop(d, "stop", p + "stop")
     stop_ids_raw = d.get("stop_token_ids")
     stop_ids = ([] if stop_ids_raw is None
@@ -262,7 +262,7 @@ def _n_and_stream(body: dict) -> tuple[bool, bool]:
     if n is not None and n != 1:
         raise bad_request(f"'n' must be 1 (only one choice per prompt is supported), got {n}.", "n")
     _str(body, "user", "user")  # accepted and ignored, but typed
-    stream = bool(_bool(body, "stream", "stream"))
+    stream = bool(opt_bool(body, "stream", "stream"))
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:
@@ -270,7 +270,7 @@ def _n_and_stream(body: dict) -> tuple[bool, bool]:
             raise bad_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
         if not isinstance(opts, dict):
             raise bad_request("'stream_options' must be an object.", "stream_options")
-        include_usage = bool(_bool(opts, "include_usage", "stream_options.include_usage"))
+        include_usage = bool(opt_bool(opts, "include_usage", "stream_options.include_usage"))
     return stream, include_usage
 
 
@@ -391,7 +391,7 @@ def parse_generate(body: dict, tokenizer: Tokenizer, max_model_len: int) -> Pars
         raise bad_request(f"Unknown field(s) {unknown}; /generate takes {sorted(_GENERATE_KEYS)}.",
                           unknown[0])
     model = _str(body, "model", "model")
-    stream = bool(_bool(body, "stream", "stream"))
+    stream = bool(opt_bool(body, "stream", "stream"))
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise bad_request("Send exactly one of 'text' and 'input_ids'.", "text")
