@@ -4,6 +4,7 @@
     appliance model prepare [--config-dir DIR] [--force] [overrides...]
     appliance config show [--config-dir DIR] [overrides...]
     appliance validate [--config-dir DIR] [overrides...]
+    appliance plan [--config-dir DIR] [--url URL] [--detailed-exitcode] [overrides...]
 
 Overrides are Hydra's `key=value` (e.g. `server.port=9000 model.dtype=bfloat16`). Exit codes: 0 ok,
 1 a config or model error (printed as `error: ...`), 2 bad arguments (argparse).
@@ -20,13 +21,21 @@ from appliance.models.prepare import ModelPrepareError  # cheap: torch is import
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    # argparse ends a nargs="*" positional at the first option, so overrides written after
-    # --config-dir come back as extras: keep them (in order), refuse unknown options.
-    unknown = [a for a in extra if a.startswith("-")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        # argparse ends a nargs="*" positional at the first option, so overrides written after
+        # --config-dir come back as extras: keep them (in order), refuse unknown options.
+        unknown = [a for a in extra if a.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    except SystemExit as e:
+        # `plan --detailed-exitcode` gives 2 the meaning "changes pending": a usage error there must
+        # not look like one, so plan's usage errors exit 1.
+        if e.code == 2 and argv[:1] == ["plan"]:
+            raise SystemExit(1) from None
+        raise
     args.overrides += extra
     try:
         return args.func(args)
@@ -54,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
                                                "without a server (exit 0 valid, 1 invalid)")
     _config_args(validate)
     validate.set_defaults(func=_validate)
+
+    plan = sub.add_parser("plan", help="diff the config's adapters against a running server (read-only)")
+    plan.add_argument("--url", default=None, help="server URL (default: http://server.host:server.port)")
+    plan.add_argument("--detailed-exitcode", action="store_true",
+                      help="exit 0 when nothing would change, 2 when something would, 1 on error")
+    _config_args(plan)
+    plan.set_defaults(func=_plan)
 
     config = sub.add_parser("config", help="inspect the composed config").add_subparsers(
         dest="action", required=True, metavar="ACTION")
@@ -86,6 +102,33 @@ def _validate(args: argparse.Namespace) -> int:
     assert cfg is not None
     print(f"valid: model {cfg.model.name} at {cfg.model.path}, {len(cfg.adapters)} adapter(s)")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import os
+
+    from appliance.config.validate import validate
+    from appliance.reconcile.live import LiveStateError, desired_state, live_state
+    from appliance.reconcile.plan import plan, render
+
+    cfg, problems = validate(args.config_dir, args.overrides)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    assert cfg is not None
+    url = args.url or f"http://{cfg.server.host}:{cfg.server.port}"
+    # The entry point may read the environment (library code does not): the key for a server whose
+    # config is not at hand.
+    key = cfg.server.admin_key or os.environ.get("APPLIANCE_ADMIN_KEY")
+    try:
+        live = live_state(url, key)
+    except LiveStateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    actions = plan(desired_state(cfg), live)
+    print(render(actions))
+    return 2 if (actions and args.detailed_exitcode) else 0
 
 
 def _serve(args: argparse.Namespace) -> int:
