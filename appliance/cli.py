@@ -91,15 +91,20 @@ def _compose(args: argparse.Namespace) -> ApplianceConfig:
     return compose_config(args.config_dir, args.overrides)
 
 
-def _validate(args: argparse.Namespace) -> int:
+def _validated(args: argparse.Namespace) -> Optional[ApplianceConfig]:
+    """The config when `appliance validate` finds nothing; else print each problem and return None."""
     from appliance.config.validate import validate
 
     cfg, problems = validate(args.config_dir, args.overrides)
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
-    if problems:
+    return None if problems else cfg
+
+
+def _validate(args: argparse.Namespace) -> int:
+    cfg = _validated(args)
+    if cfg is None:
         return 1
-    assert cfg is not None
     print(f"valid: model {cfg.model.name} at {cfg.model.path}, {len(cfg.adapters)} adapter(s)")
     return 0
 
@@ -107,16 +112,12 @@ def _validate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import os
 
-    from appliance.config.validate import validate
     from appliance.reconcile.live import LiveStateError, desired_state, live_state
     from appliance.reconcile.plan import plan, render
 
-    cfg, problems = validate(args.config_dir, args.overrides)
-    for p in problems:
-        print(f"error: {p}", file=sys.stderr)
-    if problems:
+    cfg = _validated(args)
+    if cfg is None:
         return 1
-    assert cfg is not None
     url = args.url or f"http://{cfg.server.host}:{cfg.server.port}"
     # The entry point may read the environment (library code does not): the key for a server whose
     # config is not at hand.

@@ -36,6 +36,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
                            attention_bias=True, tie_word_embeddings=False)
 
 
+def config_tree(dest: Path, yaml_tail: str) -> Path:
+    """A copy of the repository's config tree at `dest` with `yaml_tail` appended to config.yaml,
+    as an operator would edit it (Hydra overrides cannot create entries of typed dicts)."""
+    import shutil
+
+    shutil.copytree(REPO / "configs", dest, dirs_exist_ok=True)
+    with open(dest / "config.yaml", "a") as f:
+        f.write(yaml_tail)
+    return dest
+
+
 def make_tiny_model(dest: Path, tokenizer_src: Path, **overrides) -> Path:
     import shutil
 

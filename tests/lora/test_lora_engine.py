@@ -207,17 +207,11 @@ def test_reload_same_name_while_old_weights_still_in_flight(adapters: dict[str, 
 
 
 def config_with_adapters(tmp: Path, adapters_yaml: str, *overrides: str):
-    """The repo's config tree plus an `adapters:` block, as an operator would write it."""
-    import shutil
-
+    """The repo's config tree plus an `adapters:` block, composed."""
     from appliance.config.compose import compose_config
-    from tests.conftest import REPO
+    from tests.conftest import config_tree
 
-    cdir = tmp / "configs"
-    shutil.copytree(REPO / "configs", cdir, dirs_exist_ok=True)
-    with open(cdir / "config.yaml", "a") as f:
-        f.write("adapters:\n" + adapters_yaml)
-    return compose_config(cdir, list(overrides))
+    return compose_config(config_tree(tmp / "configs", "adapters:\n" + adapters_yaml), list(overrides))
 
 
 def test_adapters_listed_in_config_load_at_start(adapters: dict[str, Path], oracle: dict, tiny_model_dir: Path,

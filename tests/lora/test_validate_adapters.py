@@ -7,19 +7,13 @@ import sys
 from pathlib import Path
 
 from appliance.config.validate import validate
+from tests.conftest import config_tree
 from tests.lora.test_lora_engine import make_adapter
 
 
 def write_tree(dest: Path, tiny_model_dir: Path, root: Path, adapters_yaml: str) -> Path:
-    import shutil
-
-    from tests.conftest import REPO
-
-    shutil.copytree(REPO / "configs", dest)
-    with open(dest / "config.yaml", "a") as f:
-        f.write(f"model:\n  path: {tiny_model_dir}\nlora:\n  enabled: true\n  max_lora_rank: 8\n"
-                f"  adapter_roots: [{root}]\nadapters:\n{adapters_yaml}")
-    return dest
+    return config_tree(dest, f"model:\n  path: {tiny_model_dir}\nlora:\n  enabled: true\n  max_lora_rank: 8\n"
+                             f"  adapter_roots: [{root}]\nadapters:\n{adapters_yaml}")
 
 
 def test_validate_lists_every_problem(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import requests
 
-from tests.conftest import REPO, default_config
+from tests.conftest import config_tree, default_config
 from tests.lora.test_lora_engine import make_adapter
 from tests.server.conftest import ServerThread
 
@@ -17,11 +17,8 @@ KEY = "plan-secret"
 
 
 def write_tree(dest: Path, model: Path, root: Path, adapters_yaml: str) -> Path:
-    shutil.copytree(REPO / "configs", dest)
-    with open(dest / "config.yaml", "a") as f:
-        f.write(f"model:\n  path: {model}\nserver:\n  admin_key: {KEY}\nlora:\n  enabled: true\n"
-                f"  max_lora_rank: 8\n  adapter_roots: [{root}]\nadapters:\n{adapters_yaml}")
-    return dest
+    return config_tree(dest, f"model:\n  path: {model}\nserver:\n  admin_key: {KEY}\nlora:\n  enabled: true\n"
+                             f"  max_lora_rank: 8\n  adapter_roots: [{root}]\nadapters:\n{adapters_yaml}")
 
 
 def test_plan_against_live_server(tmp_path: Path, tiny_model_dir: Path) -> None:
