@@ -166,6 +166,22 @@ class LoRAConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Prometheus metrics on GET /metrics (appliance/metrics.py)."""
+
+    enabled: bool = True
+    # true: /metrics needs `Authorization: Bearer <one of server.api_keys>` like the inference routes.
+    require_key: bool = False
+    # Adapters that get their own `adapter` label value on the latency and request metrics, in the
+    # order they are first seen; later ones share the value "other". Bounds the number of series.
+    max_adapter_labels: int = 32
+
+    def check(self) -> None:
+        if self.max_adapter_labels < 0:
+            raise ConfigError(f"metrics.max_adapter_labels: must be >= 0, got {self.max_adapter_labels}")
+
+
+@dataclass
 class AdapterConfig:
     """One adapter the appliance loads at start: `adapters.<name>.*`."""
 
@@ -197,6 +213,7 @@ class ApplianceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # Adapters loaded at start, name -> settings (the reconciler issue adds group files and live apply).
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
 
@@ -205,6 +222,10 @@ class ApplianceConfig:
         self.engine.check()
         self.server.check()
         self.lora.check()
+        self.metrics.check()
+        if self.metrics.enabled and self.metrics.require_key and not self.server.api_keys:
+            raise ConfigError("metrics.require_key: true needs server.api_keys (the keys /metrics accepts); "
+                              "set them or set metrics.require_key to false")
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")
         for name, a in self.adapters.items():
@@ -232,3 +253,4 @@ def register_configs() -> None:
     cs.store(group="engine", name="engine_schema", node=EngineConfig)
     cs.store(group="server", name="server_schema", node=ServerConfig)
     cs.store(group="lora", name="lora_schema", node=LoRAConfig)
+    cs.store(group="metrics", name="metrics_schema", node=MetricsConfig)

@@ -34,12 +34,14 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
                                       RequestError)
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.registry import LoRAStateError
+from appliance.metrics import BuildInfo, Metrics
 from appliance.server import protocol
 from appliance.server.admin import AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
 from appliance.server.protocol import Choice, ParsedRequest
+from appliance.server.scrape import ScrapeApi
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,10 @@ class _ClientGone(Exception):
 
 
 def build_app(engine: AsyncEngine, cfg: ApplianceConfig) -> Starlette:
-    """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`."""
+    """The Starlette app for `engine`; `app.state.server` is its `ServerState`, `app.state.metrics` its
+    `Metrics` (None when metrics.enabled is false; the reconciler reports through it)."""
     api = _Api(engine, cfg)
+    metrics = _metrics(engine, cfg)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
@@ -69,6 +73,7 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig) -> Starlette:
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/generate", api.generate, methods=["POST"]),
         *api.admin.routes(),
+        *(ScrapeApi(engine, metrics, api.auth, cfg.metrics.require_key).routes() if metrics else []),
     ]
     app = Starlette(routes=routes, exception_handlers={
         ApiError: _api_error,
@@ -77,7 +82,20 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig) -> Starlette:
         Exception: _internal_error,
     })
     app.state.server = api.state
+    app.state.metrics = metrics
     return app
+
+
+def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
+    """The app's collectors, fed with the engine's stats events from now on; None when disabled."""
+    if not cfg.metrics.enabled:
+        return None
+    from appliance import __version__
+
+    metrics = Metrics(cfg.metrics, BuildInfo(__version__, cfg.model.name, cfg.lora.backend),
+                      eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled)
+    engine.set_stats_sink(metrics.record_events)
+    return metrics
 
 
 class _Api:
