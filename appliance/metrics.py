@@ -51,10 +51,12 @@ LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 30.0)
 RECONCILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-# Label values the reconciler may report (anything else is a bug: ValueError, never a new series).
-RECONCILE_RESULTS = ("success", "noop", "error", "restart_required")
+# Label values the reconciler may report (anything else is a bug: ValueError, never a new series). The
+# results are ReconcileRecord.result's (reconcile/controller.py): success, failed (an action failed),
+# invalid (the config did not compose or validate), unchanged (nothing to do).
+RECONCILE_RESULTS = ("success", "failed", "invalid", "unchanged")
 RECONCILE_ACTIONS = ("load", "unload", "reload", "pin", "unpin")
-ACTION_RESULTS = ("success", "error", "skipped")
+ACTION_RESULTS = ("success", "failed")
 FINISH_REASONS = ("stop", "length", "abort")
 
 # `_created` series double every counter's and histogram's series and no dashboard reads them. The
@@ -153,8 +155,8 @@ class Metrics:
                                    "cache ran out (recomputed later).", registry=r)
 
         # --- config and reconcile (fed by the reconciler)
-        self.reconcile = Counter("appliance_reconcile", "Reconcile runs by result (success, noop, error, "
-                                 "restart_required).", ["result"], registry=r)
+        self.reconcile = Counter("appliance_reconcile", "Reconcile runs by result (success, failed, invalid, "
+                                 "unchanged).", ["result"], registry=r)
         self.reconcile_duration = Histogram("appliance_reconcile_duration_seconds", "Duration of a reconcile "
                                             "run.", buckets=RECONCILE_BUCKETS, registry=r)
         self.reconcile_actions = Counter("appliance_reconcile_actions", "Reconcile actions applied by action "

@@ -18,8 +18,7 @@ import requests
 import yaml
 
 from tests.conftest import REPO, config_tree
-from tests.metrics.helpers import require_tool
-from tests.metrics.test_prometheus_dashboard import free_port
+from tests.metrics.helpers import free_port, require_tool
 
 DOCKERFILE = REPO / "Dockerfile"
 COMPOSE = REPO / "docker/compose.yaml"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 from typing import Optional
@@ -104,3 +105,10 @@ def require_tool(name: str) -> str:
 def promtool_check_metrics(text: str) -> subprocess.CompletedProcess:
     return subprocess.run([require_tool("promtool"), "check", "metrics"], input=text, capture_output=True,
                           text=True, timeout=60)
+
+
+def free_port() -> int:
+    """A port free on loopback right now (for processes that cannot report the one they bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

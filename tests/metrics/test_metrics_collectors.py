@@ -71,8 +71,8 @@ def test_snapshot_sets_gauges_and_lora_off_reads_zero() -> None:
 
 def test_reconcile_api_counts_and_refuses_unknown_values() -> None:
     m = make()
-    m.record_reconcile("success", 0.5, [("load", "success"), ("pin", "success"), ("unload", "error")])
-    m.record_reconcile("noop", 0.01)
+    m.record_reconcile("failed", 0.5, [("load", "success"), ("pin", "success"), ("unload", "failed")])
+    m.record_reconcile("unchanged", 0.01)
     before = m.exposition()
     for bad in [lambda: m.record_reconcile("great", 1.0),
                 lambda: m.record_reconcile("success", 1.0, [("explode", "success")]),
@@ -83,11 +83,11 @@ def test_reconcile_api_counts_and_refuses_unknown_values() -> None:
             bad()
     assert m.exposition() == before  # a refused call counted nothing
     s = page(m)
-    assert s.get("appliance_reconcile_total", result="success") == 1
-    assert s.get("appliance_reconcile_total", result="noop") == 1
-    assert s.get("appliance_reconcile_total", result="error") == 0
+    assert s.get("appliance_reconcile_total", result="failed") == 1
+    assert s.get("appliance_reconcile_total", result="unchanged") == 1
+    assert s.get("appliance_reconcile_total", result="success") == 0
     assert s.get("appliance_reconcile_duration_seconds_count") == 2
-    assert s.get("appliance_reconcile_actions_total", action="unload", result="error") == 1
+    assert s.get("appliance_reconcile_actions_total", action="unload", result="failed") == 1
     assert s.get("appliance_reconcile_actions_total", action="load", result="success") == 1
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -18,8 +17,8 @@ import pytest
 import requests
 
 from tests.conftest import REPO
-from tests.metrics.helpers import (MODEL, complete, load, lora_server, make_adapters, require_tool,
-                                   scrape)
+from tests.metrics.helpers import (MODEL, complete, free_port, load, lora_server, make_adapters,
+                                   require_tool, scrape)
 from tests.server.conftest import ServerThread
 
 DASHBOARD = REPO / "docker/grafana/dashboards/appliance.json"
@@ -39,12 +38,6 @@ def substitute(expr: str) -> str:
         expr = expr.replace(k, v)
     assert "$" not in expr, f"unsubstituted variable in {expr}"
     return expr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
