@@ -34,8 +34,9 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
                                       RequestError)
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.registry import LoRAStateError
+from appliance.reconcile.controller import ConfigSource, Reconciler
 from appliance.server import protocol
-from appliance.server.admin import AdminApi, adapter_card, run_on_engine
+from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
@@ -50,8 +51,10 @@ RETRY_AFTER_S = 1
 
 @dataclass
 class ServerState:
-    """Shared with run.py: set `draining` on SIGTERM so /health and new requests answer 503."""
+    """Shared with run.py: set `draining` on SIGTERM so /health and new requests answer 503; run.py
+    also starts and stops hot reload around the reconciler."""
 
+    reconciler: Reconciler
     draining: bool = False
 
 
@@ -59,9 +62,10 @@ class _ClientGone(Exception):
     """The client disconnected before the answer; nothing to send."""
 
 
-def build_app(engine: AsyncEngine, cfg: ApplianceConfig) -> Starlette:
-    """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`."""
-    api = _Api(engine, cfg)
+def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> Starlette:
+    """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`. `source`:
+    the config dir and overrides `cfg` was composed from, which hot reload composes again."""
+    api = _Api(engine, cfg, source)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
@@ -81,14 +85,16 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig) -> Starlette:
 
 
 class _Api:
-    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig) -> None:
+    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource]) -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.cfg = cfg
         self.auth = ApiKeyAuth(cfg.server.api_keys)
-        self.state = ServerState()
         self.created = int(time.time())
-        self.admin = AdminApi(engine, cfg, self._read_json)
+        ops = AdapterAdmin(engine)
+        self.state = ServerState(Reconciler(cfg, ops, source))
+        self.admin = AdminApi(ops, cfg, self._read_json)
+        self.admin.reconciler = self.state.reconciler
 
     # ------------------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:
