@@ -55,6 +55,7 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     from hydra.errors import HydraException
     from hydra.types import RunMode
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
     cdir = resolve_config_dir(config_dir)
     if not (cdir / f"{config_name}.yaml").is_file():
@@ -69,7 +70,8 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
                     config_name, list(overrides), RunMode.RUN).defaults
             _reject_unknown_keys(cfg, ApplianceConfig, "")
             obj = OmegaConf.to_object(cfg)  # resolves ${oc.env:...} and builds the dataclasses
-        except (HydraException, OmegaConfBaseException) as e:
+        except (HydraException, OmegaConfBaseException, YAMLError) as e:
+            # A YAML syntax error comes unwrapped; its message names the file, line and column.
             raise ConfigError(f"{cdir}: {_one_line(e)}") from None
         finally:
             GlobalHydra.instance().clear()

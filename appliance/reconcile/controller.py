@@ -96,7 +96,12 @@ class Reconciler:
         and the last reconcile succeeded; `resync` and `manual` always plan (drift, changed weights)."""
         async with self.ops.lock:
             t0, started = time.monotonic(), time.time()
-            record = await self._reconcile(trigger, started)
+            try:
+                record = await self._reconcile(trigger, started)
+            except Exception as e:  # noqa: BLE001 - a bug or an unreadable file: report it, keep serving
+                log.exception("reconcile (%s) raised", trigger)
+                self._set("Reconciled", False, "Error", f"{type(e).__name__}: {e}")
+                record = ReconcileRecord(trigger, "failed", started, 0.0, problems=[f"{type(e).__name__}: {e}"])
             record.duration_s = time.monotonic() - t0
             self.last = record
         self._log(record)

@@ -21,7 +21,7 @@ from appliance.cli import main
 from appliance.config.compose import compose_config
 from appliance.reconcile.controller import ConfigSource
 from tests.lora.test_lora_engine import NEW, make_adapter, peft_greedy
-from tests.reconcile.trees import KEY, admin, live, write_inventory, write_tree
+from tests.reconcile.trees import admin, live, write_inventory, write_tree
 from tests.server.conftest import ServerThread
 
 PROMPT_IDS = [1, 504, 3458, 282, 4649, 314]
