@@ -93,3 +93,11 @@ def test_restart_settings_and_diff() -> None:
     local = restart_diff(restart_settings(a, in_process=True), restart_settings(b, in_process=True))
     assert [c.key for c in local] == ["lora.max_lora_rank", "server.admin_key", "server.port"]
     assert "s3cr3t" not in local[1].render()
+
+
+def test_llama_8b_gpu_example_composes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APPLIANCE_ADAPTER_ROOT", "/data/loras")
+    cfg = default_config("model=llama-3.1-8b-instruct", "engine=gpu", "lora=gpu", "adapters=[llama_example]")
+    assert cfg.model.dtype == "bfloat16" and cfg.model.source is None and cfg.lora.max_loras_per_batch == 32
+    assert cfg.lora.adapter_roots == ["/data/loras"] and cfg.adapters["sql"].path == "/data/loras/sql-lora"
+    assert cfg.adapters["sql"].pinned and cfg.adapters["support"].base_model == "meta-llama/Llama-3.1-8B-Instruct"
