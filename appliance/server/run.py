@@ -120,7 +120,10 @@ class DrainingServer(uvicorn.Server):
             return  # built from a config object (tests, embedding): nothing to watch
         rcfg = rec.running.reconcile
         self._reload_stop = asyncio.Event()
-        if rcfg.watch:
+        if rcfg.watch and not _has_watchfiles():
+            log.error("reconcile.watch is on but the watchfiles package is missing: not watching %s "
+                      "(periodic resync still runs when reconcile.resync_s > 0)", rec.source.config_dir)
+        elif rcfg.watch:
             self._reload_tasks.append(asyncio.create_task(
                 run_watch(rec, rec.source.config_dir, rcfg.debounce_s, self._reload_stop)))
         if rcfg.resync_s > 0:
@@ -153,6 +156,12 @@ class DrainingServer(uvicorn.Server):
             # blocks, so keep it off the event loop that must still send those answers.
             await asyncio.to_thread(self.engine.shutdown)
         self.should_exit = True
+
+
+def _has_watchfiles() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("watchfiles") is not None
 
 
 def _setup_logging(level: str) -> None:
