@@ -4,7 +4,10 @@
     appliance model prepare [--config-dir DIR] [--force] [overrides...]
     appliance config show [--config-dir DIR] [overrides...]
     appliance validate [--config-dir DIR] [overrides...]
-    appliance plan [--config-dir DIR] [--url URL] [--detailed-exitcode] [overrides...]
+    appliance plan [--config-dir DIR] [--url URL] [--detailed-exitcode] [--no-prune] [overrides...]
+    appliance apply [--config-dir DIR] [--url URL] [--auto-approve] [--dry-run] [--no-prune] [overrides...]
+    appliance status [--config-dir DIR] [--url URL] [overrides...]
+    appliance demo train-adapters [--out DIR] [--steps N] ...
 
 Overrides are Hydra's `key=value` (e.g. `server.port=9000 model.dtype=bfloat16`). Exit codes: 0 ok,
 1 a config or model error (printed as `error: ...`), 2 bad arguments (argparse).
@@ -33,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:
         # `plan --detailed-exitcode` gives 2 the meaning "changes pending": a usage error there must
         # not look like one, so plan's usage errors exit 1.
-        if e.code == 2 and argv[:1] == ["plan"]:
+        if e.code == 2 and argv[:1] in (["plan"], ["apply"]):
             raise SystemExit(1) from None
         raise
     args.overrides += extra
@@ -65,11 +68,30 @@ def _parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=_validate)
 
     plan = sub.add_parser("plan", help="diff the config's adapters against a running server (read-only)")
-    plan.add_argument("--url", default=None, help="server URL (default: http://server.host:server.port)")
+    _remote_args(plan)
     plan.add_argument("--detailed-exitcode", action="store_true",
                       help="exit 0 when nothing would change, 2 when something would, 1 on error")
     _config_args(plan)
     plan.set_defaults(func=_plan)
+
+    apply = sub.add_parser("apply", help="make a running server's adapters match the config")
+    _remote_args(apply)
+    apply.add_argument("--auto-approve", action="store_true", help="apply without asking for 'yes'")
+    apply.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    _config_args(apply)
+    apply.set_defaults(func=_apply)
+
+    status = sub.add_parser("status", help="a running server's config generation, conditions and adapters")
+    status.add_argument("--url", default=None, help="server URL (default: http://server.host:server.port)")
+    _config_args(status)
+    status.set_defaults(func=_status)
+
+    demo = sub.add_parser("demo", help="the demo adapters").add_subparsers(dest="action", required=True,
+                                                                         metavar="ACTION")
+    train = demo.add_parser("train-adapters", help="train the demo adapters with peft on CPU (needs the dev "
+                                                   "extras); the repository ships the result")
+    train.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of appliance.demo.train")
+    train.set_defaults(func=_train_demo, overrides=[])
 
     config = sub.add_parser("config", help="inspect the composed config").add_subparsers(
         dest="action", required=True, metavar="ACTION")
@@ -77,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(show)
     show.set_defaults(func=_show)
     return p
+
+
+def _remote_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="server URL (default: http://server.host:server.port)")
+    p.add_argument("--no-prune", action="store_true",
+                   help="keep live adapters that are not in the config (default: unload them)")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -110,34 +138,123 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from appliance.reconcile.client import AdminClientError
+    from appliance.reconcile.plan import render
+
+    try:
+        cfg, _, p = _remote_plan(args)
+    except _Invalid:
+        return 1
+    except AdminClientError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(render(p))
+    return 2 if (p.has_changes and args.detailed_exitcode) else 0
+
+
+def _apply(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from appliance.reconcile.apply import execute
+    from appliance.reconcile.client import AdminClientError
+    from appliance.reconcile.plan import render
+
+    try:
+        cfg, client, p = _remote_plan(args)
+    except _Invalid:
+        return 1
+    except AdminClientError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(render(p))
+    if not p.actions:
+        if p.restart:
+            print("Nothing to apply live; restart the server for the settings above.")
+        return 0
+    if args.dry_run:
+        print("Dry run: nothing applied.")
+        return 0
+    if not args.auto_approve:
+        print(f"\nApply {len(p.actions)} action(s) to {client.url}? Only 'yes' is accepted: ", end="", flush=True)
+        try:
+            answer = input()
+        except EOFError:
+            answer = ""
+        if answer.strip() != "yes":
+            print("Apply cancelled: nothing changed.", file=sys.stderr)
+            return 1
+    results = asyncio.run(execute(p.actions, client))
+    for r in results:
+        print(r.render())
+    failed = [r for r in results if not r.ok]
+    print(f"Apply {'complete' if not failed else 'finished with errors'}: {len(results) - len(failed)} done, "
+          f"{len(failed)} failed." + (" Restart the server for the settings marked '!'." if p.restart else ""))
+    return 1 if failed else 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from appliance.reconcile.client import AdminClientError
+    from appliance.reconcile.status import render_status
+
+    cfg = _compose(args)
+    client = _client(cfg, args.url)
+    try:
+        status, adapters = client.status(), client.adapters()
+    except AdminClientError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(render_status(client.url, status, adapters))
+    return 0
+
+
+class _Invalid(Exception):
+    """The local config did not validate; its problems are printed already."""
+
+
+def _client(cfg: ApplianceConfig, url: Optional[str]):
     import os
 
-    from appliance.reconcile.live import LiveStateError, desired_state, live_state
-    from appliance.reconcile.plan import plan, render
+    from appliance.reconcile.client import AdminClient
 
-    cfg = _validated(args)
-    if cfg is None:
-        return 1
-    url = args.url or f"http://{cfg.server.host}:{cfg.server.port}"
     # The entry point may read the environment (library code does not): the key for a server whose
     # config is not at hand.
     key = cfg.server.admin_key or os.environ.get("APPLIANCE_ADMIN_KEY")
-    try:
-        live = live_state(url, key)
-    except LiveStateError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    actions = plan(desired_state(cfg), live)
-    print(render(actions))
-    return 2 if (actions and args.detailed_exitcode) else 0
+    return AdminClient(url or f"http://{cfg.server.host}:{cfg.server.port}", key)
+
+
+def _remote_plan(args: argparse.Namespace):
+    """Validate the local config, read the server, plan. Raises _Invalid or AdminClientError."""
+    from appliance.config.restart import restart_diff, restart_settings
+    from appliance.reconcile.live import desired_state, live_adapters
+    from appliance.reconcile.plan import plan
+
+    cfg = _validated(args)
+    if cfg is None:
+        raise _Invalid
+    client = _client(cfg, args.url)
+    live = live_adapters(client.adapters())
+    status = client.status()
+    restart = restart_diff(status["settings"], restart_settings(cfg)) if status else []
+    desired, broken = desired_state(cfg)
+    prune = cfg.reconcile.prune and not args.no_prune
+    return cfg, client, plan(desired, live, prune=prune, broken=broken, restart=restart)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from appliance.config.compose import resolve_config_dir
+
     cfg = _compose(args)
+    from appliance.reconcile.controller import ConfigSource
     from appliance.server.run import serve  # lazy: pulls in torch, the engine and uvicorn
 
-    serve(cfg)
+    serve(cfg, ConfigSource(resolve_config_dir(args.config_dir), tuple(args.overrides)))
     return 0
+
+
+def _train_demo(args: argparse.Namespace) -> int:
+    from appliance.demo.train import main as train_main
+
+    return train_main(args.rest)
 
 
 def _prepare(args: argparse.Namespace) -> int:

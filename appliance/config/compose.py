@@ -10,6 +10,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -19,35 +21,89 @@ from appliance.config.schema import ApplianceConfig, ConfigError, register_confi
 
 # configs/ at the repository root; an installed wheel carries no configs, so --config-dir is then needed.
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# Hydra's GlobalHydra is process-wide: the server's reconciler and a test may compose at once.
+_HYDRA_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Composed:
+    cfg: ApplianceConfig
+    # Adapter name -> the file that defines it (relative to the config dir), for error messages.
+    adapter_files: dict[str, str]
+
+    def where(self, name: str) -> str:
+        """`<file>: ` for an adapter defined in a file, else '' (it came from an override)."""
+        f = self.adapter_files.get(name)
+        return f"{f}: " if f else ""
 
 
 def compose_config(config_dir: str | os.PathLike | None = None, overrides: Sequence[str] = (),
                    config_name: str = "config") -> ApplianceConfig:
     """Compose `config_name` from `config_dir` with Hydra overrides; raise ConfigError with the key path."""
+    return compose_tree(config_dir, overrides, config_name).cfg
+
+
+def resolve_config_dir(config_dir: str | os.PathLike | None) -> Path:
+    return (Path(config_dir) if config_dir is not None else DEFAULT_CONFIG_DIR).expanduser().resolve()
+
+
+def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequence[str] = (),
+                 config_name: str = "config") -> Composed:
+    """compose_config, also telling which file each adapter comes from."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
+    from hydra.types import RunMode
     from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
 
-    cdir = Path(config_dir) if config_dir is not None else DEFAULT_CONFIG_DIR
-    cdir = cdir.expanduser().resolve()
+    cdir = resolve_config_dir(config_dir)
     if not (cdir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"{cdir / (config_name + '.yaml')}: config file not found")
     register_configs()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=list(overrides))
-        _reject_unknown_keys(cfg, ApplianceConfig, "")
-        obj = OmegaConf.to_object(cfg)  # resolves ${oc.env:...} and builds the dataclasses
-    except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(f"{cdir}: {_one_line(e)}") from None
-    finally:
+    with _HYDRA_LOCK:
         GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
+                cfg = compose(config_name=config_name, overrides=list(overrides))
+                defaults = GlobalHydra.instance().config_loader().compute_defaults_list(
+                    config_name, list(overrides), RunMode.RUN).defaults
+            _reject_unknown_keys(cfg, ApplianceConfig, "")
+            obj = OmegaConf.to_object(cfg)  # resolves ${oc.env:...} and builds the dataclasses
+        except (HydraException, OmegaConfBaseException, YAMLError) as e:
+            # A YAML syntax error comes unwrapped; its message names the file, line and column.
+            raise ConfigError(f"{cdir}: {_one_line(e)}") from None
+        finally:
+            GlobalHydra.instance().clear()
     if not isinstance(obj, ApplianceConfig):
         raise ConfigError(f"{cdir / (config_name + '.yaml')}: defaults list must start with appliance_schema")
-    obj.check()
-    return obj
+    # The adapters group is multi-select: Hydra merges its files silently, a later file's `name:`
+    # replacing an earlier one's. Two teams claiming one name is a mistake, so it is an error here.
+    files = [d.config_path for d in defaults
+             if d.package == "adapters" and d.config_path and d.config_path.startswith("adapters/")]
+    files.append(config_name)  # the root file may list adapters too (`_self_`)
+    composed = Composed(obj, _adapter_files(cdir, files))
+    try:
+        obj.check()
+    except ConfigError as e:
+        name = str(e).split(".")[1].split(":")[0] if str(e).startswith("adapters.") else ""
+        raise ConfigError(f"{composed.where(name)}{e}") from None
+    return composed
+
+
+def _adapter_files(cdir: Path, config_paths: list[str]) -> dict[str, str]:
+    """Adapter name -> defining file; ConfigError when a name is defined in two files."""
+    out: dict[str, str] = {}
+    for cp in config_paths:
+        rel = f"{cp}.yaml"
+        raw = OmegaConf.load(cdir / rel)  # composed fine a moment ago, so it parses
+        names = raw.keys() if cp.startswith("adapters/") else (raw.get("adapters") or {}).keys()
+        for name in names:
+            if name in out:
+                raise ConfigError(f"adapters.{name}: defined in both {out[name]} and {rel}; an adapter name "
+                                  "must be unique across the selected adapters files")
+            out[str(name)] = rel
+    return out
 
 
 def _reject_unknown_keys(node: object, schema: type, prefix: str) -> None:

@@ -3,8 +3,8 @@
 Each YAML group file (configs/model/*.yaml, configs/engine/*.yaml, ...) is validated against the
 dataclass registered as its schema, so an unknown key or a wrong type fails at compose time with the
 key path. Invariants that span fields are checked in `check()` (called by compose) with the key path
-in the message. Groups that later issues bring (lora, adapters, parallel, metrics, reconcile) get their
-own dataclass here and a slot in `ApplianceConfig`.
+in the message. `adapters` is a multi-select group: its option files each hold `name -> AdapterConfig`
+and compose.py merges them (a name in two files is an error naming both).
 """
 
 from __future__ import annotations
@@ -208,13 +208,60 @@ class AdapterConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor-parallel layout (engine-level: restart to change)."""
+
+    tp_size: int = 1
+    # torch.distributed backend: auto = nccl on cuda, gloo on cpu.
+    backend: str = "auto"
+    # Rendezvous of the worker processes (torch.distributed's MASTER_ADDR / MASTER_PORT).
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def check(self) -> None:
+        if self.tp_size < 1:
+            raise ConfigError(f"parallel.tp_size: must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1:
+            # Refused rather than ignored: serving one rank while the config says several would be a lie.
+            raise ConfigError(f"parallel.tp_size: {self.tp_size} is not available yet (tensor parallelism "
+                              "is not implemented); set parallel.tp_size=1")
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"parallel.backend: {self.backend!r} is not one of auto, nccl, gloo")
+        if not 0 < self.master_port <= 65535:
+            raise ConfigError(f"parallel.master_port: must be in 1..65535, got {self.master_port}")
+
+
+@dataclass
+class ReconcileConfig:
+    """How a running server follows its config dir (hot reload)."""
+
+    # Watch the config dir and converge to it when a file changes.
+    watch: bool = True
+    # Wait this long after the last file event before recomposing (editors write in several steps).
+    debounce_s: float = 0.5
+    # Also reconcile every resync_s seconds whatever happened: repairs drift (adapters loaded or
+    # unloaded through the admin API, weights changed on disk) and events the watcher missed. 0 = off.
+    resync_s: float = 60.0
+    # Adapters live but not in the config are unloaded (false: kept, and `appliance plan` says so).
+    prune: bool = True
+
+    def check(self) -> None:
+        if self.debounce_s < 0:
+            raise ConfigError(f"reconcile.debounce_s: must be >= 0, got {self.debounce_s}")
+        if self.resync_s < 0:
+            raise ConfigError(f"reconcile.resync_s: must be >= 0 (0 = off), got {self.resync_s}")
+
+
+@dataclass
 class ApplianceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    # Adapters loaded at start, name -> settings (the reconciler issue adds group files and live apply).
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
+    # The wanted adapters, name -> settings: loaded at start, then kept in step by the reconciler.
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -226,6 +273,8 @@ class ApplianceConfig:
         if self.metrics.enabled and self.metrics.require_key and not self.server.api_keys:
             raise ConfigError("metrics.require_key: true needs server.api_keys (the keys /metrics accepts); "
                               "set them or set metrics.require_key to false")
+        self.parallel.check()
+        self.reconcile.check()
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")
         for name, a in self.adapters.items():
@@ -234,6 +283,11 @@ class ApplianceConfig:
             if a.rank is not None and not 1 <= a.rank <= self.lora.max_lora_rank:
                 raise ConfigError(f"adapters.{name}.rank: {a.rank} is not in 1..lora.max_lora_rank "
                                   f"({self.lora.max_lora_rank})")
+        pinned = sorted(n for n, a in self.adapters.items() if a.pinned)
+        if len(pinned) > self.lora.max_loras_per_batch - 1:
+            # The pool keeps one slot unpinned so every other adapter can still run.
+            raise ConfigError(f"adapters: {len(pinned)} pinned ({', '.join(pinned)}) but at most "
+                              f"lora.max_loras_per_batch - 1 = {self.lora.max_loras_per_batch - 1} may be")
         if (
             not self.engine.enable_chunked_prefill
             and self.model.max_model_len is not None
@@ -254,3 +308,5 @@ def register_configs() -> None:
     cs.store(group="server", name="server_schema", node=ServerConfig)
     cs.store(group="lora", name="lora_schema", node=LoRAConfig)
     cs.store(group="metrics", name="metrics_schema", node=MetricsConfig)
+    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    cs.store(group="reconcile", name="reconcile_schema", node=ReconcileConfig)

@@ -3,7 +3,8 @@
 Schema (types, unknown keys, invariants) comes from compose; then the model directory's config.json,
 then every adapter listed under `adapters:`: path inside lora.adapter_roots, a PEFT dir we accept
 (read from its config and safetensors header only, no weights), rank and targets within the engine's
-LoRA settings, and the expectations written in the YAML. All problems are collected, one line each.
+LoRA settings, and the expectations written in the YAML. All problems are collected, one line each,
+starting with the inventory file that defines the adapter (`adapters/team_a.yaml: adapters.x.rank: ...`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from appliance.config.compose import compose_config
+from appliance.config.compose import compose_tree
 from appliance.config.schema import ApplianceConfig, ConfigError
 
 
 def validate(config_dir: str | os.PathLike | None, overrides: Sequence[str]) -> tuple[Optional[ApplianceConfig], list[str]]:
     """The composed config (None when it does not compose) and every problem found, one line each."""
     try:
-        cfg = compose_config(config_dir, overrides)
+        composed = compose_tree(config_dir, overrides)
     except ConfigError as e:
         return None, [str(e)]
+    cfg = composed.cfg
     from appliance.lora.adapter import AdapterError, inspect_adapter, resolve_adapter_path
     from appliance.models.llama import ModelArgs
     from appliance.models.weights import read_hf_config
@@ -41,7 +43,8 @@ def validate(config_dir: str | os.PathLike | None, overrides: Sequence[str]) -> 
                 continue  # shapes need the base model; its problem is already listed
             spec = inspect_adapter(resolved, cfg.lora, args)
         except AdapterError as e:
-            problems.append(f"adapters.{name}.path: {e}")
+            problems.append(f"{composed.where(name)}adapters.{name}.path: {e}")
             continue
-        problems += a.mismatches(name, spec.rank, spec.target_modules, spec.base_model_name)
+        problems += [composed.where(name) + m for m in a.mismatches(name, spec.rank, spec.target_modules,
+                                                                    spec.base_model_name)]
     return cfg, problems

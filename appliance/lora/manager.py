@@ -137,6 +137,28 @@ class LoRAManager:
             out[self.tier(name)] += 1
         return out
 
+    def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:
+        """Pin or unpin a loaded adapter without reloading it (same weights, same key).
+
+        Pinning takes a GPU slot now (loading the weights into it when needed) and keeps the weights
+        in the CPU tier; it is refused, with nothing changed, at the pin limit or with no slot free.
+        Asking for the state the adapter already has is a no-op.
+        """
+        entry = self.registry.get(name)  # 404 when unknown
+        if entry.pinned == pinned:
+            return entry
+        key = self.current[name]
+        if pinned:
+            weights = self.host.get(key)  # a cold read that fails leaves everything as it was
+            acquired = self.pool.pin(key)
+            if acquired.needs_load:
+                self._fill_slot(acquired.slot, key, self.keys[key].spec, weights)
+            self.host.pin(key)
+        else:
+            self.pool.unpin(key)
+            self.host.unpin(key)
+        return self.registry.set_pinned(name, pinned)
+
     def resolve(self, model: Optional[str]) -> Optional[str]:
         """The adapter key for an OpenAI `model` / native lora_path value (None = base model)."""
         if model is None:

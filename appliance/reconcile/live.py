@@ -1,49 +1,43 @@
-"""Desired and live adapter states for the plan: from the composed config, and from a server's API."""
+"""Desired and live adapter states for the plan: from the composed config, and from the server's view."""
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from pathlib import Path
+from typing import Any, Optional
 
 from appliance.config.schema import ApplianceConfig
 from appliance.reconcile.plan import AdapterState
 
 
-class LiveStateError(Exception):
-    """The server could not be read (down, wrong URL, wrong admin key); the message says which."""
-
-
-def desired_state(cfg: ApplianceConfig) -> dict[str, AdapterState]:
-    """The config's adapters with resolved paths and content checksums (call after validate passed)."""
-    from appliance.lora.adapter import inspect_adapter, resolve_adapter_path
+def desired_state(cfg: ApplianceConfig, engine_cfg: Optional[ApplianceConfig] = None
+                  ) -> tuple[dict[str, AdapterState], dict[str, str]]:
+    """The config's adapters with resolved paths and content checksums, and the ones that fail their
+    checks (name -> why). They are checked against `engine_cfg`'s model and LoRA settings (the running
+    engine's, in-process: a restart-only change in the YAML does not apply to them yet), else `cfg`'s.
+    Reads adapter configs and safetensors headers and hashes the files: call it off the event loop."""
+    from appliance.lora.adapter import AdapterError, inspect_adapter, resolve_adapter_path
     from appliance.models.llama import ModelArgs
     from appliance.models.weights import read_hf_config
 
-    args = ModelArgs.from_hf_config(read_hf_config(Path(cfg.model.path).expanduser()))
-    out = {}
+    engine_cfg = engine_cfg or cfg
+    args = ModelArgs.from_hf_config(read_hf_config(Path(engine_cfg.model.path).expanduser()))
+    states: dict[str, AdapterState] = {}
+    broken: dict[str, str] = {}
     for name, a in cfg.adapters.items():
-        spec = inspect_adapter(resolve_adapter_path(a.path, cfg.lora.adapter_roots), cfg.lora, args)
-        out[name] = AdapterState(name, str(spec.path), a.pinned, spec.checksum)
-    return out
-
-
-def live_state(url: str, admin_key: str | None, timeout_s: float = 30.0) -> dict[str, AdapterState]:
-    """GET {url}/v1/adapters with the admin key: the server's adapters as AdapterStates."""
-    req = urllib.request.Request(url.rstrip("/") + "/v1/adapters")
-    if admin_key:
-        req.add_header("Authorization", f"Bearer {admin_key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            body = json.loads(resp.read())
-    except urllib.error.HTTPError as e:
         try:
-            msg = json.loads(e.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            msg = e.reason
-        raise LiveStateError(f"{url}/v1/adapters answered {e.code}: {msg}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise LiveStateError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+            spec = inspect_adapter(resolve_adapter_path(a.path, engine_cfg.lora.adapter_roots), engine_cfg.lora, args)
+        except AdapterError as e:
+            broken[name] = str(e)
+            continue
+        mismatches = a.mismatches(name, spec.rank, spec.target_modules, spec.base_model_name)
+        if mismatches:
+            broken[name] = "; ".join(mismatches)
+            continue
+        states[name] = AdapterState(name, str(spec.path), a.pinned, spec.checksum)
+    return states, broken
+
+
+def live_adapters(body: dict[str, Any]) -> dict[str, AdapterState]:
+    """The adapters of a GET /v1/adapters body as AdapterStates."""
     return {d["name"]: AdapterState(d["name"], d["path"], bool(d["pinned"]), d["checksum"])
             for d in body.get("data", [])}

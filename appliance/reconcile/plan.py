@@ -1,13 +1,16 @@
 """The diff of desired adapters against live ones, as an ordered list of actions. Pure Python.
 
-Order is the safe order to apply in: unloads first (they free slots and pins), then reloads, then
-loads, then pin changes (a pin needs its adapter loaded and a slot free).
+Order is the safe order to apply in, the one that never exceeds the slot or pin limits: unpins first
+(they free pin budget), then unloads (they free slots and pins), then reloads, then loads (a pinned
+load takes a slot and a pin), then pins (a pin needs its adapter loaded and a slot free).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+from appliance.config.restart import SettingChange
 
 
 @dataclass(frozen=True)
@@ -32,13 +35,33 @@ class Action:
         return {"load": "+", "unload": "-", "reload": "-/+", "pin": "~", "unpin": "~"}[self.kind]
 
 
-_ORDER = {"unload": 0, "reload": 1, "load": 2, "unpin": 3, "pin": 4}
+@dataclass
+class Plan:
+    actions: list[Action]
+    # Live adapters not in the config, left alone because pruning is off.
+    kept: list[str] = field(default_factory=list)
+    # Config adapters that cannot be planned (their files fail the checks against the live engine):
+    # name -> why. A live adapter of that name is left as it is, never unloaded for it.
+    broken: dict[str, str] = field(default_factory=dict)
+    # Engine-level settings that differ: reported, never applied live.
+    restart: list[SettingChange] = field(default_factory=list)
+
+    @property
+    def has_changes(self) -> bool:
+        """Live differs from the config in any way (what `--detailed-exitcode` reports as 2)."""
+        return bool(self.actions or self.restart or self.broken)
 
 
-def plan(desired: dict[str, AdapterState], live: dict[str, AdapterState]) -> list[Action]:
+ORDER = {"unpin": 0, "unload": 1, "reload": 2, "load": 3, "pin": 4}
+
+
+def plan(desired: dict[str, AdapterState], live: dict[str, AdapterState], prune: bool = True,
+         broken: Optional[dict[str, str]] = None, restart: Optional[list[SettingChange]] = None) -> Plan:
+    broken = dict(broken or {})
     actions: list[Action] = []
-    for name in sorted(live.keys() - desired.keys()):
-        actions.append(Action("unload", name, "not in the config"))
+    drift = sorted(live.keys() - desired.keys() - broken.keys())
+    if prune:
+        actions += [Action("unload", name, "not in the config") for name in drift]
     for name in sorted(desired.keys() - live.keys()):
         d = desired[name]
         actions.append(Action("load", name, f"not loaded ({d.path}{', pinned' if d.pinned else ''})", d))
@@ -51,16 +74,25 @@ def plan(desired: dict[str, AdapterState], live: dict[str, AdapterState]) -> lis
                                   d))
         elif d.pinned != l.pinned:
             actions.append(Action("pin" if d.pinned else "unpin", name, f"pinned: {l.pinned} -> {d.pinned}", d))
-    return sorted(actions, key=lambda a: (_ORDER[a.kind], a.name))
+    actions.sort(key=lambda a: (ORDER[a.kind], a.name))
+    return Plan(actions, kept=[] if prune else drift, broken=broken, restart=list(restart or []))
 
 
-def render(actions: list[Action]) -> str:
-    """Terraform-style: one line per action with its reason, then a summary line."""
-    lines = [f"{a.symbol} {a.name}: {a.kind} ({a.reason})" for a in actions]
-    count = {k: sum(a.kind == k for a in actions) for k in _ORDER}
-    if not actions:
+def render(p: Plan) -> str:
+    """Terraform-style: one line per action with its reason, then notes, then a summary line."""
+    lines = [f"{a.symbol} {a.name}: {a.kind} ({a.reason})" for a in p.actions]
+    lines += [f"! {name}: cannot be planned: {why}" for name, why in sorted(p.broken.items())]
+    lines += [f"= {name}: kept (live but not in the config; pruning is off)" for name in p.kept]
+    lines += [f"! {c.render()}" for c in p.restart]
+    count = {k: sum(a.kind == k for a in p.actions) for k in ORDER}
+    if not p.has_changes:
         lines.append("No changes. The live adapters match the config.")
     else:
-        lines.append(f"Plan: {count['load']} to load, {count['reload']} to reload, {count['unload']} to unload, "
-                     f"{count['pin'] + count['unpin']} to pin/unpin.")
+        summary = (f"Plan: {count['load']} to load, {count['reload']} to reload, {count['unload']} to unload, "
+                   f"{count['pin'] + count['unpin']} to pin/unpin.")
+        if p.restart:
+            summary += f" {len(p.restart)} setting(s) need a restart (not applied live)."
+        if p.broken:
+            summary += f" {len(p.broken)} adapter(s) cannot be planned."
+        lines.append(summary)
     return "\n".join(lines)

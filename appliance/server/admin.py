@@ -2,13 +2,17 @@
 
     POST /load_lora_adapter    (also /v1/...)  {lora_name, lora_path, pinned?, load_inplace?}
     POST /unload_lora_adapter  (also /v1/...)  {lora_name}
+    POST /pin_lora_adapter     (also /v1/...)  {lora_name, pinned}: pin or unpin without a reload
     GET  /v1/adapters                          live state of every adapter, GPU slot pool, CPU tier
+    GET  /v1/status                            config generation and hash, last reconcile, conditions
 
 Every admin route needs `Authorization: Bearer <server.admin_key>` (auth.AdminAuth). The names and
 bodies are SGLang's and vLLM's, so their clients and scripts work unchanged.
 
-Every read or change of LoRA state runs on the engine thread through `AsyncEngine.call`, between two
-steps: the manager, its registry and its slot pool are single-threaded, and the engine thread mutates
+The operations themselves are `AdapterAdmin`'s, which the in-process reconciler (hot reload) calls
+too. Changes hold `AdapterAdmin.lock`, as a whole reconcile does, so an admin call never interleaves
+with a reconcile's plan and apply. Every read or change of LoRA state runs on the engine thread through
+`AsyncEngine.call`, between two steps: the manager, its registry and its slot pool are single-threaded, and the engine thread mutates
 them while it steps. A load also reads and checks the adapter's files there, so a large adapter pauses
 stepping for as long as that takes (loading beside the running batch is a later item).
 
@@ -19,8 +23,9 @@ LoRAStateError -> its own status (404 unknown name, 409 duplicate name or no slo
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any, Awaitable, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,60 +41,41 @@ from appliance.server.auth import AdminAuth
 from appliance.server.errors import ApiError, bad_request
 from appliance.server.protocol import opt_bool
 
+if TYPE_CHECKING:
+    from appliance.reconcile.controller import Reconciler
+
 T = TypeVar("T")
 
 _LOAD_KEYS = {"lora_name", "lora_path", "pinned", "load_inplace"}
 _UNLOAD_KEYS = {"lora_name"}
+_PIN_KEYS = {"lora_name", "pinned"}
 _STATE_CODES = {400: "invalid_lora_request", 404: "adapter_not_found", 409: "adapter_conflict"}
 
 
-class AdminApi:
-    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig,
-                 read_json: Callable[[Request], Awaitable[dict]]) -> None:
+class AdapterAdmin:
+    """The admin operations on the live engine's adapters, for the HTTP routes and the reconciler.
+
+    Callers that change state hold `lock` (the routes take it per call, a reconcile for its whole
+    pass). Refusals raise ApiError with the status the HTTP API answers (see the module docstring).
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.lora: Optional[LoRAManager] = engine.engine.lora  # None when lora.enabled is false
-        self.base_name = cfg.model.name
-        self.auth = AdminAuth(cfg.server.admin_key)
-        self.read_json = read_json  # the app's body reader: size limit, JSON object check
-        # Adapter id -> when it was loaded through this API (unix s), for the `created` of its model card.
-        self._created: dict[int, int] = {}
+        self.lock = asyncio.Lock()
+        # Adapter id -> when it was loaded (unix s), for the `created` of its model card.
+        self.created: dict[int, int] = {}
 
-    def routes(self) -> list[Route]:
-        return [
-            Route("/load_lora_adapter", self.load, methods=["POST"]),
-            Route("/v1/load_lora_adapter", self.load, methods=["POST"]),
-            Route("/unload_lora_adapter", self.unload, methods=["POST"]),
-            Route("/v1/unload_lora_adapter", self.unload, methods=["POST"]),
-            Route("/v1/adapters", self.adapters, methods=["GET"]),
-        ]
+    async def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False) -> dict[str, Any]:
+        lora = self.enabled()
+        view = await run_on_engine(self.engine, lambda: adapter_view(
+            lora, lora.load(name, path, pinned=pinned, inplace=inplace)))
+        self.created.setdefault(view["id"], int(time.time()))  # an in-place reload keeps its card's date
+        return view
 
-    def created(self, adapter_id: int, default: int) -> int:
-        return self._created.get(adapter_id, default)
-
-    # ------------------------------------------------------------------------------ routes
-    async def load(self, request: Request) -> Response:
-        self.auth.check(request)
-        body = await self.read_json(request)
-        _check_keys(body, _LOAD_KEYS, request.url.path)
-        name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
-        pinned, inplace = _opt_bool(body, "pinned"), _opt_bool(body, "load_inplace")
-        lora = self._enabled()
-
-        def load() -> dict[str, Any]:
-            return adapter_view(lora, lora.load(name, path, pinned=pinned, inplace=inplace))
-
-        view = await run_on_engine(self.engine, load)
-        self._created.setdefault(view["id"], int(time.time()))  # an in-place reload keeps its card's date
-        verb = "reloaded in place" if inplace else "loaded"
-        return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb} from {view['path']}.",
-                             "adapter": view})
-
-    async def unload(self, request: Request) -> Response:
-        self.auth.check(request)
-        body = await self.read_json(request)
-        _check_keys(body, _UNLOAD_KEYS, request.url.path)
-        name = _required_str(body, "lora_name")
-        lora = self._enabled()
+    async def unload(self, name: str) -> int:
+        """Unload `name`; returns how many requests still run on it (they finish on its weights)."""
+        lora = self.enabled()
 
         def unload() -> tuple[int, int]:
             entry = lora.registry.get(name)  # 404 when unknown, before anything changes
@@ -99,25 +85,94 @@ class AdminApi:
             return entry.id, (st.in_flight if st is not None else 0)
 
         adapter_id, in_flight = await run_on_engine(self.engine, unload)
-        self._created.pop(adapter_id, None)
+        self.created.pop(adapter_id, None)
+        return in_flight
+
+    async def set_pinned(self, name: str, pinned: bool) -> dict[str, Any]:
+        lora = self.enabled()
+        return await run_on_engine(self.engine, lambda: adapter_view(lora, lora.set_pinned(name, pinned)))
+
+    async def snapshot(self) -> dict[str, Any]:
+        if self.lora is None:
+            return {"object": "list", "enabled": False, "data": [], "retiring": [], "pool": None, "cache": None}
+        lora = self.lora
+        return await run_on_engine(self.engine, lambda: snapshot(lora))
+
+    def enabled(self) -> LoRAManager:
+        if self.lora is None:
+            raise ApiError(400, "LoRA serving is off (lora.enabled is false): restart with "
+                                "lora.enabled=true to load adapters.", code="lora_disabled")
+        return self.lora
+
+
+class AdminApi:
+    def __init__(self, ops: AdapterAdmin, cfg: ApplianceConfig,
+                 read_json: Callable[[Request], Awaitable[dict]]) -> None:
+        self.ops = ops
+        self.auth = AdminAuth(cfg.server.admin_key)
+        self.read_json = read_json  # the app's body reader: size limit, JSON object check
+        self.reconciler: Optional["Reconciler"] = None  # set by build_app
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/load_lora_adapter", self.load, methods=["POST"]),
+            Route("/v1/load_lora_adapter", self.load, methods=["POST"]),
+            Route("/unload_lora_adapter", self.unload, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload, methods=["POST"]),
+            Route("/pin_lora_adapter", self.pin, methods=["POST"]),
+            Route("/v1/pin_lora_adapter", self.pin, methods=["POST"]),
+            Route("/v1/adapters", self.adapters, methods=["GET"]),
+            Route("/v1/status", self.status, methods=["GET"]),
+        ]
+
+    def created(self, adapter_id: int, default: int) -> int:
+        return self.ops.created.get(adapter_id, default)
+
+    # ------------------------------------------------------------------------------ routes
+    async def load(self, request: Request) -> Response:
+        self.auth.check(request)
+        body = await self.read_json(request)
+        _check_keys(body, _LOAD_KEYS, request.url.path)
+        name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
+        pinned, inplace = _opt_bool(body, "pinned"), _opt_bool(body, "load_inplace")
+        async with self.ops.lock:
+            view = await self.ops.load(name, path, pinned=pinned, inplace=inplace)
+        verb = "reloaded in place" if inplace else "loaded"
+        return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb} from {view['path']}.",
+                             "adapter": view})
+
+    async def unload(self, request: Request) -> Response:
+        self.auth.check(request)
+        body = await self.read_json(request)
+        _check_keys(body, _UNLOAD_KEYS, request.url.path)
+        name = _required_str(body, "lora_name")
+        async with self.ops.lock:
+            in_flight = await self.ops.unload(name)
         tail = (f" {in_flight} request(s) still running on it finish first; its weights are freed then."
                 if in_flight else "")
         return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' unloaded.{tail}",
                              "in_flight": in_flight})
 
+    async def pin(self, request: Request) -> Response:
+        self.auth.check(request)
+        body = await self.read_json(request)
+        _check_keys(body, _PIN_KEYS, request.url.path)
+        name = _required_str(body, "lora_name")
+        if not isinstance(body.get("pinned"), bool):
+            raise bad_request("'pinned' must be true or false.", "pinned")
+        async with self.ops.lock:
+            view = await self.ops.set_pinned(name, body["pinned"])
+        verb = "pinned to GPU slot %s" % view["slot"] if view["pinned"] else "unpinned"
+        return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb}.", "adapter": view})
+
     async def adapters(self, request: Request) -> Response:
         self.auth.check(request)
-        if self.lora is None:
-            return JSONResponse({"object": "list", "enabled": False, "data": [], "retiring": [],
-                                 "pool": None, "cache": None})
-        lora = self.lora
-        return JSONResponse(await run_on_engine(self.engine, lambda: snapshot(lora)))
+        return JSONResponse(await self.ops.snapshot())
 
-    def _enabled(self) -> LoRAManager:
-        if self.lora is None:
-            raise ApiError(400, "LoRA serving is off (lora.enabled is false): restart with "
-                                "lora.enabled=true to load adapters.", code="lora_disabled")
-        return self.lora
+    async def status(self, request: Request) -> Response:
+        self.auth.check(request)
+        assert self.reconciler is not None
+        return JSONResponse(self.reconciler.status())
 
 
 # ---------------------------------------------------------------------------------- views

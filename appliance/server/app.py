@@ -35,8 +35,9 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.registry import LoRAStateError
 from appliance.metrics import BuildInfo, Metrics
+from appliance.reconcile.controller import ConfigSource, Reconciler
 from appliance.server import protocol
-from appliance.server.admin import AdminApi, adapter_card, run_on_engine
+from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
@@ -52,8 +53,10 @@ RETRY_AFTER_S = 1
 
 @dataclass
 class ServerState:
-    """Shared with run.py: set `draining` on SIGTERM so /health and new requests answer 503."""
+    """Shared with run.py: set `draining` on SIGTERM so /health and new requests answer 503; run.py
+    also starts and stops hot reload around the reconciler."""
 
+    reconciler: Reconciler
     draining: bool = False
 
 
@@ -61,10 +64,11 @@ class _ClientGone(Exception):
     """The client disconnected before the answer; nothing to send."""
 
 
-def build_app(engine: AsyncEngine, cfg: ApplianceConfig) -> Starlette:
-    """The Starlette app for `engine`; `app.state.server` is its `ServerState`, `app.state.metrics` its
-    `Metrics` (None when metrics.enabled is false; the reconciler reports through it)."""
-    api = _Api(engine, cfg)
+def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> Starlette:
+    """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`, `app.state.metrics`
+    its `Metrics` (None when metrics.enabled is false; the reconciler reports through it). `source`: the
+    config dir and overrides `cfg` was composed from, which hot reload composes again."""
+    api = _Api(engine, cfg, source)
     metrics = _metrics(engine, cfg)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -99,14 +103,16 @@ def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
 
 
 class _Api:
-    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig) -> None:
+    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource]) -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.cfg = cfg
         self.auth = ApiKeyAuth(cfg.server.api_keys)
-        self.state = ServerState()
         self.created = int(time.time())
-        self.admin = AdminApi(engine, cfg, self._read_json)
+        ops = AdapterAdmin(engine)
+        self.state = ServerState(Reconciler(cfg, ops, source))
+        self.admin = AdminApi(ops, cfg, self._read_json)
+        self.admin.reconciler = self.state.reconciler
 
     # ------------------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:

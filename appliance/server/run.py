@@ -22,6 +22,7 @@ import uvicorn
 
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
+from appliance.reconcile.controller import ConfigSource
 from appliance.server.app import ServerState, build_app
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 _CONNECTION_CLOSE_TIMEOUT_S = 5
 
 
-def serve(cfg: ApplianceConfig) -> None:
-    """Load the model, start the engine and serve until a signal; returns after a clean shutdown."""
+def serve(cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
+    """Load the model, start the engine and serve until a signal; returns after a clean shutdown.
+    With `source` (where cfg was composed from) and reconcile.watch, the config dir is hot-reloaded."""
     from appliance.engine.engine import LLMEngine
 
     _setup_logging(cfg.server.log_level)
@@ -39,15 +41,16 @@ def serve(cfg: ApplianceConfig) -> None:
     engine = AsyncEngine(LLMEngine.from_config(cfg))
     engine.start()
     try:
-        make_server(engine, cfg).run()
+        make_server(engine, cfg, source).run()
     finally:
         engine.shutdown()
     log.info("server stopped")
 
 
-def make_server(engine: AsyncEngine, cfg: ApplianceConfig) -> "DrainingServer":
+def make_server(engine: AsyncEngine, cfg: ApplianceConfig,
+                source: Optional[ConfigSource] = None) -> "DrainingServer":
     """A uvicorn server for a started `engine` on cfg.server.host/port (port 0 = any free port)."""
-    app = build_app(engine, cfg)
+    app = build_app(engine, cfg, source)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
                             log_level=cfg.server.log_level, lifespan="off",
                             timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT_S)
@@ -65,6 +68,8 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout_s = shutdown_timeout_s
         self._drain_requested = False
         self._drain_task: Optional[asyncio.Task] = None
+        self._reload_stop: Optional[asyncio.Event] = None
+        self._reload_tasks: list[asyncio.Task] = []
 
     @property
     def port(self) -> int:
@@ -99,6 +104,41 @@ class DrainingServer(uvicorn.Server):
             for sig, handler in original.items():
                 signal.signal(sig, handler)
 
+    async def startup(self, sockets: Optional[list] = None) -> None:
+        await super().startup(sockets)
+        self._start_hot_reload()
+
+    async def shutdown(self, sockets: Optional[list] = None) -> None:
+        await self._stop_hot_reload()
+        await super().shutdown(sockets)
+
+    def _start_hot_reload(self) -> None:
+        from appliance.reconcile.watch import run_resync, run_watch
+
+        rec = self.state.reconciler
+        if rec.source is None:
+            return  # built from a config object (tests, embedding): nothing to watch
+        rcfg = rec.running.reconcile
+        self._reload_stop = asyncio.Event()
+        if rcfg.watch and not _has_watchfiles():
+            log.error("reconcile.watch is on but the watchfiles package is missing: not watching %s "
+                      "(periodic resync still runs when reconcile.resync_s > 0)", rec.source.config_dir)
+        elif rcfg.watch:
+            self._reload_tasks.append(asyncio.create_task(
+                run_watch(rec, rec.source.config_dir, rcfg.debounce_s, self._reload_stop)))
+        if rcfg.resync_s > 0:
+            self._reload_tasks.append(asyncio.create_task(run_resync(rec, rcfg.resync_s, self._reload_stop)))
+
+    async def _stop_hot_reload(self) -> None:
+        if self._reload_stop is not None:
+            self._reload_stop.set()
+        for t in self._reload_tasks:
+            try:
+                await asyncio.wait_for(t, timeout=5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass  # wait_for cancelled it: a reconcile in progress is abandoned at shutdown
+        self._reload_tasks.clear()
+
     async def on_tick(self, counter: int) -> bool:
         if self._drain_requested and self._drain_task is None:
             self._drain_task = asyncio.create_task(self._drain())
@@ -106,6 +146,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         self.state.draining = True
+        await self._stop_hot_reload()  # no adapter changes while requests drain
         self.engine.stop_accepting()
         log.info("draining %d in-flight request(s)", self.engine.num_in_flight)
         if not await self.engine.drain(self.shutdown_timeout_s):
@@ -115,6 +156,12 @@ class DrainingServer(uvicorn.Server):
             # blocks, so keep it off the event loop that must still send those answers.
             await asyncio.to_thread(self.engine.shutdown)
         self.should_exit = True
+
+
+def _has_watchfiles() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("watchfiles") is not None
 
 
 def _setup_logging(level: str) -> None:

@@ -32,15 +32,15 @@ def test_validate_lists_every_problem(tmp_path: Path, tiny_model_dir: Path) -> N
                      f"  escape:\n    path: {root}/../elsewhere\n")
     _, problems = validate(bad, [])
     assert len(problems) == 4, problems
-    assert problems[0] == "adapters.qv.rank: expected 8, the adapter has rank 4"
-    assert problems[1].startswith("adapters.big.path:") and "rank 16, above lora.max_lora_rank 8" in problems[1]
-    assert problems[2].startswith("adapters.gone.path:") and "does not exist" in problems[2]
-    assert problems[3].startswith("adapters.escape.path:") and "outside lora.adapter_roots" in problems[3]
+    assert problems[0] == "config.yaml: adapters.qv.rank: expected 8, the adapter has rank 4"
+    assert problems[1].startswith("config.yaml: adapters.big.path:") and "rank 16, above lora.max_lora_rank 8" in problems[1]
+    assert problems[2].startswith("config.yaml: adapters.gone.path:") and "does not exist" in problems[2]
+    assert problems[3].startswith("config.yaml: adapters.escape.path:") and "outside lora.adapter_roots" in problems[3]
 
     run = [sys.executable, "-m", "appliance", "validate", "--config-dir"]
     ok = subprocess.run(run + [str(good)], capture_output=True, text=True)
     assert ok.returncode == 0 and "1 adapter(s)" in ok.stdout
     no = subprocess.run(run + [str(bad)], capture_output=True, text=True)
-    assert no.returncode == 1 and no.stderr.count("error: adapters.") == 4
+    assert no.returncode == 1 and no.stderr.count("error: config.yaml: adapters.") == 4
     schema = subprocess.run(run + [str(good), "lora.max_lora_rank=zero"], capture_output=True, text=True)
     assert schema.returncode == 1 and "lora.max_lora_rank" in schema.stderr

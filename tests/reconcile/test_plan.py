@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from appliance.config.restart import SettingChange
 from appliance.reconcile.plan import AdapterState, plan, render
 
 
@@ -9,8 +10,9 @@ def st(name: str, path: str = "/a", pinned: bool = False, checksum: str = "c" * 
 
 def test_no_changes() -> None:
     same = {"a": st("a")}
-    assert plan(same, dict(same)) == []
-    assert render([]) == "No changes. The live adapters match the config."
+    p = plan(same, dict(same))
+    assert p.actions == [] and not p.has_changes
+    assert render(p) == "No changes. The live adapters match the config."
 
 
 def test_every_kind_in_safe_order_with_reasons() -> None:
@@ -18,18 +20,44 @@ def test_every_kind_in_safe_order_with_reasons() -> None:
                "pin": st("pin", pinned=True), "unpin": st("unpin"), "same": st("same")}
     live = {"old": st("old"), "moved": st("moved"), "retrained": st("retrained"), "pin": st("pin"),
             "unpin": st("unpin", pinned=True), "same": st("same")}
-    actions = plan(desired, live)
-    assert [(a.kind, a.name) for a in actions] == [
-        ("unload", "old"), ("reload", "moved"), ("reload", "retrained"), ("load", "new"), ("unpin", "unpin"),
+    p = plan(desired, live)
+    # unpin before unload before reload before load before pin: never over the slot or pin limits.
+    assert [(a.kind, a.name) for a in p.actions] == [
+        ("unpin", "unpin"), ("unload", "old"), ("reload", "moved"), ("reload", "retrained"), ("load", "new"),
         ("pin", "pin")]
-    text = render(actions).splitlines()
-    assert text[0] == "- old: unload (not in the config)"
-    assert text[1] == "-/+ moved: reload (path changed: /a -> /b)"
-    assert text[2].startswith("-/+ retrained: reload (weights changed: checksum cccccccccccc -> dddddddddddd")
-    assert text[3] == "+ new: load (not loaded (/a, pinned))"
+    text = render(p).splitlines()
+    assert text[0] == "~ unpin: unpin (pinned: True -> False)"
+    assert text[1] == "- old: unload (not in the config)"
+    assert text[2] == "-/+ moved: reload (path changed: /a -> /b)"
+    assert text[3].startswith("-/+ retrained: reload (weights changed: checksum cccccccccccc -> dddddddddddd")
+    assert text[4] == "+ new: load (not loaded (/a, pinned))"
     assert text[-1] == "Plan: 1 to load, 2 to reload, 1 to unload, 2 to pin/unpin."
 
 
 def test_path_change_wins_over_pin_change() -> None:
-    actions = plan({"a": st("a", path="/b", pinned=True)}, {"a": st("a")})
-    assert [a.kind for a in actions] == ["reload"] and actions[0].desired.pinned
+    p = plan({"a": st("a", path="/b", pinned=True)}, {"a": st("a")})
+    assert [a.kind for a in p.actions] == ["reload"] and p.actions[0].desired.pinned
+
+
+def test_no_prune_keeps_drift_and_says_so() -> None:
+    p = plan({"a": st("a")}, {"a": st("a"), "extra": st("extra")}, prune=False)
+    assert p.actions == [] and p.kept == ["extra"] and not p.has_changes
+    assert render(p).splitlines() == ["= extra: kept (live but not in the config; pruning is off)",
+                                      "No changes. The live adapters match the config."]
+
+
+def test_broken_adapter_is_reported_and_its_live_copy_kept() -> None:
+    # A config adapter whose files fail the checks must not cause the live one of that name to unload.
+    p = plan({}, {"a": st("a")}, broken={"a": "rank 32 > lora.max_lora_rank 16"})
+    assert p.actions == [] and p.has_changes
+    assert render(p).splitlines()[0] == "! a: cannot be planned: rank 32 > lora.max_lora_rank 16"
+
+
+def test_restart_settings_are_listed_not_planned() -> None:
+    p = plan({}, {}, restart=[SettingChange("lora.max_lora_rank", 16, 32),
+                              SettingChange("server.admin_key", "old", "new")])
+    assert p.actions == [] and p.has_changes
+    lines = render(p).splitlines()
+    assert lines[0] == "! lora.max_lora_rank: 16 -> 32 (requires restart)"
+    assert lines[1] == "! server.admin_key: changed (requires restart)"  # never the key itself
+    assert lines[-1].endswith("2 setting(s) need a restart (not applied live).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 import requests
@@ -13,6 +13,7 @@ import requests
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import LLMEngine
+from appliance.reconcile.controller import ConfigSource
 from appliance.server.run import DrainingServer, make_server
 from tests.conftest import default_config
 
@@ -22,11 +23,11 @@ API_KEY = "test-key"
 class ServerThread:
     """`make_server` (what `appliance serve` runs) on a free port, in a thread; `stop()` to end."""
 
-    def __init__(self, cfg: ApplianceConfig) -> None:
+    def __init__(self, cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
         self.cfg = cfg
         self.engine = AsyncEngine(LLMEngine.from_config(cfg))
         self.engine.start()
-        self.server: DrainingServer = make_server(self.engine, cfg)
+        self.server: DrainingServer = make_server(self.engine, cfg, source)
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     def start(self, timeout_s: float = 60.0) -> "ServerThread":

@@ -357,6 +357,41 @@ def test_pinned_adapter_holds_a_gpu_slot(srv: ServerThread, lora_dirs: dict[str,
     assert adapters(srv)["pool"]["pinned"] == 0
 
 
+def test_pin_and_unpin_without_reload(srv: ServerThread, lora_dirs: dict[str, Path], client: openai.OpenAI,
+                                      oracle: dict) -> None:
+    assert load(srv, "pinme", lora_dirs["qv4"]).status_code == 200
+    try:
+        gen = by_name(adapters(srv))["pinme"]["generation"]
+        r = requests.post(srv.url + "/v1/pin_lora_adapter", headers=ADMIN, json={"lora_name": "pinme", "pinned": True},
+                          timeout=60)
+        assert r.status_code == 200, r.text
+        a = by_name(adapters(srv))["pinme"]
+        assert a["pinned"] and a["tier"] == "gpu" and a["generation"] == gen  # same weights, no reload
+        assert adapters(srv)["pool"]["pinned"] == 1
+        # A second pin is refused at the limit (1 of 2 slots), and changes nothing.
+        assert load(srv, "pinme2", lora_dirs["mlp6"]).status_code == 200
+        before = adapters(srv)
+        r = requests.post(srv.url + "/pin_lora_adapter", headers=ADMIN, json={"lora_name": "pinme2", "pinned": True},
+                          timeout=60)
+        assert r.status_code == 400 and "at most 1 of 2 GPU slots" in error_of(r)["message"]
+        assert adapters(srv) == before
+        r = requests.post(srv.url + "/pin_lora_adapter", headers=ADMIN, json={"lora_name": "pinme", "pinned": False},
+                          timeout=60)
+        assert r.status_code == 200 and not by_name(adapters(srv))["pinme"]["pinned"]
+        assert adapters(srv)["pool"]["pinned"] == 0
+        for body, status, needle in [({"lora_name": "nope", "pinned": True}, 404, "'nope' is not loaded"),
+                                     ({"lora_name": "pinme", "pinned": "yes"}, 400, "'pinned' must be true or false"),
+                                     ({"lora_name": "pinme"}, 400, "'pinned' must be true or false")]:
+            r = requests.post(srv.url + "/pin_lora_adapter", headers=ADMIN, json=body, timeout=60)
+            assert r.status_code == status and needle in error_of(r)["message"], r.text
+        assert requests.post(srv.url + "/pin_lora_adapter", json={"lora_name": "pinme", "pinned": True},
+                             timeout=60).status_code == 401
+        assert_still_serving(srv, client, oracle)
+    finally:
+        unload(srv, "pinme")
+        unload(srv, "pinme2")
+
+
 def test_reload_pinned_adapter_in_place(srv: ServerThread, lora_dirs: dict[str, Path]) -> None:
     assert load(srv, "pinswap", lora_dirs["qv4"], pinned=True).status_code == 200
     try:

@@ -1,0 +1,64 @@
+"""Which settings a running server applies live and which need a restart.
+
+Only the adapter inventory (`adapters:`) and `reconcile.prune` are applied live. Everything else sizes
+or shapes the engine (model, dtype, slots, max rank, target modules, backend, tp layout, KV cache) or
+the process (port, keys, watcher): changing it live would mean rebuilding the engine under running
+requests, so the reconciler reports it as "requires restart" and never half-applies it.
+
+Settings are compared as flat `section.key` -> value maps. The server shows its map in /v1/status so
+`appliance plan` can compare from outside; secrets are left out of that map and compared only in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from omegaconf import OmegaConf
+
+from appliance.config.schema import ApplianceConfig
+
+LIVE_KEYS = frozenset({"reconcile.prune"})
+SECRET_KEYS = frozenset({"server.api_keys", "server.admin_key"})
+# Compared in-process only: from outside, the address a client reaches is not the one the server
+# binds (port 0, 0.0.0.0, Docker port maps, port-forwards), so a difference there means nothing.
+ADDRESS_KEYS = frozenset({"server.host", "server.port"})
+
+
+@dataclass(frozen=True)
+class SettingChange:
+    key: str
+    live: Any
+    wanted: Any
+
+    def render(self) -> str:
+        if self.key in SECRET_KEYS:
+            return f"{self.key}: changed (requires restart)"  # never echo a key
+        return f"{self.key}: {_show(self.live)} -> {_show(self.wanted)} (requires restart)"
+
+
+def restart_settings(cfg: ApplianceConfig, in_process: bool = False) -> dict[str, Any]:
+    """Every restart-only setting of `cfg` as `section.key` -> plain value (lists stay lists).
+    Secrets and the listen address only `in_process` (the server comparing its own two configs)."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(data, dict)
+    out: dict[str, Any] = {}
+    for section, values in data.items():
+        if section == "adapters" or not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            path = f"{section}.{key}"
+            if path in LIVE_KEYS or (path in SECRET_KEYS | ADDRESS_KEYS and not in_process):
+                continue
+            out[path] = value
+    return out
+
+
+def restart_diff(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[SettingChange]:
+    """Settings that differ, sorted by key. A key only one side knows (an older server) is skipped."""
+    return [SettingChange(k, live[k], wanted[k]) for k in sorted(live.keys() & wanted.keys())
+            if live[k] != wanted[k]]
+
+
+def _show(v: Any) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
