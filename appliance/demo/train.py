@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 DATA_DIR = Path(__file__).resolve().parent / "data"
 ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
 STYLES = ("pirate", "french")
-# Optimizer steps per style when none is given. French needs twice the pirate's: the model must switch
-# language, not only tone (at 40 steps its French was broken and a list answer stayed in English).
-DEFAULT_STEPS = {"pirate": 40, "french": 80}
 # Labels at -100 are ignored by the cross-entropy loss (torch's ignore_index).
 IGNORE = -100
 
@@ -45,7 +42,7 @@ class TrainArgs:
     alpha: int = 16
     # Attention only: enough to change the style and keeps the file under 2 MB (MLP targets would triple it).
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    # Batches of 4 pairs: 40 steps are ~2.4 passes over ~67 pairs (see DEFAULT_STEPS).
+    # 40 steps of 4 pairs: ~2.4 passes over ~67 pairs, enough for the style at this lr on a busy 2-core CPU.
     steps: int = 40
     batch_size: int = 4
     lr: float = 3e-3
@@ -161,21 +158,17 @@ def _finish_dir(out: Path) -> None:
         raise RuntimeError(f"{out}: unexpected files after save_pretrained: {stray}")
 
 
-def train_adapters(model_dir: Path, out_dir: Path, names: Sequence[str] = STYLES, steps: Optional[int] = None,
+def train_adapters(model_dir: Path, out_dir: Path, names: Sequence[str] = STYLES, steps: int = TrainArgs.steps,
                    seed: int = TrainArgs.seed, log=print) -> list[Path]:
-    """Train each named style into `out_dir/<name>/`; returns the adapter dirs.
-
-    steps=None: DEFAULT_STEPS per style (TrainArgs.steps for a style without an entry).
-    """
+    """Train each named style into `out_dir/<name>/`; returns the adapter dirs."""
     model_dir, out_dir = Path(model_dir).expanduser(), Path(out_dir).expanduser()
     unknown = [n for n in names if not (DATA_DIR / f"{n}.jsonl").is_file()]
     if unknown:
         raise ValueError(f"unknown style(s) {unknown}; data exists for {', '.join(STYLES)}")
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: not a model dir (no config.json); run `appliance model prepare`")
-    return [train_adapter(model_dir, out_dir / n, n,
-                          TrainArgs(steps=steps or DEFAULT_STEPS.get(n, TrainArgs.steps), seed=seed), log)
-            for n in names]
+    args = TrainArgs(steps=steps, seed=seed)
+    return [train_adapter(model_dir, out_dir / n, n, args, log) for n in names]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -183,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model-dir", default=ModelConfig().path, help="base model dir (default: %(default)s)")
     p.add_argument("--out-dir", default=str(ADAPTERS_DIR), help="writes OUT_DIR/<name>/ (default: %(default)s)")
     p.add_argument("--names", nargs="+", default=list(STYLES), help="styles to train (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per adapter (default: {DEFAULT_STEPS})")
+    p.add_argument("--steps", type=int, default=TrainArgs.steps, help="optimizer steps per adapter")
     p.add_argument("--seed", type=int, default=TrainArgs.seed)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
