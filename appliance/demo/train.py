@@ -36,13 +36,14 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class TrainArgs:
-    """Settings that reproduce the shipped adapters with `steps` and `seed` as given on the command line."""
+    """The settings the shipped adapters were trained with; the command line overrides steps and seed."""
 
     rank: int = 8
     alpha: int = 16
     # Attention only: enough to change the style and keeps the file under 2 MB (MLP targets would triple it).
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    # 40 steps of 4 pairs: ~2.4 passes over ~67 pairs, enough for the style at this lr on a busy 2-core CPU.
+    # 40 steps of 4 pairs: ~2.4 passes over ~67 pairs. Plenty for the pirate tone; the French adapter would
+    # gain from more (it is partly off-topic), but a step takes 15-40 s on our shared 2-core CPU.
     steps: int = 40
     batch_size: int = 4
     lr: float = 3e-3
