@@ -17,7 +17,17 @@ from appliance.config.schema import ApplianceConfig
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The shipped config serves the demo adapters with LoRA on. Most tests build their own adapters (or
+# none) on other models, so they start from the same tree with both off; their overrides come later
+# and win (`lora.enabled=true`, `adapters=[...]`). shipped_config() is the tree exactly as shipped.
+TEST_BASE = ("adapters=[]", "lora.enabled=false")
+
+
 def default_config(*overrides: str) -> ApplianceConfig:
+    return compose_config(REPO / "configs", [*TEST_BASE, *overrides])
+
+
+def shipped_config(*overrides: str) -> ApplianceConfig:
     return compose_config(REPO / "configs", list(overrides))
 
 
@@ -42,9 +52,19 @@ def config_tree(dest: Path, yaml_tail: str) -> Path:
     import shutil
 
     shutil.copytree(REPO / "configs", dest, dirs_exist_ok=True)
+    unship(dest)
     with open(dest / "config.yaml", "a") as f:
         f.write(yaml_tail)
     return dest
+
+
+def unship(tree: Path, adapters: str = "[]") -> None:
+    """TEST_BASE in a copied tree: select `adapters` instead of [demo], LoRA off unless the test's
+    YAML turns it on."""
+    cfg = tree / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("  - adapters: [demo]", f"  - adapters: {adapters}"))
+    lora = tree / "lora" / "default.yaml"
+    lora.write_text(lora.read_text().replace("enabled: true", "enabled: false"))
 
 
 def make_tiny_model(dest: Path, tokenizer_src: Path, **overrides) -> Path:

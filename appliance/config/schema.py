@@ -10,6 +10,7 @@ and compose.py merges them (a name in two files is an error naming both).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
@@ -278,8 +279,17 @@ class ApplianceConfig:
             )
 
 
+# The demo adapters ship inside the package (appliance/demo/adapters), wherever it is installed: a
+# venv, site-packages in the Docker image. `${appliance.demo_adapters:}` in YAML names that directory.
+DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "demo" / "adapters"
+
+
 def register_configs() -> None:
-    """Register the root schema and each group's schema (idempotent)."""
+    """Register the root schema, each group's schema and our resolvers (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("appliance.demo_adapters"):
+        OmegaConf.register_new_resolver("appliance.demo_adapters", lambda: str(DEMO_ADAPTERS_DIR))
     cs = ConfigStore.instance()
     cs.store(name="appliance_schema", node=ApplianceConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

@@ -176,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="appliance demo train-adapters", description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", default=ModelConfig().path, help="base model dir (default: %(default)s)")
     p.add_argument("--out-dir", default=str(ADAPTERS_DIR), help="writes OUT_DIR/<name>/ (default: %(default)s)")
-    p.add_argument("--names", nargs="+", default=list(STYLES), help="styles to train (default: %(default)s)")
+    p.add_argument("--names", nargs="+", default=list(STYLES), choices=list(STYLES), help="styles to train (default: %(default)s)")
     p.add_argument("--steps", type=int, default=TrainArgs.steps, help="optimizer steps per adapter")
     p.add_argument("--seed", type=int, default=TrainArgs.seed)
     a = p.parse_args(argv)
