@@ -114,9 +114,9 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         return out
     N = n * R
     block_m = 16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64)
-    # Decode-sized tiles (few rows) read A in narrow column tiles for more programs in flight;
-    # prefill tiles cover every slice at once so x is read once.
-    block_n = 16 if segs.max_len <= 16 else min(64, max(16, triton.next_power_of_2(N)))
+    # One column tile covers every slice's rank rows (n*R = 48 for qkv at rank 16), so x is read
+    # once; decode steps get their parallelism from splitting K instead (below).
+    block_n = min(64, max(16, triton.next_power_of_2(N)))
     block_k = 128 if K >= 128 else max(16, triton.next_power_of_2(K))
     tiles_per_seg = triton.cdiv(segs.max_len, block_m)
     grid_mn = G * tiles_per_seg * triton.cdiv(N, block_n)

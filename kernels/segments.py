@@ -51,7 +51,7 @@ def sgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], device: tor
                 lens.append(n)
                 slots.append(s)
         row += n
-    starts_t, lens_t, slots_t = _to_device([starts, lens, slots], device)
+    starts_t, lens_t, slots_t = to_device([starts, lens, slots], device)
     return LoRASegments(starts_t, lens_t, slots_t, None, max(lens, default=0))
 
 
@@ -78,11 +78,11 @@ def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_
             lens.append(min(max_chunk_size, len(rows) - c))
             slots.append(s)
         token_index.extend(rows)
-    starts_t, lens_t, slots_t, index_t = _to_device([starts, lens, slots, token_index], device)
+    starts_t, lens_t, slots_t, index_t = to_device([starts, lens, slots, token_index], device)
     return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0))
 
 
-def _to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+def to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """One int32 host buffer, one copy, then views: a single small transfer per step."""
     flat = [v for p in parts for v in p]
     buf = torch.tensor(flat, dtype=torch.int32)
