@@ -21,7 +21,7 @@ from kernels.platform import dot_upcast
 from kernels.segments import LoRASegments, check_segments
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_seg"])  # varies every step: no recompiles
 def _lora_expand_kernel(
     y_ptr,  # [T, OUT] base output, updated in place
     h_ptr,  # [T, n*R] fp32 from lora_shrink

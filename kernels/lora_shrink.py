@@ -24,7 +24,7 @@ from kernels.platform import dot_upcast
 from kernels.segments import LoRASegments, check_segments
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_seg"])  # varies every step: no recompiles
 def _lora_shrink_kernel(
     x_ptr,  # [T, K] input rows (fp32/bf16/fp16)
     a_ptr,  # [S, N, K] A of every slot, N = n*R: row i*R + j = rank row j of slice i
@@ -144,11 +144,11 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
 
 
 def _auto_split_k(grid_mn: int, K: int, block_k: int, device: torch.device) -> int:
-    """Enough programs to keep every SM streaming A: ~2 per SM, each with >= 4 K blocks of work."""
+    """Enough programs to keep every SM streaming A: ~2 per SM, each with >= 2 K blocks of work."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if grid_mn >= 2 * sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, grid_mn), K // (4 * block_k)))
+    return max(1, min(triton.cdiv(2 * sms, grid_mn), K // (2 * block_k)))
 
