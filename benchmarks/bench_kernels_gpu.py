@@ -52,6 +52,7 @@ GATHER_MAX_TOKENS = 64  # appliance/lora/batch.py: the torch backend's gathered 
 DECODE = [(256, 256), (64, 64), (1, 1), (256, 16), (16, 16), (256, 1), (64, 8), (256, 64), (16, 1), (64, 1)]
 PREFILL = [(4096, 1), (16384, 1), (16384, 4)]
 PREFILL_SEQ = 4096  # tokens per prefill sequence
+TUNE = [("qkv", 256, 256, 1), ("gate_up", 256, 256, 1), ("qkv", 16384, 1, 4096), ("gate_up", 16384, 1, 4096)]
 STRATEGIES = {"triton": None, "csgmv16": 16, "csgmv64": 64}
 
 
@@ -118,7 +119,7 @@ def run_checks(smoke: bool) -> bool:
 # ------------------------------------------------------------------ timing
 def graph_time(fns: list[Callable[[], None]], reps: int = 5) -> float:
     """Seconds per call of one fn, from CUDA-graph replays of all fns back to back."""
-    if DEV.type == "cpu":  # --smoke: exercises the code paths only
+    if DEV.type == "cpu":  # --smoke: exercises the code paths only (no CUDA events either)
         t0 = time.perf_counter()
         for f in fns:
             f()
@@ -147,10 +148,22 @@ def graph_time(fns: list[Callable[[], None]], reps: int = 5) -> float:
 
 
 def copy_bandwidth() -> float:
-    src = torch.empty(2 * 2**30 if DEV.type == "cuda" else 2**20, dtype=torch.uint8, device=DEV)
+    """Device-to-device copy of 2 GiB, bytes read + written; the faster of plain launches and a graph."""
+    src = torch.randn((2**30 if DEV.type == "cuda" else 2**19), device=DEV, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    t = graph_time([lambda: dst.copy_(src)] * 4, reps=5)
-    return 2 * src.numel() / t
+    nbytes = 2 * src.numel() * src.element_size()
+    if DEV.type == "cpu":
+        return nbytes / graph_time([lambda: dst.copy_(src)])
+    eager = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        eager.append(a.elapsed_time(b) / 1e3)
+    t = min(sorted(eager[2:])[len(eager[2:]) // 2], graph_time([lambda: dst.copy_(src)] * 4, reps=5))
+    return nbytes / t
 
 
 def matmul_time(T: int, K: int, OUT: int) -> float:
@@ -256,22 +269,60 @@ def bench(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def tune(args: argparse.Namespace, bw: float) -> list[str]:
+    """Shrink and expand timed apart under other tile choices than the launchers' (marked *)."""
+    lines = ["", "Tile choices, shrink and expand timed apart (triton strategy; * = the launchers' default):", "",
+             "| op | proj | T | D | block_m | block_n/k | warps | µs | GB/s moved |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, T, D, seq in TUNE:
+        K, slices = LLAMA_8B[name]
+        p = Proj(K, slices, T)
+        its = layouts(T, D, T // seq)
+        segs = [make_segments("triton", *it) for it in its]
+        decode = seq == 1
+        h = lora_shrink(p.x, p.A, segs[0], p.ranks)
+        a_bytes = D * p.n * RANK * K * 2 + T * K * 2
+        b_bytes = D * p.offs[-1] * RANK * 2 + 2 * T * p.offs[-1] * 2
+        shrink_cfgs = [(None, None, None), (None, 256, 4), (None, 64, 4), (None, 128, 8)] if decode else \
+            [(None, None, None), (128, 128, 4), (128, 64, 8), (64, 64, 4), (64, 128, 8)]
+        expand_cfgs = [(None, None, None), (16, 128, 4), (16, 512, 4), (16, 256, 8)] if decode else \
+            [(None, None, None), (64, 128, 4), (128, 128, 8), (64, 256, 8), (32, 128, 4)]
+        for bm, bk, w in shrink_cfgs:
+            t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, block_m=bm, block_k=bk, num_warps=w)
+                            for sg in segs])
+            star = "*" if bm is None and bk is None else ""
+            lines.append(f"| shrink{star} | {name} | {T} | {D} | {bm or '-'} | {bk or '-'} | {w or '-'} | "
+                         f"{t * 1e6:.1f} | {a_bytes / t / 1e9:.0f} ({100 * a_bytes / t / bw:.0f} %) |")
+        for bm, bn, w in expand_cfgs:
+            t = graph_time([lambda sg=sg: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs, block_m=bm, block_n=bn,
+                                                      num_warps=w) for sg in segs])
+            star = "*" if bm is None else ""
+            lines.append(f"| expand{star} | {name} | {T} | {D} | {bm or '-'} | {bn or '-'} | {w or '-'} | "
+                         f"{t * 1e6:.1f} | {b_bytes / t / 1e9:.0f} ({100 * b_bytes / t / bw:.0f} %) |")
+        print("\n".join(lines[-len(shrink_cfgs) - len(expand_cfgs):]), flush=True)
+        del p, h
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop timing new rows after this long")
     ap.add_argument("--out", help="also write the tables to this file")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-tune", action="store_true", help="no table of other tile choices")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script itself (CPU + interpreter)")
     args = ap.parse_args()
     if args.smoke:
-        global SLOTS, DECODE, PREFILL, PREFILL_SEQ
+        global SLOTS, DECODE, PREFILL, PREFILL_SEQ, TUNE
         SLOTS, DECODE, PREFILL, PREFILL_SEQ = 8, [(1, 1), (4, 2), (8, 8)], [(64, 1), (128, 2)], 64
+        TUNE = [("qkv", 8, 8, 1), ("gate_up", 128, 1, 64)]
         for name, (K, slices) in list(LLAMA_8B.items()):
             LLAMA_8B[name] = (K // 64, [s // 64 for s in slices])
     gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)"
     print(f"{gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
     ok = True if args.skip_check else run_checks(args.smoke)
     lines = bench(args)
+    if not args.skip_tune:
+        lines += tune(args, copy_bandwidth())
     text = "\n".join(lines)
     print("\n" + text)
     if args.out:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.platform import dot_upcast
-from kernels.segments import LoRASegments, check_segments
+from kernels.segments import LoRASegments, check_segments, check_tile
 
 
 @triton.jit(do_not_specialize=["tiles_per_seg"])  # varies every step: no recompiles
@@ -93,7 +93,9 @@ def _lora_expand_kernel(
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,
-                out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
+                block_m: Optional[int] = None, block_n: Optional[int] = None,
+                num_warps: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i, :r] @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, every slice i, in place.
 
     y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink;
@@ -101,6 +103,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     out_offsets [n + 1] host ints, 0 .. out, n <= 3; scalings [S] fp32 or None (= 1: the engine folds
     each module's alpha/r into B, since rank_pattern/alpha_pattern make it per module, not per slot).
     Returns y. Rows of tokens outside every segment are left exactly as they were.
+    block_m, block_n, num_warps: tile overrides for benchmarks (None = the launcher's choice).
     """
     if y.dim() != 2 or h.dim() != 3 or B.dim() != 3:
         raise ValueError(f"lora_expand: y must be [T, out], h [T, n, R], B [S, out, R]; got "
@@ -128,8 +131,16 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     G = segs.num_segs
     if G == 0 or T == 0:
         return y
-    block_m = 16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64)
-    block_n = 128 if OUT >= 128 else max(16, triton.next_power_of_2(OUT))
+    decode = segs.max_len <= 16
+    if block_m is None:
+        block_m = 16 if decode else (32 if segs.max_len <= 32 else 64)
+    if block_n is None:
+        # Decode tiles move little besides B (one y row): wide tiles keep more bytes in flight per
+        # program; prefill tiles are bounded by the fp32 accumulator [BLOCK_M, BLOCK_N] in registers.
+        block_n = min(256 if decode else 128, max(16, triton.next_power_of_2(OUT)))
+    if num_warps is None:
+        num_warps = 4 if decode else 8
+    check_tile(block_m=block_m, block_n=block_n)
     block_r = min(64, max(16, triton.next_power_of_2(R)))
     tiles_per_seg = triton.cdiv(segs.max_len, block_m)
     o1 = offs[1] if n > 1 else OUT
@@ -144,6 +155,6 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype),
-        num_warps=4,
+        num_warps=num_warps,
     )
     return y

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.platform import dot_upcast
-from kernels.segments import LoRASegments, check_segments
+from kernels.segments import LoRASegments, check_segments, check_tile
 
 
 @triton.jit(do_not_specialize=["tiles_per_seg"])  # varies every step: no recompiles
@@ -84,7 +84,9 @@ def _lora_shrink_kernel(
 
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,
-                out: Optional[torch.Tensor] = None, split_k: Optional[int] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, split_k: Optional[int] = None, *,
+                block_m: Optional[int] = None, block_k: Optional[int] = None,
+                num_warps: Optional[int] = None) -> torch.Tensor:
     """h[t, i, :r] = x[t] @ A[slot(t), i, :r]ᵀ for every slice i, r = slot_ranks[slot(t)].
 
     x [T, in] fp32/bf16/fp16; A [S, n, R, in] same dtype, contiguous; segs: segments over the
@@ -92,6 +94,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     Returns h [T, n, R] fp32. Only h[t, i, :rank] of adapter tokens is written: rows of base
     tokens and rank padding hold whatever `out` held (garbage when allocated here); lora_expand
     never reads them. split_k: programs along K (None = chosen from the grid size; >1 zeroes h).
+    block_m, block_k, num_warps: tile overrides for benchmarks (None = the launcher's choice).
     """
     if x.dim() != 2 or A.dim() != 4:
         raise ValueError(f"lora_shrink: x must be [T, in] and A [S, n, R, in], got {tuple(x.shape)}, {tuple(A.shape)}")
@@ -113,11 +116,14 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     if G == 0 or T == 0:
         return out
     N = n * R
-    block_m = 16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64)
+    if block_m is None:
+        block_m = 16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64)
     # One column tile covers every slice's rank rows (n*R = 48 for qkv at rank 16), so x is read
     # once; decode steps get their parallelism from splitting K instead (below).
     block_n = min(64, max(16, triton.next_power_of_2(N)))
-    block_k = 128 if K >= 128 else max(16, triton.next_power_of_2(K))
+    if block_k is None:
+        block_k = 128 if K >= 128 else max(16, triton.next_power_of_2(K))
+    check_tile(block_m=block_m, block_k=block_k)
     tiles_per_seg = triton.cdiv(segs.max_len, block_m)
     grid_mn = G * tiles_per_seg * triton.cdiv(N, block_n)
     if split_k is None:
@@ -138,7 +144,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GATHER=segs.token_index is not None, ATOMIC=split_k > 1,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
-        num_warps=4,
+        num_warps=num_warps or 4,
     )
     return out
 

@@ -109,3 +109,10 @@ def check_segments(segs: LoRASegments, slot_ranks: torch.Tensor, num_slots: int,
                              f"{tuple(t.shape)} on {t.device}")
     if slot_ranks.shape[0] != num_slots:
         raise ValueError(f"slot_ranks has {slot_ranks.shape[0]} slots, the weights have {num_slots}")
+
+
+def check_tile(**sizes: int) -> None:
+    """Tile sizes must be powers of two >= 16 (tl.dot's smallest tile)."""
+    for name, v in sizes.items():
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
