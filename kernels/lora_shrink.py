@@ -122,7 +122,9 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     # once; decode steps get their parallelism from splitting K instead (below).
     block_n = min(64, max(16, triton.next_power_of_2(N)))
     if block_k is None:
-        block_k = 128 if K >= 128 else max(16, triton.next_power_of_2(K))
+        # H200, docs/benchmarks.md: 64-wide K steps beat 128 for prefill tiles (qkv at 16k tokens
+        # 64 vs 85 µs), 128 is as good as any for decode tiles.
+        block_k = min(128 if segs.max_len <= 16 else 64, max(16, triton.next_power_of_2(K)))
     check_tile(block_m=block_m, block_k=block_k)
     tiles_per_seg = triton.cdiv(segs.max_len, block_m)
     grid_mn = G * tiles_per_seg * triton.cdiv(N, block_n)
