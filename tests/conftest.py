@@ -11,6 +11,15 @@ from pathlib import Path
 
 import pytest
 
+# The Triton kernels (backends triton/csgmv) run on CPU in Triton's interpreter, which is read when
+# triton is first imported: set it before any test module can import triton. A GPU run keeps the
+# real compiler (the variable is left alone when torch sees CUDA or the caller chose already).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 from appliance.config.compose import compose_config
 from appliance.config.schema import ApplianceConfig
 
