@@ -20,7 +20,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from appliance.config.schema import LoRAConfig
+from appliance.config.schema import ConfigError, LoRAConfig
 from appliance.engine.stats import LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterSpec, inspect_adapter, load_adapter_weights, resolve_adapter_path
 from appliance.lora.batch import LoRABatchInfo
@@ -61,8 +61,14 @@ class LoRAManager:
         self._key_numbers = itertools.count()
         self.host = HostCache(cfg.max_loaded_loras, self._read_weights,
                               on_evict=lambda _: self.stats.eviction("cpu", "lru"))
+        if cfg.backend != "torch":
+            from kernels.platform import triton_unavailable_reason
+
+            why = triton_unavailable_reason(device)
+            if why is not None:
+                raise ConfigError(f"lora.backend: {cfg.backend!r} cannot run here: {why}")
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
-                                           cfg.max_lora_rank)
+                                           cfg.max_lora_rank, cfg.backend)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
 
     # ------------------------------------------------------------------ admin operations
@@ -198,7 +204,8 @@ class LoRAManager:
         if any(s is None for s in slots):
             raise RuntimeError("a scheduled adapter has no slot")
         self.ctx.info = None if all(s == -1 for s in slots) else LoRABatchInfo.build(
-            seg_lens, slots, self.slot_ranks, self.device)  # type: ignore[arg-type]
+            seg_lens, slots, self.slot_ranks, self.device,  # type: ignore[arg-type]
+            self.cfg.backend, self.cfg.max_chunk_size)
 
     # ------------------------------------------------------------------ internals
     def _read_weights(self, key: str) -> Weights:
