@@ -35,7 +35,7 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.registry import LoRAStateError
 from appliance.metrics import BuildInfo, Metrics
-from appliance.reconcile.controller import ConfigSource, Reconciler
+from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
 from appliance.server import protocol
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
@@ -87,7 +87,21 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
     })
     app.state.server = api.state
     app.state.metrics = metrics
+    if metrics is not None:
+        api.state.reconciler.listeners.append(_reconcile_metrics(metrics, api.state.reconciler))
     return app
+
+
+def _reconcile_metrics(metrics: Metrics, reconciler: Reconciler) -> Callable[[ReconcileRecord], None]:
+    """Feeds each finished reconcile into the reconcile and config-reload collectors."""
+
+    def on_record(r: ReconcileRecord) -> None:
+        metrics.record_reconcile(r.result, r.duration_s,
+                                 [(a.action.kind, "success" if a.ok else "failed") for a in r.results])
+        # Only an invalid config is a failed reload; a valid one whose actions failed was still taken.
+        metrics.record_config_reload(r.result != "invalid", reconciler.generation, r.started_at)
+
+    return on_record
 
 
 def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
