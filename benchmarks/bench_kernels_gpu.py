@@ -52,7 +52,8 @@ GATHER_MAX_TOKENS = 64  # appliance/lora/batch.py: the torch backend's gathered 
 DECODE = [(256, 256), (64, 64), (1, 1), (256, 16), (16, 16), (256, 1), (64, 8), (256, 64), (16, 1), (64, 1)]
 PREFILL = [(4096, 1), (16384, 1), (16384, 4)]
 PREFILL_SEQ = 4096  # tokens per prefill sequence
-TUNE = [("qkv", 256, 256, 1), ("gate_up", 256, 256, 1), ("qkv", 16384, 1, 4096), ("gate_up", 16384, 1, 4096)]
+TUNE = [("qkv", 256, 256, 1), ("gate_up", 256, 256, 1), ("down", 256, 256, 1), ("o", 256, 256, 1),
+        ("qkv", 16384, 1, 4096), ("gate_up", 16384, 1, 4096), ("o", 16384, 1, 4096)]
 STRATEGIES = {"triton": None, "csgmv16": 16, "csgmv64": 64}
 
 
@@ -269,11 +270,30 @@ def bench(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+# (block_m, block_n, block_k, split_k, num_warps, num_stages); None = the launcher's choice
+SHRINK_DECODE = [(None,) * 6, (1, 16, 512, 1, 4, 3), (1, 16, 512, 2, 4, 3), (1, 16, 512, 4, 4, 3),
+                 (1, 16, 256, 4, 4, 4), (1, 16, 512, 2, 8, 3), (1, 64, 128, 2, 4, 3), (1, 64, 128, 4, 8, 3),
+                 (16, 64, 128, None, 4, 3)]
+SHRINK_PREFILL = [(None,) * 6, (64, 64, 64, 1, 4, 3), (64, 64, 64, None, 4, 4), (128, 64, 64, None, 8, 3),
+                  (128, 64, 64, 1, 8, 4), (64, 64, 128, None, 4, 3), (32, 64, 128, 1, 4, 4)]
+# (block_m, block_n, cols_per_prog, num_warps, num_stages)
+EXPAND_DECODE = [(None,) * 5, (1, 128, 128, 4, 3), (1, 128, 512, 4, 3), (1, 256, 256, 4, 3), (1, 256, 1024, 4, 3),
+                 (1, 512, 512, 8, 3), (1, 256, 512, 2, 3), (1, 256, 512, 8, 4), (16, 256, 256, 4, 3)]
+EXPAND_PREFILL = [(None,) * 5, (64, 128, 1 << 20, 4, 3), (64, 128, 1024, 4, 3), (128, 128, None, 8, 3),
+                  (64, 64, None, 4, 3), (64, 256, None, 8, 3), (32, 128, None, 4, 3), (64, 128, None, 4, 4),
+                  (64, 128, None, 4, 2)]
+
+
 def tune(args: argparse.Namespace, bw: float) -> list[str]:
     """Shrink and expand timed apart under other tile choices than the launchers' (marked *)."""
-    lines = ["", "Tile choices, shrink and expand timed apart (triton strategy; * = the launchers' default):", "",
-             "| op | proj | T | D | block_m | block_n/k | warps | µs | GB/s moved |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["", "Tile choices, shrink and expand timed apart (triton strategy; * = the launchers' default;",
+             "shrink: block_m/n/k split warps stages; expand: block_m/n cols_per_prog warps stages):", "",
+             "| op | proj | T | D | tiles | µs | GB/s moved (% copy) |", "|---|---|---|---|---|---|---|"]
+    t0 = time.time()
     for name, T, D, seq in TUNE:
+        if time.time() - t0 > args.tune_budget_s:
+            lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
+            break
         K, slices = LLAMA_8B[name]
         p = Proj(K, slices, T)
         its = layouts(T, D, T // seq)
@@ -282,23 +302,24 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         h = lora_shrink(p.x, p.A, segs[0], p.ranks)
         a_bytes = D * p.n * RANK * K * 2 + T * K * 2
         b_bytes = D * p.offs[-1] * RANK * 2 + 2 * T * p.offs[-1] * 2
-        shrink_cfgs = [(None, None, None), (None, 256, 4), (None, 64, 4), (None, 128, 8)] if decode else \
-            [(None, None, None), (128, 128, 4), (128, 64, 8), (64, 64, 4), (64, 128, 8)]
-        expand_cfgs = [(None, None, None), (16, 128, 4), (16, 512, 4), (16, 256, 8)] if decode else \
-            [(None, None, None), (64, 128, 4), (128, 128, 8), (64, 256, 8), (32, 128, 4)]
-        for bm, bk, w in shrink_cfgs:
-            t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, block_m=bm, block_k=bk, num_warps=w)
-                            for sg in segs])
-            star = "*" if bm is None and bk is None else ""
-            lines.append(f"| shrink{star} | {name} | {T} | {D} | {bm or '-'} | {bk or '-'} | {w or '-'} | "
-                         f"{t * 1e6:.1f} | {a_bytes / t / 1e9:.0f} ({100 * a_bytes / t / bw:.0f} %) |")
-        for bm, bn, w in expand_cfgs:
-            t = graph_time([lambda sg=sg: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs, block_m=bm, block_n=bn,
-                                                      num_warps=w) for sg in segs])
+        n0 = len(lines)
+        for cfg in (SHRINK_DECODE if decode else SHRINK_PREFILL):
+            bm, bn, bk, sk, w, st = cfg
+            t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, split_k=sk, block_m=bm, block_k=bk,
+                                                      block_n=bn, num_warps=w, num_stages=st) for sg in segs])
             star = "*" if bm is None else ""
-            lines.append(f"| expand{star} | {name} | {T} | {D} | {bm or '-'} | {bn or '-'} | {w or '-'} | "
+            lines.append(f"| shrink{star} | {name} | {T} | {D} | {'/'.join(str(c or '-') for c in cfg)} | "
+                         f"{t * 1e6:.1f} | {a_bytes / t / 1e9:.0f} ({100 * a_bytes / t / bw:.0f} %) |")
+        for cfg in (EXPAND_DECODE if decode else EXPAND_PREFILL):
+            bm, bn, cp, w, st = cfg
+            if cp is not None:
+                cp = min(cp, triton.cdiv(p.offs[-1], bn) * bn)
+            t = graph_time([lambda sg=sg: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs, block_m=bm, block_n=bn,
+                                                      cols_per_prog=cp, num_warps=w, num_stages=st) for sg in segs])
+            star = "*" if bm is None else ""
+            lines.append(f"| expand{star} | {name} | {T} | {D} | {'/'.join(str(c or '-') for c in cfg)} | "
                          f"{t * 1e6:.1f} | {b_bytes / t / 1e9:.0f} ({100 * b_bytes / t / bw:.0f} %) |")
-        print("\n".join(lines[-len(shrink_cfgs) - len(expand_cfgs):]), flush=True)
+        print("\n".join(lines[n0:]), flush=True)
         del p, h
     return lines
 
@@ -309,6 +330,8 @@ def main() -> None:
     ap.add_argument("--out", help="also write the tables to this file")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-tune", action="store_true", help="no table of other tile choices")
+    ap.add_argument("--tune-first", action="store_true", help="time the tile choices before the main tables")
+    ap.add_argument("--tune-budget-s", type=float, default=150.0, help="stop tuning new shapes after this long")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script itself (CPU + interpreter)")
     args = ap.parse_args()
     if args.smoke:
@@ -320,8 +343,9 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)"
     print(f"{gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
     ok = True if args.skip_check else run_checks(args.smoke)
-    lines = bench(args)
-    if not args.skip_tune:
+    tuned = tune(args, copy_bandwidth()) if args.tune_first and not args.skip_tune else []
+    lines = bench(args) + tuned
+    if not args.skip_tune and not args.tune_first:
         lines += tune(args, copy_bandwidth())
     text = "\n".join(lines)
     print("\n" + text)

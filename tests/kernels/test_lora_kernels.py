@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Optional
+
 import pytest
 import torch
 
@@ -56,7 +58,8 @@ def segments(strategy: str, seg_lens: list[int], seg_slots: list[int], chunk: in
 
 def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
                K: int, slices: list[int], R: int, chunk: int = 4, split_k: int = 1,
-               with_scale: bool = False, seed: int = 0) -> None:
+               with_scale: bool = False, seed: int = 0, shrink_kw: Optional[dict] = None,
+               expand_kw: Optional[dict] = None) -> None:
     g = torch.Generator().manual_seed(seed)
     S, n = len(ranks), len(slices)
     offs = [0]
@@ -82,7 +85,7 @@ def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots
     segs = segments(strategy, seg_lens, seg_slots, chunk)
     r_dev = ranks_t.to(DEV)
     h = torch.full((T, n, R), float("nan"), device=DEV)
-    out = lora_shrink(x.to(DEV), A.to(DEV), segs, r_dev, out=h, split_k=split_k)
+    out = lora_shrink(x.to(DEV), A.to(DEV), segs, r_dev, out=h, split_k=split_k, **(shrink_kw or {}))
     assert out is h
     atol, rtol = TOL[dtype]
     h = h.cpu()
@@ -97,7 +100,8 @@ def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots
         elif split_k == 1:
             assert h[t].isnan().all(), f"h of base token {t} written"
     y = y0.clone().to(DEV)
-    lora_expand(y, h.to(DEV), B.to(DEV), segs, r_dev, offs, None if scal is None else scal.to(DEV))
+    lora_expand(y, h.to(DEV), B.to(DEV), segs, r_dev, offs, None if scal is None else scal.to(DEV),
+                **(expand_kw or {}))
     y = y.cpu()
     torch.testing.assert_close(y, want_y, atol=atol, rtol=rtol)
     base = token_slots < 0
@@ -154,6 +158,17 @@ def test_split_k_partial_sums(strategy: str) -> None:
     # K = 576 is 4.5 blocks of 128: the splits end mid-block, and the last one is short.
     check_case(strategy, torch.float32, [1, 1, 4, 1], [1, 0, 1, -1], ranks=[16, 3], K=576, slices=[40, 24],
                R=16, split_k=3)
+
+
+@pytest.mark.parametrize("body", ["gemv", "dot"])
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+def test_tile_overrides(strategy: str, body: str) -> None:
+    # Both bodies on multi-token segments (GEMV: one program per row), column ranges per program that
+    # end mid-slice (slices 40/24/24 are not multiples of 16), and a K split that ends mid-block.
+    bm = 1 if body == "gemv" else 16
+    check_case(strategy, torch.float32, [3, 1, 5, 2], [1, -1, 0, 2], ranks=[16, 3, 0], K=80, slices=[40, 24, 24],
+               R=16, chunk=4, split_k=2, shrink_kw=dict(block_m=bm, block_k=32, block_n=16),
+               expand_kw=dict(block_m=bm, block_n=16, cols_per_prog=32))
 
 
 def test_no_adapter_tokens_is_a_no_op() -> None:
