@@ -148,7 +148,8 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     N = n * R
     if block_m is None:
         # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
-        block_m = 1 if segs.max_len == 1 else (16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64))
+        ml = segs.max_len
+        block_m = 1 if ml == 1 else (16 if ml <= 16 else (32 if ml <= 32 else (64 if ml <= 64 else 128)))
     if block_n is None:
         # GEMV: one rank block per program (R contiguous rows of A, x re-read from L2 per block);
         # tensor-core tiles: one column tile covers every slice's rank rows (n*R = 48 for qkv at
@@ -156,13 +157,17 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         block_n = max(16, triton.next_power_of_2(R)) if block_m == 1 else 64
     block_n = min(block_n, max(16, triton.next_power_of_2(N)))
     if block_k is None:
-        # H200, docs/benchmarks.md: 64-wide K steps beat 128 for prefill tiles (qkv at 16k tokens
-        # 64 vs 85 µs), 128 is as good as any for decode tiles.
+        # H200, docs/benchmarks.md: [16, 512] GEMV tiles; 64-wide K steps for prefill tiles, 128
+        # for decode tiles.
         if block_m == 1:
             block_k = max(16, 8192 // block_n)  # [BLOCK_N, BLOCK_K] fp32 partial sums: 64 per thread
         else:
             block_k = 128 if segs.max_len <= 16 else 64
         block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4  # H200: 128-row prefill tiles, 8 warps, 4 stages
+    if num_stages is None:
+        num_stages = 4 if block_m >= 128 else 3
     if block_m != 1:
         check_tile(block_m=block_m)
     check_tile(block_k=block_k, block_n=block_n)
@@ -186,19 +191,20 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GATHER=segs.token_index is not None, ATOMIC=split_k > 1,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
-        num_warps=num_warps or 4, num_stages=num_stages or 3,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 def _auto_split_k(grid_mn: int, K: int, block_k: int, block_m: int, device: torch.device) -> int:
-    """Enough programs to keep every SM streaming A, each with >= 2 K blocks of work: ~2 per SM for
-    tensor-core tiles, ~8 per SM for GEMV tiles (each holds fewer bytes in flight)."""
+    """Split K only where the grid is too small to keep every SM streaming A, with >= 2 K blocks per
+    program. H200, docs/benchmarks.md: the split costs a memset and fp32 atomics into h, so prefill
+    tiles split only when fewer than a quarter of the SMs would have a program (at 16k tokens the
+    auto split of 2 made qkv's shrink 2x slower); decode tiles below ~2 programs per SM."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = (8 if block_m == 1 else 2) * sms
-    if grid_mn >= want:
+    floor = sms // 4 if block_m > 16 else 2 * sms
+    if grid_mn >= floor:
         return 1
-    return max(1, min(triton.cdiv(want, grid_mn), K // (2 * block_k)))
-
+    return max(1, min(triton.cdiv(2 * sms, grid_mn), K // (2 * block_k)))
