@@ -53,8 +53,7 @@ GATHER_MAX_TOKENS = 64  # appliance/lora/batch.py: the torch backend's gathered 
 DECODE = [(256, 256), (64, 64), (1, 1), (256, 16), (16, 16), (256, 1), (64, 8), (256, 64), (16, 1), (64, 1)]
 PREFILL = [(4096, 1), (16384, 1), (16384, 4)]
 PREFILL_SEQ = 4096  # tokens per prefill sequence
-TUNE = [("qkv", 256, 256, 1), ("gate_up", 256, 256, 1), ("down", 256, 256, 1), ("o", 256, 256, 1),
-        ("qkv", 64, 64, 1), ("qkv", 16, 16, 1)]
+TUNE = [("o", 256, 256, 1), ("down", 256, 256, 1), ("gate_up", 64, 64, 1), ("down", 64, 64, 1)]
 STRATEGIES = {"triton": None, "csgmv16": 16, "csgmv64": 64}
 
 
@@ -289,9 +288,8 @@ EXPAND_PREFILL = [(None,) * 5, (64, 128, 1 << 20, 4, 3), (64, 128, 1024, 4, 3), 
 
 
 # lora_apply, one-token segments: (fused, block_k, block_n, cols_per_prog, num_warps, num_stages)
-APPLY_DECODE = [(None,) * 6, (False, None, None, None, None, None), (True, 1024, 256, None, 8, 3),
-                (True, 256, 256, None, 4, 4), (True, 512, 256, None, 8, 3), (True, 512, 512, None, 8, 3),
-                (True, 512, 256, 1024, 4, 3), (True, 512, 256, None, 4, 2), (True, 512, 128, None, 4, 3)]
+APPLY_DECODE = [(None,) * 6, (False, None, None, None, None, None), (True, None, None, None, None, None),
+                (True, 512, 256, 4096, 4, 3), (True, 512, 256, None, 4, 2), (True, 512, 512, None, 8, 3)]
 
 
 def tune(args: argparse.Namespace, bw: float) -> list[str]:
