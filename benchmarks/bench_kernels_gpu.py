@@ -6,12 +6,14 @@ starlette). Run from the repo root:
     python3 benchmarks/bench_kernels_gpu.py [--budget-s 240] [--out FILE]
 
 1. Correctness: both strategies against kernels/reference.py on the GPU (compiled, not interpreted):
-   bf16/fp16/fp32, decode and prefill, mixed ranks with NaN in B's rank padding, base tokens.
+   bf16/fp16/fp32, decode (through lora_apply's fused kernel and through shrink + expand) and
+   prefill, mixed ranks with NaN in B's rank padding, base tokens.
 2. Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and a
    bf16 matrix product.
 3. Decode: T tokens (1..256), D distinct rank-16 adapters (1..256), token i on adapter i % D, for each
-   projection of Llama-3.1-8B (qkv, o, gate_up, down). The time is shrink + expand (one LoRA
-   application), from CUDA-graph replays, so Python launch overhead is out. The weights rotate over
+   projection of Llama-3.1-8B (qkv, o, gate_up, down). The time is one LoRA application
+   (kernels/lora_apply.py: fused, or shrink + expand), from CUDA-graph replays, so Python launch
+   overhead is out; "b2b" replays >= 8 applications back to back in one graph. The weights rotate over
    256 slots across the replayed iterations so they come from HBM, not from the 60 MB L2.
    "adapter GB/s" counts the A and B bytes of the D adapters, the bytes the op must read; "% copy" is
    that against the measured copy bandwidth (the target is >= 70 %).
@@ -103,7 +105,8 @@ def run_checks(smoke: bool) -> bool:
     for strategy in STRATEGIES:
         for dtype in (torch.bfloat16, torch.float16, torch.float32) if not smoke else (torch.bfloat16,):
             for fused in (None, False):  # triton decode: fused kernel, then lora_shrink + lora_expand
-                cases.append((strategy, dtype, [1] * 40, [(i * 7) % 9 - 1 for i in range(40)], "decode", fused))
+                slots = [(i * 7) % 9 - 1 for i in range(40)]
+                cases.append((strategy, dtype, [1] * 40, slots, "decode", fused))
             cases.append((strategy, dtype, [300, 1, 700, 45], [0, -1, 3, 0], "prefill", None))
     all_ok, n_checked = True, 0
     for strategy, dtype, lens, slots, shape, fused in cases:
@@ -292,6 +295,10 @@ APPLY_DECODE = [(None,) * 6, (False, None, None, None, None, None), (True, None,
                 (True, 512, 256, 4096, 4, 3), (True, 512, 256, None, 4, 2), (True, 512, 512, None, 8, 3)]
 
 
+def tiles(cfg: tuple) -> str:
+    return "/".join("-" if c is None else str(c) for c in cfg)
+
+
 def tune(args: argparse.Namespace, bw: float) -> list[str]:
     """Shrink and expand timed apart under other tile choices than the launchers' (marked *)."""
     lines = ["", "Tile choices, shrink and expand timed apart (triton strategy; * = the launchers' default;",
@@ -318,31 +325,33 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
             t = graph_time([lambda sg=sg: lora_apply(p.y, p.x, p.A, p.B, sg, p.ranks, p.offs, fused=fu, **kw)
                             for sg in segs])
             star = "*" if fu is None else ""
-            lines.append(f"| apply{star} | {name} | {T} | {D} | {'/'.join('-' if c is None else str(c) for c in cfg)} | "
+            lines.append(f"| apply{star} | {name} | {T} | {D} | {tiles(cfg)} | "
                          f"{t * 1e6:.1f} | {(a_bytes + b_bytes) / t / 1e9:.0f} "
                          f"({100 * (a_bytes + b_bytes) / t / bw:.0f} %) |")
         if args.tune_apply_only:
             print("\n".join(lines[n0:]), flush=True)
-            del p, h
+            p = h = None  # frees the buffers before the next shape
             continue
         for cfg in (SHRINK_DECODE if decode else SHRINK_PREFILL):
             bm, bn, bk, sk, w, st = cfg
-            t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, split_k=sk, block_m=bm, block_k=bk,
-                                                      block_n=bn, num_warps=w, num_stages=st) for sg in segs])
+            t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, split_k=sk, block_m=bm,
+                                                      block_k=bk, block_n=bn, num_warps=w, num_stages=st)
+                            for sg in segs])
             star = "*" if bm is None else ""
-            lines.append(f"| shrink{star} | {name} | {T} | {D} | {'/'.join('-' if c is None else str(c) for c in cfg)} | "
+            lines.append(f"| shrink{star} | {name} | {T} | {D} | {tiles(cfg)} | "
                          f"{t * 1e6:.1f} | {a_bytes / t / 1e9:.0f} ({100 * a_bytes / t / bw:.0f} %) |")
         for cfg in (EXPAND_DECODE if decode else EXPAND_PREFILL):
             bm, bn, cp, w, st = cfg
             if cp is not None:
                 cp = min(cp, triton.cdiv(p.offs[-1], bn) * bn)
-            t = graph_time([lambda sg=sg: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs, block_m=bm, block_n=bn,
-                                                      cols_per_prog=cp, num_warps=w, num_stages=st) for sg in segs])
+            t = graph_time([lambda sg=sg: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs, block_m=bm,
+                                                      block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st)
+                            for sg in segs])
             star = "*" if bm is None else ""
-            lines.append(f"| expand{star} | {name} | {T} | {D} | {'/'.join('-' if c is None else str(c) for c in cfg)} | "
+            lines.append(f"| expand{star} | {name} | {T} | {D} | {tiles(cfg)} | "
                          f"{t * 1e6:.1f} | {b_bytes / t / 1e9:.0f} ({100 * b_bytes / t / bw:.0f} %) |")
         print("\n".join(lines[n0:]), flush=True)
-        del p, h
+        p = h = None  # frees the buffers before the next shape
     return lines
 
 
