@@ -6,12 +6,14 @@ starlette). Run from the repo root:
     python3 benchmarks/bench_kernels_gpu.py [--budget-s 240] [--out FILE]
 
 1. Correctness: both strategies against kernels/reference.py on the GPU (compiled, not interpreted):
-   bf16/fp16/fp32, decode and prefill, mixed ranks with NaN in B's rank padding, base tokens.
+   bf16/fp16/fp32, decode (through lora_apply's fused kernel and through shrink + expand) and
+   prefill, mixed ranks with NaN in B's rank padding, base tokens.
 2. Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and a
    bf16 matrix product.
 3. Decode: T tokens (1..256), D distinct rank-16 adapters (1..256), token i on adapter i % D, for each
-   projection of Llama-3.1-8B (qkv, o, gate_up, down). The time is shrink + expand (one LoRA
-   application), from CUDA-graph replays, so Python launch overhead is out. The weights rotate over
+   projection of Llama-3.1-8B (qkv, o, gate_up, down). The time is one LoRA application
+   (kernels/lora_apply.py: fused, or shrink + expand), from CUDA-graph replays, so Python launch
+   overhead is out; "b2b" replays >= 8 applications back to back in one graph. The weights rotate over
    256 slots across the replayed iterations so they come from HBM, not from the 60 MB L2.
    "adapter GB/s" counts the A and B bytes of the D adapters, the bytes the op must read; "% copy" is
    that against the measured copy bandwidth (the target is >= 70 %).
@@ -35,6 +37,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kernels import reference as ref  # noqa: E402
+from kernels.lora_apply import lora_apply  # noqa: E402
 from kernels.lora_expand import lora_expand  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
 from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments  # noqa: E402
@@ -52,7 +55,7 @@ GATHER_MAX_TOKENS = 64  # appliance/lora/batch.py: the torch backend's gathered 
 DECODE = [(256, 256), (64, 64), (1, 1), (256, 16), (16, 16), (256, 1), (64, 8), (256, 64), (16, 1), (64, 1)]
 PREFILL = [(4096, 1), (16384, 1), (16384, 4)]
 PREFILL_SEQ = 4096  # tokens per prefill sequence
-TUNE = [("qkv", 256, 256, 1), ("gate_up", 256, 256, 1), ("qkv", 16384, 1, 4096), ("gate_up", 16384, 1, 4096)]
+TUNE = [("o", 256, 256, 1), ("down", 256, 256, 1), ("gate_up", 64, 64, 1), ("down", 64, 64, 1)]
 STRATEGIES = {"triton": None, "csgmv16": 16, "csgmv64": 64}
 
 
@@ -72,7 +75,7 @@ def make_segments(strategy: str, seg_lens: list[int], seg_slots: list[int]) -> L
 
 # ------------------------------------------------------------------ correctness
 def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
-          K: int, slices: list[int], R: int) -> tuple[bool, float]:
+          K: int, slices: list[int], R: int, fused: bool | None = None) -> tuple[bool, float]:
     g = torch.Generator(device=DEV).manual_seed(0)
     S, n, offs = len(ranks), len(slices), offsets(slices)
     T, OUT = sum(seg_lens), offs[-1]
@@ -88,7 +91,7 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
     want = ref.lora_expand(y0.clone(), ref.lora_shrink(x, A, token_slots, ranks_t), B, token_slots, offs, ranks_t)
     segs = make_segments(strategy, seg_lens, seg_slots)
     y = y0.clone()
-    lora_expand(y, lora_shrink(x, A, segs, ranks_t), B, segs, ranks_t, offs)
+    lora_apply(y, x, A, B, segs, ranks_t, offs, fused=fused)  # None: fused when every segment is one token
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}[dtype]
     base = token_slots < 0
@@ -101,17 +104,19 @@ def run_checks(smoke: bool) -> bool:
     shapes = [(4096, [4096, 1024, 1024]), (14336, [4096]), (576, [576, 192, 192])] if not smoke else [(64, [64, 16, 16])]
     for strategy in STRATEGIES:
         for dtype in (torch.bfloat16, torch.float16, torch.float32) if not smoke else (torch.bfloat16,):
-            cases.append((strategy, dtype, [1] * 40, [(i * 7) % 9 - 1 for i in range(40)], "decode"))
-            cases.append((strategy, dtype, [300, 1, 700, 45], [0, -1, 3, 0], "prefill"))
+            for fused in (None, False):  # triton decode: fused kernel, then lora_shrink + lora_expand
+                slots = [(i * 7) % 9 - 1 for i in range(40)]
+                cases.append((strategy, dtype, [1] * 40, slots, "decode", fused))
+            cases.append((strategy, dtype, [300, 1, 700, 45], [0, -1, 3, 0], "prefill", None))
     all_ok, n_checked = True, 0
-    for strategy, dtype, lens, slots, shape in cases:
+    for strategy, dtype, lens, slots, shape, fused in cases:
         # bf16 (the serving dtype) on every shape; fp16 and fp32 on qkv (each shape compiles anew)
         for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
-            ok, err = check(strategy, dtype, lens, slots, [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16)
+            ok, err = check(strategy, dtype, lens, slots, [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, fused)
             n_checked += 1
             all_ok &= ok
             if not ok:
-                print(f"FAIL {strategy} {dtype} {shape} K={K} {slices}: max rel err {err:.2e}")
+                print(f"FAIL {strategy} {dtype} {shape} fused={fused} K={K} {slices}: max rel err {err:.2e}")
     print(f"correctness: {n_checked} cases, {'all passed' if all_ok else 'FAILURES above'}", flush=True)
     return all_ok
 
@@ -186,8 +191,7 @@ class Proj:
 
     def kernel_fn(self, segs: LoRASegments) -> Callable[[], None]:
         def fn() -> None:
-            h = lora_shrink(self.x, self.A, segs, self.ranks)
-            lora_expand(self.y, h, self.B, segs, self.ranks, self.offs)
+            lora_apply(self.y, self.x, self.A, self.B, segs, self.ranks, self.offs)
         return fn
 
     def torch_fn(self, seg_lens: list[int], seg_slots: list[int]) -> Callable[[], None]:
@@ -243,7 +247,7 @@ def bench(args: argparse.Namespace) -> list[str]:
             print(row, flush=True)
             del p
     head = ("| proj | T | D | " + " | ".join(f"{s} µs | {s} adapter GB/s (% copy)" for s in STRATEGIES)
-            + " | torch µs | TFLOP/s (best) |")
+            + " | triton b2b µs (% copy) | torch µs | TFLOP/s (best) |")
     lines += ["", "Decode (shrink + expand, rank 16, bf16; CUDA-graph replay, weights rotated past the L2):", "",
               head, "|" + "---|" * (head.count("|") - 1)]
     print(lines[0], flush=True)
@@ -261,6 +265,9 @@ def bench(args: argparse.Namespace) -> list[str]:
                 t = graph_time([p.kernel_fn(make_segments(strategy, *it)) for it in its])
                 best = min(best, t)
                 cells.append(f"{t * 1e6:.1f} | {n_bytes / t / 1e9:.0f} ({100 * n_bytes / t / bw:.0f} %)")
+            fns = [p.kernel_fn(make_segments("triton", *it)) for it in its]
+            tb = graph_time(fns * triton.cdiv(8, len(fns)))  # >= 8 applications back to back per graph
+            cells.append(f"{tb * 1e6:.1f} ({100 * n_bytes / tb / bw:.0f} %)")
             tt = graph_time([p.torch_fn(*it) for it in its])
             row = f"| {name} | {T} | {D} | " + " | ".join(cells) + f" | {tt * 1e6:.1f} | {flops / best / 1e12:.2f} |"
             lines.append(row)
@@ -269,11 +276,40 @@ def bench(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+# (block_m, block_n, block_k, split_k, num_warps, num_stages); None = the launcher's choice
+SHRINK_DECODE = [(None,) * 6, (1, 16, 512, 1, 4, 3), (1, 16, 512, 2, 4, 3), (1, 16, 512, 4, 4, 3),
+                 (1, 16, 256, 4, 4, 4), (1, 16, 512, 2, 8, 3), (1, 64, 128, 2, 4, 3), (1, 64, 128, 4, 8, 3),
+                 (16, 64, 128, None, 4, 3)]
+SHRINK_PREFILL = [(None,) * 6, (64, 64, 64, 1, 4, 3), (64, 64, 64, None, 4, 4), (128, 64, 64, None, 8, 3),
+                  (128, 64, 64, 1, 8, 4), (64, 64, 128, None, 4, 3), (32, 64, 128, 1, 4, 4)]
+# (block_m, block_n, cols_per_prog, num_warps, num_stages)
+EXPAND_DECODE = [(None,) * 5, (1, 128, 128, 4, 3), (1, 128, 512, 4, 3), (1, 256, 256, 4, 3), (1, 256, 1024, 4, 3),
+                 (1, 512, 512, 8, 3), (1, 256, 512, 2, 3), (1, 256, 512, 8, 4), (16, 256, 256, 4, 3)]
+EXPAND_PREFILL = [(None,) * 5, (64, 128, 1 << 20, 4, 3), (64, 128, 1024, 4, 3), (128, 128, None, 8, 3),
+                  (64, 64, None, 4, 3), (64, 256, None, 8, 3), (32, 128, None, 4, 3), (64, 128, None, 4, 4),
+                  (64, 128, None, 4, 2)]
+
+
+# lora_apply, one-token segments: (fused, block_k, block_n, cols_per_prog, num_warps, num_stages)
+APPLY_DECODE = [(None,) * 6, (False, None, None, None, None, None), (True, None, None, None, None, None),
+                (True, 512, 256, 4096, 4, 3), (True, 512, 256, None, 4, 2), (True, 512, 512, None, 8, 3)]
+
+
+def tiles(cfg: tuple) -> str:
+    return "/".join("-" if c is None else str(c) for c in cfg)
+
+
 def tune(args: argparse.Namespace, bw: float) -> list[str]:
     """Shrink and expand timed apart under other tile choices than the launchers' (marked *)."""
-    lines = ["", "Tile choices, shrink and expand timed apart (triton strategy; * = the launchers' default):", "",
-             "| op | proj | T | D | block_m | block_n/k | warps | µs | GB/s moved |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["", "Tile choices, shrink and expand timed apart (triton strategy; * = the launchers' default;",
+             "shrink: block_m/n/k split warps stages; expand: block_m/n cols_per_prog warps stages;",
+             "apply (shrink + expand): fused block_k block_n cols_per_prog warps stages):", "",
+             "| op | proj | T | D | tiles | µs | GB/s moved (% copy) |", "|---|---|---|---|---|---|---|"]
+    t0 = time.time()
     for name, T, D, seq in TUNE:
+        if time.time() - t0 > args.tune_budget_s:
+            lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
+            break
         K, slices = LLAMA_8B[name]
         p = Proj(K, slices, T)
         its = layouts(T, D, T // seq)
@@ -282,24 +318,40 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         h = lora_shrink(p.x, p.A, segs[0], p.ranks)
         a_bytes = D * p.n * RANK * K * 2 + T * K * 2
         b_bytes = D * p.offs[-1] * RANK * 2 + 2 * T * p.offs[-1] * 2
-        shrink_cfgs = [(None, None, None), (None, 256, 4), (None, 64, 4), (None, 128, 8)] if decode else \
-            [(None, None, None), (128, 128, 4), (128, 64, 8), (64, 64, 4), (64, 128, 8)]
-        expand_cfgs = [(None, None, None), (16, 128, 4), (16, 512, 4), (16, 256, 8)] if decode else \
-            [(None, None, None), (64, 128, 4), (128, 128, 8), (64, 256, 8), (32, 128, 4)]
-        for bm, bk, w in shrink_cfgs:
-            t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, block_m=bm, block_k=bk, num_warps=w)
+        n0 = len(lines)
+        for cfg in (APPLY_DECODE if decode else []):
+            fu, bk, bn, cp, w, st = cfg
+            kw = dict(block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st) if fu else {}
+            t = graph_time([lambda sg=sg: lora_apply(p.y, p.x, p.A, p.B, sg, p.ranks, p.offs, fused=fu, **kw)
                             for sg in segs])
-            star = "*" if bm is None and bk is None else ""
-            lines.append(f"| shrink{star} | {name} | {T} | {D} | {bm or '-'} | {bk or '-'} | {w or '-'} | "
-                         f"{t * 1e6:.1f} | {a_bytes / t / 1e9:.0f} ({100 * a_bytes / t / bw:.0f} %) |")
-        for bm, bn, w in expand_cfgs:
-            t = graph_time([lambda sg=sg: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs, block_m=bm, block_n=bn,
-                                                      num_warps=w) for sg in segs])
+            star = "*" if fu is None else ""
+            lines.append(f"| apply{star} | {name} | {T} | {D} | {tiles(cfg)} | "
+                         f"{t * 1e6:.1f} | {(a_bytes + b_bytes) / t / 1e9:.0f} "
+                         f"({100 * (a_bytes + b_bytes) / t / bw:.0f} %) |")
+        if args.tune_apply_only:
+            print("\n".join(lines[n0:]), flush=True)
+            p = h = None  # frees the buffers before the next shape
+            continue
+        for cfg in (SHRINK_DECODE if decode else SHRINK_PREFILL):
+            bm, bn, bk, sk, w, st = cfg
+            t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, split_k=sk, block_m=bm,
+                                                      block_k=bk, block_n=bn, num_warps=w, num_stages=st)
+                            for sg in segs])
             star = "*" if bm is None else ""
-            lines.append(f"| expand{star} | {name} | {T} | {D} | {bm or '-'} | {bn or '-'} | {w or '-'} | "
+            lines.append(f"| shrink{star} | {name} | {T} | {D} | {tiles(cfg)} | "
+                         f"{t * 1e6:.1f} | {a_bytes / t / 1e9:.0f} ({100 * a_bytes / t / bw:.0f} %) |")
+        for cfg in (EXPAND_DECODE if decode else EXPAND_PREFILL):
+            bm, bn, cp, w, st = cfg
+            if cp is not None:
+                cp = min(cp, triton.cdiv(p.offs[-1], bn) * bn)
+            t = graph_time([lambda sg=sg: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs, block_m=bm,
+                                                      block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st)
+                            for sg in segs])
+            star = "*" if bm is None else ""
+            lines.append(f"| expand{star} | {name} | {T} | {D} | {tiles(cfg)} | "
                          f"{t * 1e6:.1f} | {b_bytes / t / 1e9:.0f} ({100 * b_bytes / t / bw:.0f} %) |")
-        print("\n".join(lines[-len(shrink_cfgs) - len(expand_cfgs):]), flush=True)
-        del p, h
+        print("\n".join(lines[n0:]), flush=True)
+        p = h = None  # frees the buffers before the next shape
     return lines
 
 
@@ -309,19 +361,23 @@ def main() -> None:
     ap.add_argument("--out", help="also write the tables to this file")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-tune", action="store_true", help="no table of other tile choices")
+    ap.add_argument("--tune-first", action="store_true", help="time the tile choices before the main tables")
+    ap.add_argument("--tune-apply-only", action="store_true", help="tile choices of lora_apply only")
+    ap.add_argument("--tune-budget-s", type=float, default=150.0, help="stop tuning new shapes after this long")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script itself (CPU + interpreter)")
     args = ap.parse_args()
     if args.smoke:
         global SLOTS, DECODE, PREFILL, PREFILL_SEQ, TUNE
         SLOTS, DECODE, PREFILL, PREFILL_SEQ = 8, [(1, 1), (4, 2), (8, 8)], [(64, 1), (128, 2)], 64
-        TUNE = [("qkv", 8, 8, 1), ("gate_up", 128, 1, 64)]
+        TUNE = [("qkv", 8, 8, 1), ("qkv", 4, 4, 1), ("gate_up", 128, 1, 64)]
         for name, (K, slices) in list(LLAMA_8B.items()):
             LLAMA_8B[name] = (K // 64, [s // 64 for s in slices])
     gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)"
     print(f"{gpu} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
     ok = True if args.skip_check else run_checks(args.smoke)
-    lines = bench(args)
-    if not args.skip_tune:
+    tuned = tune(args, copy_bandwidth()) if args.tune_first and not args.skip_tune else []
+    lines = bench(args) + tuned
+    if not args.skip_tune and not args.tune_first:
         lines += tune(args, copy_bandwidth())
     text = "\n".join(lines)
     print("\n" + text)

@@ -3,10 +3,18 @@
     y[t, o_i + c] += scale[slot(t)] * sum_{j < rank[slot(t)]} h[t, i*R + j] * B[slot(t), o_i + c, j]
 
 for every slice i of the fused output (columns o_i:o_{i+1}), adapter tokens t, in place, one launch.
-The grid tiles the whole output width; a tile that straddles a slice boundary (slice sizes need not
-be multiples of the tile) runs one small dot per slice it touches, each with the right h columns.
-The rank loop stops at the slot's true rank, so padding up to max_lora_rank is never read, and base
-tokens have no segment (kernels/segments.py): their rows of y are not touched.
+A program owns BLOCK_M rows of one segment and a range of output columns, which it walks slice by
+slice in BLOCK_N-wide steps: h of that slice stays in registers, and each step streams one B tile
+and one y tile (read, add, write), so the loop is software-pipelined and a program keeps several
+tiles in flight instead of one. The whole rank (<= 64) is one tile; columns j >= rank of the slot
+are masked, so padding up to max_lora_rank is never read. Base tokens have no segment
+(kernels/segments.py): their rows of y are not touched.
+
+Two bodies, picked by BLOCK_M:
+- BLOCK_M = 1 (every segment one token: decode with distinct adapters): a batched GEMV. B is loaded
+  as [BLOCK_N, R] tiles in its own layout (R contiguous), multiplied by h's row and reduced over R in
+  registers; no tensor-core tile 15/16 empty and no layout shuffle through shared memory.
+- BLOCK_M >= 16: tl.dot of h [BLOCK_M, R] with B [R, BLOCK_N] on the tensor cores.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ def _lora_expand_kernel(
     seg_slot_ptr,  # [G] int32
     rank_ptr,  # [S] int32 true rank per slot
     OUT, R, o1, o2,  # output width, max rank, first column of slices 1 and 2 (= OUT when absent)
+    cols_per_prog,  # output columns of one program along grid axis 1
     stride_yt, stride_yo, stride_ht, stride_hn, stride_bs, stride_bo, stride_br,
     tiles_per_seg,
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -48,18 +57,29 @@ def _lora_expand_kernel(
     rank = tl.load(rank_ptr + slot)
     if rank == 0:
         return  # empty slot: nothing to add
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    pos = tl.load(seg_start_ptr + seg) + offs_m
-    if GATHER:
-        rows = tl.load(tok_ptr + pos, mask=m_mask, other=0)
-    else:
-        rows = pos
-    rows64 = rows.to(tl.int64)
-    c0 = tl.program_id(1) * BLOCK_N
-    offs_c = c0 + tl.arange(0, BLOCK_N)
+    p_lo = tl.program_id(1) * cols_per_prog
+    p_hi = tl.minimum(p_lo + cols_per_prog, OUT)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_ty = b_ptr.dtype.element_ty
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + slot)
+    if BLOCK_M == 1:
+        pos = tl.load(seg_start_ptr + seg) + m0
+        if GATHER:
+            row = tl.load(tok_ptr + pos).to(tl.int64)
+        else:
+            row = pos.to(tl.int64)
+    else:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < seg_len
+        pos = tl.load(seg_start_ptr + seg) + offs_m
+        if GATHER:
+            rows = tl.load(tok_ptr + pos, mask=m_mask, other=0).to(tl.int64)
+        else:
+            rows = pos.to(tl.int64)
     for i in tl.static_range(N_SLICES):
         if i == 0:
             lo = 0
@@ -70,32 +90,45 @@ def _lora_expand_kernel(
         else:
             lo = o2
             hi = OUT
-        if (lo < c0 + BLOCK_N) & (hi > c0):  # this tile holds columns of slice i
-            c_mask = (offs_c >= lo) & (offs_c < hi)
-            for r0 in range(0, rank, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)
-                r_mask = offs_r < rank
-                ht = tl.load(h_ptr + rows64[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn,
-                             mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        c_lo = tl.maximum(lo, p_lo)
+        c_hi = tl.minimum(hi, p_hi)  # c_lo >= c_hi: this program holds no column of slice i
+        if BLOCK_M == 1:
+            hv = tl.load(h_ptr + row * stride_ht + (i * R + offs_r) * stride_hn, mask=r_mask, other=0.0)
+            hv = hv.to(b_ty).to(tl.float32)  # h rounded to the weights' dtype, as the torch twin does
+            for c0 in range(c_lo, c_hi, BLOCK_N):
+                offs_c = c0 + tl.arange(0, BLOCK_N)
+                c_mask = offs_c < c_hi
+                bt = tl.load(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
+                             mask=c_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+                y_ptrs = y_ptr + row * stride_yt + offs_c * stride_yo
+                y = tl.load(y_ptrs, mask=c_mask, other=0.0)
+                acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
+                tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=c_mask)
+        else:
+            ht = tl.load(h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn,
+                         mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+            ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
+            if UPCAST:
+                ht = ht.to(tl.float32)
+            for c0 in range(c_lo, c_hi, BLOCK_N):
+                offs_c = c0 + tl.arange(0, BLOCK_N)
+                c_mask = offs_c < c_hi
                 bt = tl.load(b_base + offs_c[None, :] * stride_bo + offs_r[:, None] * stride_br,
                              mask=c_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
-                ht = ht.to(bt.dtype)  # h rounded to the weights' dtype, as the torch twin does
+                y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_c[None, :] * stride_yo
+                y_mask = m_mask[:, None] & c_mask[None, :]
+                y = tl.load(y_ptrs, mask=y_mask, other=0.0)
                 if UPCAST:
-                    ht = ht.to(tl.float32)
                     bt = bt.to(tl.float32)
-                acc += tl.dot(ht, bt, input_precision=PRECISION)
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + slot)
-    y_ptrs = y_ptr + rows64[:, None] * stride_yt + offs_c[None, :] * stride_yo
-    y_mask = m_mask[:, None] & (offs_c < OUT)[None, :]
-    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
+                acc = tl.dot(ht, bt, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+                tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,
                 out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
                 block_m: Optional[int] = None, block_n: Optional[int] = None,
-                num_warps: Optional[int] = None) -> torch.Tensor:
+                num_warps: Optional[int] = None, cols_per_prog: Optional[int] = None,
+                num_stages: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i, :r] @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, every slice i, in place.
 
     y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink;
@@ -103,7 +136,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     out_offsets [n + 1] host ints, 0 .. out, n <= 3; scalings [S] fp32 or None (= 1: the engine folds
     each module's alpha/r into B, since rank_pattern/alpha_pattern make it per module, not per slot).
     Returns y. Rows of tokens outside every segment are left exactly as they were.
-    block_m, block_n, num_warps: tile overrides for benchmarks (None = the launcher's choice).
+    block_m (1 = the GEMV body, else a power of two >= 16), block_n, num_warps, cols_per_prog (a
+    multiple of block_n), num_stages: tile overrides for benchmarks (None = the launcher's choice).
     """
     if y.dim() != 2 or h.dim() != 3 or B.dim() != 3:
         raise ValueError(f"lora_expand: y must be [T, out], h [T, n, R], B [S, out, R]; got "
@@ -124,6 +158,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         raise ValueError(f"lora_expand: out_offsets {offs} must rise from 0 to {OUT} in {n} slices")
     if not 1 <= n <= 3:
         raise ValueError(f"lora_expand: 1 to 3 slices supported, got {n}")
+    if R > 64:
+        raise ValueError(f"lora_expand: max rank {R} > 64 (the whole rank is one register tile)")
     check_segments(segs, slot_ranks, S, y.device)
     if scalings is not None and (scalings.shape != (S,) or scalings.dtype != torch.float32
                                  or scalings.device != y.device):
@@ -131,30 +167,54 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     G = segs.num_segs
     if G == 0 or T == 0:
         return y
-    decode = segs.max_len <= 16
     if block_m is None:
-        block_m = 16 if decode else (32 if segs.max_len <= 32 else 64)
+        # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
+        block_m = 1 if segs.max_len == 1 else (16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64))
     if block_n is None:
-        # Decode: 128 and 256 columns measured alike on the H200; prefill tiles are bounded by the
-        # fp32 accumulator [BLOCK_M, BLOCK_N] in registers (64 x 256 was slower).
-        block_n = min(256 if decode else 128, max(16, triton.next_power_of_2(OUT)))
-    if num_warps is None:
-        num_warps = 4  # 8 warps measured slower for prefill tiles (gate_up 16k: 701 vs 608 µs)
-    check_tile(block_m=block_m, block_n=block_n)
-    block_r = min(64, max(16, triton.next_power_of_2(R)))
+        block_n = 256 if block_m == 1 else 128
+    block_n = min(block_n, max(16, triton.next_power_of_2(OUT)))
+    if block_m != 1:
+        check_tile(block_m=block_m)
+    check_tile(block_n=block_n)
+    block_r = max(16, triton.next_power_of_2(R))
     tiles_per_seg = triton.cdiv(segs.max_len, block_m)
+    programs_m = G * tiles_per_seg
+    if cols_per_prog is None:
+        cols_per_prog = _auto_cols_per_prog(programs_m, OUT, block_n, block_m, y.device)
+    if cols_per_prog % block_n:
+        raise ValueError(f"lora_expand: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
+    if num_warps is None:
+        num_warps = 4
+    if num_stages is None:
+        num_stages = 3
     o1 = offs[1] if n > 1 else OUT
     o2 = offs[2] if n > 2 else OUT
     tok = segs.token_index if segs.token_index is not None else segs.starts
-    grid = (G * tiles_per_seg, triton.cdiv(OUT, block_n))
+    grid = (programs_m, triton.cdiv(OUT, cols_per_prog))
     _lora_expand_kernel[grid](
         y, h, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
-        OUT, R, o1, o2,
+        OUT, R, o1, o2, cols_per_prog,
         y.stride(0), y.stride(1), h.stride(0), h.stride(2), B.stride(0), B.stride(1), B.stride(2),
         tiles_per_seg,
         N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype),
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return y
+
+
+def _auto_cols_per_prog(programs_m: int, OUT: int, block_n: int, block_m: int, device: torch.device) -> int:
+    """Columns per program: long enough loops to pipeline, yet enough programs to fill the SMs:
+    >= ~8 per SM for GEMV tiles (BLOCK_N x R weights each), >= ~4 per SM for tensor-core tiles."""
+    n_steps = triton.cdiv(OUT, block_n)
+    if device.type != "cuda":
+        return n_steps * block_n  # interpreter: fewest programs (each costs host time)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if block_m == 1:
+        # H200, docs/benchmarks.md: 4 steps of 256 columns beat 1 or 2 (gate_up 84 vs 90-96 µs).
+        splits = max(triton.cdiv(n_steps, 4), triton.cdiv(8 * sms, programs_m))
+    else:
+        splits = triton.cdiv(4 * sms, programs_m)
+    splits = max(1, min(n_steps, splits))
+    return triton.cdiv(n_steps, splits) * block_n

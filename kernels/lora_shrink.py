@@ -7,9 +7,14 @@ A[s] [n, R, in] is read as one [n*R, in] matrix, so one tile of output columns c
 are masked: their A rows are never loaded (no traffic for padding up to max_lora_rank) and their h
 entries are never written. Base tokens have no segment (kernels/segments.py) and cost nothing.
 
-Grid: (segment x BLOCK_M tile, column tile, K split). Decode steps have few rows and a long K, so
-when the grid is small the launcher splits K across programs that add their fp32 partial sums
-atomically (h is zeroed first); prefill steps have enough tiles and store directly.
+Grid: (segment x BLOCK_M tile, column tile, K split). Two bodies, picked by BLOCK_M:
+- BLOCK_M = 1 (every segment one token: decode with distinct adapters): a batched GEMV. A is read
+  in its own layout ([BLOCK_N, BLOCK_K] tiles, K contiguous), products are summed elementwise in
+  fp32 and reduced over K once at the end: no tensor-core tile 15/16 empty.
+- BLOCK_M >= 16: tl.dot tiles on the tensor cores.
+Decode steps have few rows and a long K, so when the grid is small the launcher splits K across
+programs that add their fp32 partial sums atomically (h is zeroed first); prefill steps have enough
+tiles and store directly.
 """
 
 from __future__ import annotations
@@ -54,39 +59,63 @@ def _lora_shrink_kernel(
     n_mask = (offs_n < N) & ((offs_n % R) < rank)
     if tl.max(n_mask.to(tl.int32), axis=0) == 0:
         return  # the whole column tile is rank padding (or the slot is empty)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    pos = tl.load(seg_start_ptr + seg) + offs_m
-    if GATHER:
-        rows = tl.load(tok_ptr + pos, mask=m_mask, other=0)
-    else:
-        rows = pos
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_an
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_hi
-        xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_rows + offs_k[:, None] * stride_ak, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        if UPCAST:
-            xt = xt.to(tl.float32)
-            at = at.to(tl.float32)
-        acc += tl.dot(xt, at, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32
-    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_ht + offs_n[None, :] * stride_hn
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(h_ptrs, acc, mask=out_mask)
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n * stride_an  # [BLOCK_N]
+    if BLOCK_M == 1:
+        # GEMV body (one-token segments): A tiles [BLOCK_N, BLOCK_K] in A's own layout (K
+        # contiguous), products summed elementwise in fp32 and reduced over K once at the end.
+        pos = tl.load(seg_start_ptr + seg) + m0
+        if GATHER:
+            row = tl.load(tok_ptr + pos).to(tl.int64)
+        else:
+            row = pos.to(tl.int64)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            xv = tl.load(x_ptr + row * stride_xt + offs_k * stride_xk, mask=k_mask, other=0.0)
+            at = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak, mask=n_mask[:, None] & k_mask[None, :],
+                         other=0.0)
+            acc2 += at.to(tl.float32) * xv.to(tl.float32)[None, :]
+        acc1 = tl.sum(acc2, axis=1)  # [BLOCK_N]
+        h_ptrs1 = h_ptr + row * stride_ht + offs_n * stride_hn
+        if ATOMIC:
+            tl.atomic_add(h_ptrs1, acc1, mask=n_mask)
+        else:
+            tl.store(h_ptrs1, acc1, mask=n_mask)
     else:
-        tl.store(h_ptrs, acc, mask=out_mask)
-
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < seg_len
+        pos = tl.load(seg_start_ptr + seg) + offs_m
+        if GATHER:
+            rows = tl.load(tok_ptr + pos, mask=m_mask, other=0)
+        else:
+            rows = pos
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows[None, :] + offs_k[:, None] * stride_ak, mask=n_mask[None, :] & k_mask[:, None],
+                         other=0.0)
+            if UPCAST:
+                xt = xt.to(tl.float32)
+                at = at.to(tl.float32)
+            acc += tl.dot(xt, at, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32
+        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_ht + offs_n[None, :] * stride_hn
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(h_ptrs, acc, mask=out_mask)
+        else:
+            tl.store(h_ptrs, acc, mask=out_mask)
 
 def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,
                 out: Optional[torch.Tensor] = None, split_k: Optional[int] = None, *,
                 block_m: Optional[int] = None, block_k: Optional[int] = None,
-                num_warps: Optional[int] = None) -> torch.Tensor:
+                num_warps: Optional[int] = None, block_n: Optional[int] = None,
+                num_stages: Optional[int] = None) -> torch.Tensor:
     """h[t, i, :r] = x[t] @ A[slot(t), i, :r]ᵀ for every slice i, r = slot_ranks[slot(t)].
 
     x [T, in] fp32/bf16/fp16; A [S, n, R, in] same dtype, contiguous; segs: segments over the
@@ -94,7 +123,8 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     Returns h [T, n, R] fp32. Only h[t, i, :rank] of adapter tokens is written: rows of base
     tokens and rank padding hold whatever `out` held (garbage when allocated here); lora_expand
     never reads them. split_k: programs along K (None = chosen from the grid size; >1 zeroes h).
-    block_m, block_k, num_warps: tile overrides for benchmarks (None = the launcher's choice).
+    block_m (1 = the GEMV body, else a power of two >= 16), block_k, num_warps, block_n,
+    num_stages: tile overrides for benchmarks (None = the launcher's choice).
     """
     if x.dim() != 2 or A.dim() != 4:
         raise ValueError(f"lora_shrink: x must be [T, in] and A [S, n, R, in], got {tuple(x.shape)}, {tuple(A.shape)}")
@@ -117,19 +147,34 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         return out
     N = n * R
     if block_m is None:
-        block_m = 16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64)
-    # One column tile covers every slice's rank rows (n*R = 48 for qkv at rank 16), so x is read
-    # once; decode steps get their parallelism from splitting K instead (below).
-    block_n = min(64, max(16, triton.next_power_of_2(N)))
+        # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
+        ml = segs.max_len
+        block_m = 1 if ml == 1 else (16 if ml <= 16 else (32 if ml <= 32 else (64 if ml <= 64 else 128)))
+    if block_n is None:
+        # GEMV: one rank block per program (R contiguous rows of A, x re-read from L2 per block);
+        # tensor-core tiles: one column tile covers every slice's rank rows (n*R = 48 for qkv at
+        # rank 16), so x is read once.
+        block_n = max(16, triton.next_power_of_2(R)) if block_m == 1 else 64
+    block_n = min(block_n, max(16, triton.next_power_of_2(N)))
     if block_k is None:
-        # H200, docs/benchmarks.md: 64-wide K steps beat 128 for prefill tiles (qkv at 16k tokens
-        # 64 vs 85 µs), 128 is as good as any for decode tiles.
-        block_k = min(128 if segs.max_len <= 16 else 64, max(16, triton.next_power_of_2(K)))
-    check_tile(block_m=block_m, block_k=block_k)
+        # H200, docs/benchmarks.md: [16, 512] GEMV tiles; 64-wide K steps for prefill tiles, 128
+        # for decode tiles.
+        if block_m == 1:
+            block_k = max(16, 8192 // block_n)  # [BLOCK_N, BLOCK_K] fp32 partial sums: 64 per thread
+        else:
+            block_k = 128 if segs.max_len <= 16 else 64
+        block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4  # H200: 128-row prefill tiles, 8 warps, 4 stages
+    if num_stages is None:
+        num_stages = 4 if block_m >= 128 else 3
+    if block_m != 1:
+        check_tile(block_m=block_m)
+    check_tile(block_k=block_k, block_n=block_n)
     tiles_per_seg = triton.cdiv(segs.max_len, block_m)
     grid_mn = G * tiles_per_seg * triton.cdiv(N, block_n)
     if split_k is None:
-        split_k = _auto_split_k(grid_mn, K, block_k, x.device)
+        split_k = _auto_split_k(grid_mn, K, block_k, block_m, x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     if split_k > 1:
@@ -146,17 +191,20 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GATHER=segs.token_index is not None, ATOMIC=split_k > 1,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
-        num_warps=num_warps or 4,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
-def _auto_split_k(grid_mn: int, K: int, block_k: int, device: torch.device) -> int:
-    """Enough programs to keep every SM streaming A: ~2 per SM, each with >= 2 K blocks of work."""
+def _auto_split_k(grid_mn: int, K: int, block_k: int, block_m: int, device: torch.device) -> int:
+    """Split K only where the grid is too small to keep every SM streaming A, with >= 2 K blocks per
+    program. H200, docs/benchmarks.md: the split costs a memset and fp32 atomics into h, so prefill
+    tiles split only when fewer than a quarter of the SMs would have a program (at 16k tokens the
+    auto split of 2 made qkv's shrink 2x slower); decode tiles below ~2 programs per SM."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if grid_mn >= 2 * sms:
+    floor = sms // 4 if block_m > 16 else 2 * sms
+    if grid_mn >= floor:
         return 1
     return max(1, min(triton.cdiv(2 * sms, grid_mn), K // (2 * block_k)))
-

@@ -56,10 +56,9 @@ class LoRALinear(nn.Module):
         self.ctx = ctx
         if ctx.backend != "torch":
             # Imported here so the torch backend never needs triton (no wheel on some platforms).
-            from kernels.lora_expand import lora_expand
-            from kernels.lora_shrink import lora_shrink
+            from kernels.lora_apply import lora_apply
 
-            self._shrink, self._expand = lora_shrink, lora_expand
+            self._apply = lora_apply
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -67,9 +66,9 @@ class LoRALinear(nn.Module):
         if info is None:
             return y
         if info.segments is not None:
-            # Kernels: h [T, n, R] fp32, then y += h @ Bᵀ per slice, in place; base rows untouched.
-            h = self._shrink(x, self.A, info.segments, info.slot_ranks)
-            self._expand(y, h, self.B, info.segments, info.slot_ranks, self.out_offsets)
+            # Kernels: y += (x @ Aᵀ) @ Bᵀ per slice, in place (one fused launch for one-token
+            # segments, else lora_shrink's fp32 h then lora_expand); base rows untouched.
+            self._apply(y, x, self.A, self.B, info.segments, info.slot_ranks, self.out_offsets)
         elif not info.groups:
             return y
         elif info.gather:

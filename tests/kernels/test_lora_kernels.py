@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Optional
+
 import pytest
 import torch
 
 from kernels import reference as ref
+from kernels.lora_apply import lora_apply
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
 from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments
@@ -56,7 +59,10 @@ def segments(strategy: str, seg_lens: list[int], seg_slots: list[int], chunk: in
 
 def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
                K: int, slices: list[int], R: int, chunk: int = 4, split_k: int = 1,
-               with_scale: bool = False, seed: int = 0) -> None:
+               with_scale: bool = False, seed: int = 0, shrink_kw: Optional[dict] = None,
+               expand_kw: Optional[dict] = None, apply_kw: Optional[dict] = None) -> None:
+    """apply_kw: check lora_apply (shrink + expand in one call, fused or not) with these arguments
+    instead of the two ops one after the other."""
     g = torch.Generator().manual_seed(seed)
     S, n = len(ranks), len(slices)
     offs = [0]
@@ -81,10 +87,20 @@ def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots
 
     segs = segments(strategy, seg_lens, seg_slots, chunk)
     r_dev = ranks_t.to(DEV)
-    h = torch.full((T, n, R), float("nan"), device=DEV)
-    out = lora_shrink(x.to(DEV), A.to(DEV), segs, r_dev, out=h, split_k=split_k)
-    assert out is h
     atol, rtol = TOL[dtype]
+    base = token_slots < 0
+    if apply_kw is not None:
+        y = y0.clone().to(DEV)
+        out = lora_apply(y, x.to(DEV), A.to(DEV), B.to(DEV), segs, r_dev, offs,
+                         None if scal is None else scal.to(DEV), **apply_kw)
+        assert out is y
+        y = y.cpu()
+        torch.testing.assert_close(y, want_y, atol=atol, rtol=rtol)
+        assert torch.equal(y[base], y0[base]), "base tokens' rows changed"
+        return
+    h = torch.full((T, n, R), float("nan"), device=DEV)
+    out = lora_shrink(x.to(DEV), A.to(DEV), segs, r_dev, out=h, split_k=split_k, **(shrink_kw or {}))
+    assert out is h
     h = h.cpu()
     for t in range(T):
         s = int(token_slots[t])
@@ -97,10 +113,10 @@ def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots
         elif split_k == 1:
             assert h[t].isnan().all(), f"h of base token {t} written"
     y = y0.clone().to(DEV)
-    lora_expand(y, h.to(DEV), B.to(DEV), segs, r_dev, offs, None if scal is None else scal.to(DEV))
+    lora_expand(y, h.to(DEV), B.to(DEV), segs, r_dev, offs, None if scal is None else scal.to(DEV),
+                **(expand_kw or {}))
     y = y.cpu()
     torch.testing.assert_close(y, want_y, atol=atol, rtol=rtol)
-    base = token_slots < 0
     assert torch.equal(y[base], y0[base]), "base tokens' rows changed"
 
 
@@ -154,6 +170,40 @@ def test_split_k_partial_sums(strategy: str) -> None:
     # K = 576 is 4.5 blocks of 128: the splits end mid-block, and the last one is short.
     check_case(strategy, torch.float32, [1, 1, 4, 1], [1, 0, 1, -1], ranks=[16, 3], K=576, slices=[40, 24],
                R=16, split_k=3)
+
+
+@pytest.mark.parametrize("body", ["gemv", "dot"])
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+def test_tile_overrides(strategy: str, body: str) -> None:
+    # Both bodies on multi-token segments (GEMV: one program per row), column ranges per program that
+    # end mid-slice (slices 40/24/24 are not multiples of 16), and a K split that ends mid-block.
+    bm = 1 if body == "gemv" else 16
+    check_case(strategy, torch.float32, [3, 1, 5, 2], [1, -1, 0, 2], ranks=[16, 3, 0], K=80, slices=[40, 24, 24],
+               R=16, chunk=4, split_k=2, shrink_kw=dict(block_m=bm, block_k=32, block_n=16),
+               expand_kw=dict(block_m=bm, block_n=16, cols_per_prog=32))
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["distinct", "zipf"])
+def test_apply_fused_decode(layout: str, dtype: torch.dtype, strategy: str) -> None:
+    # One-token segments (triton: neighbours differ; csgmv: chunk 1): the fused kernel, with whole
+    # slices per program and with column splits that end mid-slice; mixed ranks, an empty slot.
+    seg_slots = batch_layout(layout, 9, 5, random.Random(layout))
+    if strategy == "triton":
+        seg_slots = [s if k == 0 or s != seg_slots[k - 1] else -1 for k, s in enumerate(seg_slots)]
+    for kw in (dict(fused=True), dict(fused=True, block_k=32, block_n=16, cols_per_prog=32)):
+        check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[40, 24, 24],
+                   R=16, chunk=1, with_scale=dtype != torch.float32, apply_kw=kw)
+
+
+@pytest.mark.parametrize("ranks,R", [([1, 1], 1), ([64, 3], 64)], ids=["r1", "r64"])
+def test_apply_ranks_and_unfused(ranks: list[int], R: int) -> None:
+    check_case("triton", torch.float32, [1, 1, 1], [0, -1, 1], ranks, K=48, slices=[32], R=R, apply_kw={})
+    # Longer segments: lora_apply falls back to shrink + expand, and refuses to fuse.
+    check_case("triton", torch.float32, [3, 1, 2], [0, -1, 1], ranks, K=48, slices=[32], R=R, apply_kw={})
+    with pytest.raises(ValueError, match="one-token"):
+        check_case("triton", torch.float32, [3, 1], [0, 1], ranks, K=48, slices=[32], R=R, apply_kw=dict(fused=True))
 
 
 def test_no_adapter_tokens_is_a_no_op() -> None:

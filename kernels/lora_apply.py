@@ -1,0 +1,189 @@
+"""lora_apply: a whole multi-LoRA projection delta, shrink then expand, in place into the base output.
+
+    y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ
+
+for every slice i and adapter token t, r = rank of the slot: what lora_shrink followed by
+lora_expand computes, with the same rounding (h in fp32, rounded to the weights' dtype before the
+expand). When every segment is one token (decode with distinct adapters) one launch does it all:
+a program takes one token and one slice (and, on small steps, one range of that slice's columns),
+streams A[slot, i] against x to get h_i in registers, then streams B[slot, slice i] and adds into
+y. No h round trip through memory, no zeroing, no atomics, one launch instead of two or three.
+Longer segments, and steps with fewer (token, slice) pairs than SMs (one program would stream a
+whole A slice alone), go through lora_shrink + lora_expand.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import lora_shrink
+from kernels.segments import LoRASegments, check_segments, check_tile
+
+
+@triton.jit
+def _lora_fused_gemv_kernel(
+    y_ptr,  # [T, OUT] base output, updated in place
+    x_ptr,  # [T, K] input rows
+    a_ptr,  # [S, N, K] A of every slot, N = n*R: row i*R + j = rank row j of slice i
+    b_ptr,  # [S, OUT, R] B of every slot
+    scale_ptr,  # [S] fp32 scale per slot (HAS_SCALE only)
+    tok_ptr,  # [P] int32 token row per position (GATHER only)
+    seg_start_ptr,  # [G] int32 position of each (one-token) segment
+    seg_slot_ptr,  # [G] int32
+    rank_ptr,  # [S] int32 true rank per slot
+    K, OUT, R, o1, o2,  # in features, out features, max rank, first column of slices 1 and 2
+    cols_per_prog,  # columns of one program along grid axis 2 (a multiple of BLOCK_N)
+    stride_xt, stride_xk, stride_as, stride_an, stride_ak,
+    stride_yt, stride_yo, stride_bs, stride_bo, stride_br,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    i = tl.program_id(1)  # slice
+    lo = tl.where(i == 0, 0, tl.where(i == 1, o1, o2))
+    hi = tl.where(i == 0, o1, tl.where(i == 1, o2, OUT))
+    c_lo = lo + tl.program_id(2) * cols_per_prog
+    if c_lo >= hi:
+        return  # this slice is narrower than the widest one
+    c_hi = tl.minimum(c_lo + cols_per_prog, hi)
+    slot = tl.load(seg_slot_ptr + seg)
+    rank = tl.load(rank_ptr + slot)
+    if rank == 0:
+        return  # empty slot: nothing to add
+    pos = tl.load(seg_start_ptr + seg)
+    if GATHER:
+        row = tl.load(tok_ptr + pos).to(tl.int64)
+    else:
+        row = pos.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    # shrink: h_i[j] = x[row] · A[slot, i, j], [BLOCK_R, BLOCK_K] partial products in fp32
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + (i * R + offs_r) * stride_an
+    acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        xv = tl.load(x_ptr + row * stride_xt + offs_k * stride_xk, mask=k_mask, other=0.0)
+        at = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :],
+                     other=0.0)
+        acc2 += at.to(tl.float32) * xv.to(tl.float32)[None, :]
+    hv = tl.sum(acc2, axis=1)  # [BLOCK_R] fp32: lora_shrink's h
+    hv = hv.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
+    if HAS_SCALE:
+        hv = hv * tl.load(scale_ptr + slot)
+    # expand: y[row, c] += sum_j h_i[j] * B[slot, c, j] over this program's columns of slice i
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    for c0 in range(c_lo, c_hi, BLOCK_N):
+        offs_c = c0 + tl.arange(0, BLOCK_N)
+        c_mask = offs_c < c_hi
+        bt = tl.load(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
+                     mask=c_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+        y_ptrs = y_ptr + row * stride_yt + offs_c * stride_yo
+        y = tl.load(y_ptrs, mask=c_mask, other=0.0)
+        acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
+        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=c_mask)
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
+               slot_ranks: torch.Tensor, out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
+               fused: Optional[bool] = None, block_k: Optional[int] = None, block_n: Optional[int] = None,
+               cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
+               num_stages: Optional[int] = None) -> torch.Tensor:
+    """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
+
+    x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
+    slot_ranks, out_offsets, scalings as for lora_shrink / lora_expand. Returns y.
+    fused: one launch (needs every segment one token long); None = when it applies and pays.
+    block_k, block_n, cols_per_prog, num_warps, num_stages: fused-kernel overrides for benchmarks.
+    """
+    if fused is None:
+        fused = segs.max_len == 1 and _enough_programs(segs.num_segs * A.shape[1], x.device)
+    if not fused:
+        h = lora_shrink(x, A, segs, slot_ranks)
+        return lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings)
+    if segs.max_len > 1:
+        raise ValueError(f"lora_apply: the fused kernel takes one-token segments, the longest is {segs.max_len}")
+    if x.dim() != 2 or A.dim() != 4 or y.dim() != 2 or B.dim() != 3:
+        raise ValueError(f"lora_apply: x must be [T, in], A [S, n, R, in], y [T, out], B [S, out, R]; got "
+                         f"{tuple(x.shape)}, {tuple(A.shape)}, {tuple(y.shape)}, {tuple(B.shape)}")
+    T, K = x.shape
+    S, n, R, K_a = A.shape
+    OUT = y.shape[1]
+    if K_a != K or y.shape[0] != T or B.shape != (S, OUT, R):
+        raise ValueError(f"lora_apply: shapes disagree: x {tuple(x.shape)}, A {tuple(A.shape)}, "
+                         f"y {tuple(y.shape)}, B {tuple(B.shape)}")
+    if not (x.dtype == A.dtype == y.dtype == B.dtype) or x.dtype not in (torch.float32, torch.bfloat16,
+                                                                         torch.float16):
+        raise ValueError(f"lora_apply: x, A, y and B must share one of fp32/bf16/fp16, got "
+                         f"{x.dtype}, {A.dtype}, {y.dtype}, {B.dtype}")
+    if not A.is_contiguous():
+        raise ValueError("lora_apply: A must be contiguous (its [n, R] dims are read as one)")
+    if y.stride(1) != 1:
+        raise ValueError("lora_apply: y's columns must be contiguous")
+    offs = list(out_offsets)
+    if len(offs) != n + 1 or offs[0] != 0 or offs[-1] != OUT or any(a >= b for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"lora_apply: out_offsets {offs} must rise from 0 to {OUT} in {n} slices")
+    if not 1 <= n <= 3:
+        raise ValueError(f"lora_apply: 1 to 3 slices supported, got {n}")
+    if R > 64:
+        raise ValueError(f"lora_apply: max rank {R} > 64 (the whole rank is one register tile)")
+    check_segments(segs, slot_ranks, S, y.device)
+    if scalings is not None and (scalings.shape != (S,) or scalings.dtype != torch.float32
+                                 or scalings.device != y.device):
+        raise ValueError(f"lora_apply: scalings must be fp32 [{S}] on {y.device}")
+    G = segs.num_segs
+    if G == 0 or T == 0:
+        return y
+    block_r = max(16, triton.next_power_of_2(R))
+    if block_k is None:
+        block_k = max(16, 8192 // block_r)  # [BLOCK_R, BLOCK_K] fp32 partial sums: 64 per thread
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    if block_n is None:
+        block_n = 256
+    widest = max(b - a for a, b in zip(offs, offs[1:]))
+    block_n = min(block_n, max(16, triton.next_power_of_2(widest)))
+    check_tile(block_k=block_k, block_n=block_n)
+    if cols_per_prog is None:
+        cols_per_prog = _auto_cols_per_prog(G * n, widest, block_n, y.device)
+    if cols_per_prog % block_n:
+        raise ValueError(f"lora_apply: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
+    a3 = A.view(S, n * R, K)
+    o1 = offs[1] if n > 1 else OUT
+    o2 = offs[2] if n > 2 else OUT
+    tok = segs.token_index if segs.token_index is not None else segs.starts
+    grid = (G, n, triton.cdiv(widest, cols_per_prog))
+    _lora_fused_gemv_kernel[grid](
+        y, x, a3, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.slots, slot_ranks,
+        K, OUT, R, o1, o2, cols_per_prog,
+        x.stride(0), x.stride(1), a3.stride(0), a3.stride(1), a3.stride(2),
+        y.stride(0), y.stride(1), B.stride(0), B.stride(1), B.stride(2),
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
+        num_warps=num_warps or 4, num_stages=num_stages or 3,
+    )
+    return y
+
+
+def _enough_programs(pairs: int, device: torch.device) -> bool:
+    """Fuse only when the (token, slice) programs cover every SM. H200, docs/benchmarks.md: with
+    fewer, one program streams a whole A slice alone (down_proj, 1 token: 21 µs fused against
+    9 µs for shrink + expand, whose split-K spreads A over many programs)."""
+    if device.type != "cuda":
+        return True  # interpreter: the fused path is the one the CPU tests exercise
+    return pairs >= torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _auto_cols_per_prog(programs: int, widest: int, block_n: int, device: torch.device) -> int:
+    """A whole slice per program when (token, slice) pairs fill the SMs twice over; else split the
+    columns (each split recomputes h from A, mostly out of L2) until they do."""
+    n_steps = triton.cdiv(widest, block_n)
+    if device.type != "cuda":
+        return n_steps * block_n
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(n_steps, triton.cdiv(2 * sms, programs)))
+    return triton.cdiv(n_steps, splits) * block_n
