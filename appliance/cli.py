@@ -136,7 +136,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     a("--baseline-batch", type=int, default=d.baseline_batch)
     a("--baseline-adapters", type=int, default=d.baseline_adapters, help="distinct adapters in peft's mixed batch")
     a("--baseline-new-tokens", type=int, default=None, help="default: --new-tokens")
-    a("--skip-baselines", action="store_true", help="no transformers / peft runs")
+    a("--skip-baselines", action="store_true", help="no transformers / peft runs (the engine still runs their workload)")
     a("--online-requests", type=int, default=d.online_requests)
     a("--online-rate", type=float, default=d.online_rate, help="Poisson arrival rate, requests/s")
     a("--online-adapters", type=int, default=d.online_adapters, help="adapters the Zipf popularity spans")

@@ -89,22 +89,27 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
 
     dev = engine.runner.device
     ids = [f"dec-{i}-{time.perf_counter()}" for i in range(len(prompts))]
+    # Sequences that finish their prefill early decode while the others prefill (at most one step each
+    # per sequence still prefilling), so max_tokens leaves room for that and for the timed steps.
     for rid, p, a in zip(ids, prompts, adapters):
-        engine.add_request(rid, p, greedy(steps + 4), adapter=a)
-    started: set[str] = set()
-    while len(started) < len(ids):  # prefill (chunked) until every sequence has its first token
-        for o in engine.step():
-            started.add(o.request_id)
+        engine.add_request(rid, p, greedy(steps + len(prompts) + 4), adapter=a)
     times = []
-    for _ in tqdm(range(steps), desc="decode steps", disable=not progress, leave=False):
-        sync(dev)
-        t0 = time.perf_counter()
-        outs = engine.step()
-        sync(dev)
-        times.append(time.perf_counter() - t0)
-        assert len(outs) == len(ids), "a decode step did not advance every sequence"
-    for rid in ids:
-        engine.abort(rid)
+    try:
+        started: set[str] = set()
+        while len(started) < len(ids):  # prefill (chunked) until every sequence has its first token
+            for o in engine.step():
+                started.add(o.request_id)
+        for _ in tqdm(range(steps), desc="decode steps", disable=not progress, leave=False):
+            sync(dev)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+            if len(outs) != len(ids):
+                raise RuntimeError(f"a decode step advanced {len(outs)} of {len(ids)} sequences")
+    finally:
+        for rid in ids:
+            engine.abort(rid)
     a = engine.runner.args
     elt = torch.finfo(engine.runner.dtype).bits // 8
     shapes = hf_weight_shapes(a)

@@ -59,7 +59,7 @@ class BenchOptions:
     baseline_batch: int = 32
     baseline_adapters: int = 32
     baseline_new_tokens: Optional[int] = None  # None = new_tokens
-    skip_baselines: bool = False
+    skip_baselines: bool = False  # no transformers / peft runs (the engine's rows of that workload stay)
     # Online: Poisson arrivals, Zipf(zipf) popularity over online_adapters adapters.
     online_requests: int = 256
     online_rate: float = 8.0
@@ -207,8 +207,7 @@ class Bench:
         r0 = o.main_rank
         counts = {r: max(o.adapters, default=0) for r in o.ranks}
         counts[r0] = max(counts[r0], o.decode_adapters if o.decode_steps else 0,
-                         o.prefill_adapters if o.prefill_requests else 0,
-                         0 if o.skip_baselines else o.baseline_adapters)
+                         o.prefill_adapters if o.prefill_requests else 0, o.baseline_adapters)
         slots = max([min(d, o.batch) for d in o.adapters] + [min(o.decode_adapters, o.decode_batch),
                      min(o.prefill_adapters, max(o.prefill_requests, 1)),
                      min(o.baseline_adapters, o.baseline_batch), 1])
@@ -224,9 +223,11 @@ class Bench:
             eng = self._engine(slots, len(dirs), max(o.batch, o.decode_batch, o.prefill_requests, o.baseline_batch))
             self._load(eng, dirs)
             holder["engine"] = eng
-            # Warm-up, not timed: first-step allocations, kernel compilation, the slot loads of one adapter.
-            run_requests(eng, random_prompts(2, o.prompt_len, self.args.vocab_size, o.seed + 99),
-                         [None, names[r0][0] if names[r0] else None], 4)
+            # Warm-up, not timed: first-step allocations at full batch, kernel compilation, slot loads.
+            warm = random_prompts(o.batch, o.prompt_len, self.args.vocab_size, o.seed + 99)
+            run_requests(eng, warm, [None] * len(warm), 2)
+            if names[r0]:
+                run_requests(eng, warm, [names[r0][i % len(names[r0])] for i in range(len(warm))], 2)
 
         self._phase("offline setup", setup)
         eng = holder.get("engine")
@@ -284,7 +285,7 @@ class Bench:
                 row = throughput_row(run, impl="appliance", adapters=label_d, batch=n, new_tokens=nt)
                 self.res["baselines"]["rows"].append(row)
 
-        if not o.skip_baselines:
+        if o.baseline_batch > 0:
             self._phase("baselines (engine side)", engine_side)
         holder.clear()
         self._free(eng)

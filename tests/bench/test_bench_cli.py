@@ -23,13 +23,15 @@ def test_bench_all_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     out, adir = tmp_path / "out", tmp_path / "adapters"
     rc = main(["bench", "all", "--out", str(out), "--adapter-dir", str(adir), "--no-progress",
                "--batch", "4", "--prompt-len", "8", "--new-tokens", "4", "--adapters", "0", "1", "4",
-               "--ranks", "8", "--decode-batch", "4", "--decode-context", "16", "--decode-steps", "3",
+               "--ranks", "8", "--decode-batch", "6", "--decode-context", "16", "--decode-steps", "3",
                "--decode-adapters", "4", "--prefill-requests", "4", "--prefill-len", "16", "--prefill-adapters", "2",
                "--baseline-batch", "4", "--baseline-adapters", "2", "--online-requests", "12",
                "--online-rate", "50", "--online-adapters", "6",
                f"model.path={shape}", "model.init=random", "model.source=null", "model.name=tiny",
                "model.dtype=float32", "model.device=cpu", "model.max_model_len=128",
-               "lora.max_loras_per_batch=2", "lora.max_loaded_loras=3"])
+               "lora.max_loras_per_batch=2", "lora.max_loaded_loras=3",
+               # One 16-token prefill per step: early sequences decode while later ones prefill.
+               "engine.max_num_batched_tokens=16"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     res = json.loads((out / "bench.json").read_text())
@@ -42,7 +44,7 @@ def test_bench_all_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert [(r["rank"], r["adapters"]) for r in res["offline"]] == [(0, 0), (8, 1), (8, 4)]
     for r in res["offline"]:
         assert r["tokens"] == r["requests"] * 4 and r["tok_s"] > 0
-    assert [r["adapters"] for r in res["decode_step"]] == [0, 4]
+    assert [(r["adapters"], r["batch"]) for r in res["decode_step"]] == [(0, 6), (4, 6)]
     for r in res["decode_step"]:
         assert 0 < r["floor_ms"] <= r["step_ms"] and r["x_floor"] >= 1
     # 4 rank-8 adapters on all 7 projections of 2 layers, float32.
