@@ -74,18 +74,19 @@ def run_baselines(cfg: ApplianceConfig, dtype: torch.dtype, device: torch.device
         return {"impl": impl, "adapters": adapters, "batch": len(prompts), "new_tokens": new_tokens,
                 "tokens": n, "wall_s": round(wall, 4), "tok_s": round(n / wall, 2)}
 
-    _generate(model, prompts[:2], 2, device)  # warm-up
+    # Warm-ups on the full batch (2 tokens), not timed: allocator growth and kernel choices at this shape.
+    _generate(model, prompts, 2, device)
     _, wall = _generate(model, prompts, new_tokens, device)
     rows.append(row("transformers", 0, wall))
     pm = PeftModel.from_pretrained(model, str(adapter_dirs[0]), adapter_name="a0").eval()
-    _generate(pm, prompts[:2], 2, device)
+    _generate(pm, prompts, 2, device)
     one, wall = _generate(pm, prompts, new_tokens, device)
     rows.append(row("peft", 1, wall))
     if len(adapter_dirs) > 1:
         for i, d in enumerate(adapter_dirs[1:], start=1):
             pm.load_adapter(str(d), adapter_name=f"a{i}")
         names = [f"a{i % len(adapter_dirs)}" for i in range(len(prompts))]
-        _generate(pm, prompts[:2], 2, device, adapter_names=names[:2])
+        _generate(pm, prompts, 2, device, adapter_names=names)
         _, wall = _generate(pm, prompts, new_tokens, device, adapter_names=names)
         rows.append(row("peft mixed", len(adapter_dirs), wall))
     del pm, model
