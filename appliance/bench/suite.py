@@ -243,6 +243,9 @@ class Bench:
                     n = max(o.batch, d)
                     prompts = random_prompts(n, o.prompt_len, vocab, o.seed + 1)
                     keys = [None] * n if d == 0 else [names[r][i % d] for i in range(n)]
+                    # Same layout, 2 tokens, not timed: the LoRA kernels compile per batch layout, and on
+                    # the H200 a first compile inside a timed run cost it up to 2x (docs/benchmarks.md).
+                    run_requests(eng, prompts, keys, 2)
                     run = run_requests(eng, prompts, keys, o.new_tokens, desc=f"offline r{r} D{d}",
                                        progress=o.progress)
                     self.res["offline"].append(throughput_row(run, rank=r if d else 0, adapters=d, requests=n,
@@ -265,10 +268,11 @@ class Bench:
 
         def prefill_phase() -> None:
             prompts = random_prompts(o.prefill_requests, o.prefill_len, vocab, o.seed + 3)
-            self.res["prefill"].append(prefill(eng, prompts, [None] * len(prompts), "base", o.progress))
             d = o.prefill_adapters
-            keys = [names[r0][i % d] for i in range(len(prompts))]
-            self.res["prefill"].append(prefill(eng, prompts, keys, f"{d} distinct rank-{r0}", o.progress))
+            for label, keys in (("base", [None] * len(prompts)),
+                                (f"{d} distinct rank-{r0}", [names[r0][i % d] for i in range(len(prompts))])):
+                prefill(eng, prompts, keys, label)  # warm-up of this layout, not kept
+                self.res["prefill"].append(prefill(eng, prompts, keys, label, o.progress))
 
         if o.prefill_requests > 0 and o.prefill_adapters > 0:
             self._phase("prefill", prefill_phase)
@@ -279,6 +283,7 @@ class Bench:
             prompts = random_prompts(n, o.prompt_len, vocab, o.seed + 4)
             for label_d, keys in ((0, [None] * n), (1, [names[r0][0]] * n),
                                   (d, [names[r0][i % d] for i in range(n)])):
+                run_requests(eng, prompts, keys, 2)  # warm-up of this layout
                 run = run_requests(eng, prompts, keys, nt, desc=f"appliance D{label_d}", progress=o.progress)
                 if label_d == 1:
                     self.engine_one_tokens = run.tokens
