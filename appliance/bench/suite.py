@@ -105,7 +105,6 @@ class Bench:
         self.res: dict = {
             "meta": self._meta(command), "ceilings": {}, "offline": [], "decode_step": [], "prefill": [],
             "baselines": {"rows": []}, "online": {}, "targets": [], "plots": [], "errors": {}, "skipped": {}}
-        self.engine_rows: list[dict] = []
         self.engine_one_tokens: list[list[int]] = []
 
     # ------------------------------------------------------------------ plumbing
@@ -171,8 +170,8 @@ class Bench:
         for name, path in tqdm(names.items(), desc="loading adapters", disable=not self.opts.progress, leave=False):
             engine.lora.load(name, str(path))
 
-    def _free(self, *objs: object) -> None:
-        del objs
+    def _free(self) -> None:
+        """Give back device memory of engines/models the caller has already dropped."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -293,7 +292,6 @@ class Bench:
         if o.baseline_batch > 0:
             self._phase("baselines (engine side)", engine_side)
         holder.clear()
-        self._free(eng)
         del eng
         self._free()
 
@@ -314,7 +312,6 @@ class Bench:
                        cpu_tier=eng.cfg.lora.max_loaded_loras, prompt_len=o.prompt_len, new_tokens=o.new_tokens)
             self.res["online"] = res
         finally:
-            self._free(eng)
             del eng
             self._free()
 
