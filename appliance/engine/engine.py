@@ -18,9 +18,17 @@ from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import AdapterNotFoundError, RequestError, RequestOutput, SamplingParams
 from appliance.engine.sampler import sample
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
+from appliance.models.weights import read_hf_config
 from appliance.engine.sequence import Sequence, SeqStatus
 from appliance.engine.stats import EngineSnapshot, FinishedRequest, LoRASnapshot, StatsRecorder
-from appliance.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+from appliance.engine.tokenizer import (
+    IdsOnlyTokenizer,
+    IncrementalDetokenizer,
+    Tokenizer,
+    find_stop,
+    has_tokenizer,
+    partial_stop_len,
+)
 
 if TYPE_CHECKING:
     from appliance.lora.manager import LoRAManager
@@ -37,8 +45,14 @@ class LLMEngine:
         self.cfg = cfg
         self.config = cfg.engine
         self.model_name = cfg.model.name
-        self.tokenizer = Tokenizer(model_path)
         self.runner = ModelRunner(cfg, str(model_path))
+        self.tokenizer: Tokenizer | IdsOnlyTokenizer
+        if cfg.model.init == "random" and not has_tokenizer(model_path):
+            eos = read_hf_config(model_path).get("eos_token_id")
+            self.tokenizer = IdsOnlyTokenizer(self.runner.args.vocab_size,
+                                              [eos] if isinstance(eos, int) else (eos or []))
+        else:
+            self.tokenizer = Tokenizer(model_path)
         self.max_model_len = self.runner.max_model_len
         if self.tokenizer.vocab_size > self.runner.args.vocab_size:
             raise ConfigError(f"model.path: tokenizer has {self.tokenizer.vocab_size} tokens but the model "

@@ -16,7 +16,7 @@ from appliance.config.schema import ApplianceConfig, ConfigError
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.models.attention import AttentionMetadata, PrefillSeq
 from appliance.models.llama import LlamaModel, ModelArgs
-from appliance.models.weights import load_model, read_hf_config
+from appliance.models.weights import load_model, random_model, read_hf_config
 
 if TYPE_CHECKING:
     from appliance.lora.manager import LoRAManager
@@ -64,7 +64,11 @@ class ModelRunner:
                               f"attention is not implemented, so set model.max_model_len <= {sw}")
         self.max_model_len = want
         self.block_size = cfg.engine.kv_block_size
-        self.model: LlamaModel = load_model(model_path, self.dtype, self.device, self.max_model_len)
+        if cfg.model.init == "random":
+            self.model: LlamaModel = random_model(model_path, self.dtype, self.device, self.max_model_len,
+                                                  cfg.model.seed)
+        else:
+            self.model = load_model(model_path, self.dtype, self.device, self.max_model_len)
         self.num_blocks = self._num_kv_blocks(cfg)
         a = self.args
         # One tensor for the whole cache: [layers, k|v, blocks, block_size, kv_heads, head_dim].

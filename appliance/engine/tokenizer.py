@@ -52,6 +52,34 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
+class IdsOnlyTokenizer:
+    """For a shape-only model dir (model.init=random, no tokenizer files): requests must send token ids,
+    and outputs carry token ids with empty text. EOS ids come from config.json."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.has_chat_template = False
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        from appliance.engine.request import RequestError
+
+        raise RequestError("this model has no tokenizer (a shape-only model dir): send token ids, not text")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode("")
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas that are safe to send."""
 

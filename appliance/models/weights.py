@@ -1,4 +1,5 @@
-"""Load a local HF model directory (config.json + safetensors) into our LlamaModel.
+"""Load a local HF model directory (config.json + safetensors) into our LlamaModel, or (model.init=random)
+fill it from config.json alone with seeded random weights.
 
 Only safetensors are read (never pickle). Tensors are streamed one at a time from the files into the
 already-allocated parameters, so peak memory is the model plus one tensor. HF's per-projection weights
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -65,6 +68,57 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
                                f"{' ...' if len(missing) > 5 else ''}")
     model.eval()
     return model
+
+
+def random_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_len: int,
+                 seed: int) -> LlamaModel:
+    """The model of `model_dir/config.json` filled from `random_weights` (no safetensors read)."""
+    hf_cfg = read_hf_config(model_dir)
+    args = ModelArgs.from_hf_config(hf_cfg)
+    model = build_empty(args, dtype, device, max_len)
+    params = dict(model.named_parameters())
+    seen: dict[str, int] = {}
+    for key, t in random_weights(args, float(hf_cfg.get("initializer_range", 0.02)), seed, device):
+        _copy_one(key, t, params, args, seen)
+    assert all(seen.get(n, 0) == p.numel() for n, p in params.items()), "random_weights missed a parameter"
+    model.eval()
+    return model
+
+
+def hf_weight_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """HF checkpoint key -> shape for a Llama-family model (transformers' LlamaForCausalLM names)."""
+    h, i, q, kv = args.hidden_size, args.intermediate_size, args.q_size, args.kv_size
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (args.vocab_size, h)}
+    for n in range(args.num_layers):
+        pre = f"model.layers.{n}."
+        out[pre + "input_layernorm.weight"] = (h,)
+        out[pre + "post_attention_layernorm.weight"] = (h,)
+        for proj, (o, k) in {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}.items():
+            out[pre + f"self_attn.{proj}.weight"] = (o, k)
+            if args.attention_bias and (proj != "o_proj" or args.o_proj_bias):
+                out[pre + f"self_attn.{proj}.bias"] = (o,)
+        for proj, (o, k) in {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}.items():
+            out[pre + f"mlp.{proj}.weight"] = (o, k)
+    out["model.norm.weight"] = (h,)
+    if not args.tie_word_embeddings:
+        out["lm_head.weight"] = (args.vocab_size, h)
+    return out
+
+
+def random_weights(args: ModelArgs, std: float, seed: int, device: torch.device
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, float32 tensor on `device`) for every weight, one at a time: matrices ~ N(0, std²) (HF's
+    init), norms 1, biases 0. Each tensor has its own generator seeded from (seed, key), so the values do
+    not depend on the order or on which keys a consumer takes: our loader and a transformers baseline
+    built from the same stream get the same model."""
+    for key, shape in hf_weight_shapes(args).items():
+        if key.endswith("norm.weight"):
+            yield key, torch.ones(shape, device=device)
+        elif key.endswith(".bias"):
+            yield key, torch.zeros(shape, device=device)
+        else:
+            g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+            yield key, torch.empty(shape, device=device).normal_(0.0, std, generator=g)
 
 
 def build_empty(args: ModelArgs, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaModel:

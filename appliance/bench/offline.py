@@ -1,0 +1,146 @@
+"""Offline phases on one engine: throughput over a number of distinct adapters, the decode step against
+its memory floor, and prefill throughput. All requests are submitted at once and stepped to completion;
+greedy with ignore_eos, so every request produces exactly its max_tokens."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from appliance.bench.adapters import adapter_numel
+from appliance.engine.engine import LLMEngine
+from appliance.engine.request import SamplingParams
+from appliance.models.weights import hf_weight_shapes
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]  # generated ids per request, in submission order
+    wall_s: float  # first add_request to the last token
+    steps: int
+    ttft_s: list[float] = field(default_factory=list)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_requests(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
+                 new_tokens: int, desc: str = "", progress: bool = False) -> Run:
+    """Submit every prompt at once (request i on adapters[i]) and step until all are done."""
+    from tqdm import tqdm
+
+    sync(engine.runner.device)
+    t0 = time.perf_counter()
+    ids = [f"{desc}-{i}-{t0}" for i in range(len(prompts))]
+    for rid, p, a in zip(ids, prompts, adapters):
+        engine.add_request(rid, p, greedy(new_tokens), adapter=a)
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    first: dict[str, float] = {}
+    steps = 0
+    with tqdm(total=len(prompts) * new_tokens, desc=desc, unit="tok", disable=not progress, leave=False) as bar:
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+                first.setdefault(o.request_id, time.perf_counter() - t0)
+                bar.update(len(o.token_ids))
+            steps += 1
+    sync(engine.runner.device)
+    return Run([out[r] for r in ids], time.perf_counter() - t0, steps, list(first.values()))
+
+
+def throughput_row(run: Run, **labels: object) -> dict:
+    n = sum(len(t) for t in run.tokens)
+    return {**labels, "tokens": n, "wall_s": round(run.wall_s, 4), "tok_s": round(n / run.wall_s, 2),
+            "steps": run.steps, "ttft_mean_ms": round(1e3 * statistics.mean(run.ttft_s), 2)}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Device-to-device (or RAM) copy speed in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(8):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        if i >= 2:  # the first copies fault pages in
+            times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
+                steps: int, copy_bw: float, rank: int, targets: Sequence[str], progress: bool = False) -> dict:
+    """Prefill len(prompts) sequences, then time `steps` pure decode steps of all of them together.
+
+    floor = bytes one decode step must read (weights except the embedding table, KV of every sequence,
+    the A/B of each distinct adapter) / copy bandwidth measured in the same run."""
+    from tqdm import tqdm
+
+    dev = engine.runner.device
+    ids = [f"dec-{i}-{time.perf_counter()}" for i in range(len(prompts))]
+    # Sequences that finish their prefill early decode while the others prefill (at most one step each
+    # per sequence still prefilling), so max_tokens leaves room for that and for the timed steps.
+    for rid, p, a in zip(ids, prompts, adapters):
+        engine.add_request(rid, p, greedy(steps + len(prompts) + 4), adapter=a)
+    times = []
+    try:
+        started: set[str] = set()
+        while len(started) < len(ids):  # prefill (chunked) until every sequence has its first token
+            for o in engine.step():
+                started.add(o.request_id)
+        for _ in tqdm(range(steps), desc="decode steps", disable=not progress, leave=False):
+            sync(dev)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+            if len(outs) != len(ids):
+                raise RuntimeError(f"a decode step advanced {len(outs)} of {len(ids)} sequences")
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    a = engine.runner.args
+    elt = torch.finfo(engine.runner.dtype).bits // 8
+    shapes = hf_weight_shapes(a)
+    weights = sum(_numel(s) for k, s in shapes.items() if k != "model.embed_tokens.weight" or a.tie_word_embeddings)
+    weights += len(ids) * a.hidden_size  # the embedding rows looked up
+    ctx = statistics.mean(len(p) for p in prompts) + 1 + steps / 2  # mean context over the timed steps
+    kv = len(ids) * ctx * 2 * a.num_layers * a.kv_size
+    distinct = {x for x in adapters if x is not None}
+    lora = len(distinct) * adapter_numel(a, rank, targets)
+    floor_s = (weights + kv + lora) * elt / copy_bw
+    step_s = statistics.median(times)
+    return {"batch": len(ids), "context": len(prompts[0]), "adapters": len(distinct), "rank": rank if distinct else 0,
+            "step_ms": round(step_s * 1e3, 3), "step_ms_min": round(min(times) * 1e3, 3),
+            "weight_gb": round(weights * elt / 1e9, 3), "kv_gb": round(kv * elt / 1e9, 3),
+            "adapter_gb": round(lora * elt / 1e9, 3), "adapter_bytes": int(lora * elt),
+            "floor_ms": round(floor_s * 1e3, 4),
+            "x_floor": round(step_s / floor_s, 2)}
+
+
+def prefill(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
+            label: str, progress: bool = False) -> dict:
+    """Prompt tokens per second of len(prompts) requests that each generate one token."""
+    run = run_requests(engine, prompts, adapters, 1, desc=f"prefill {label}", progress=progress)
+    n = sum(len(p) for p in prompts)
+    return {"label": label, "adapters": len({x for x in adapters if x is not None}), "requests": len(prompts),
+            "prompt_len": len(prompts[0]), "prompt_tokens": n, "wall_s": round(run.wall_s, 4),
+            "prefill_tok_s": round(n / run.wall_s, 1)}
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,100 @@
+"""Online phase: open-loop load on the AsyncEngine (the server's engine front, in process).
+
+Requests arrive as a Poisson process; each names an adapter drawn from a Zipf popularity over the
+adapter set, so a few are hot and the long tail churns through the GPU slots (and the CPU tier when
+lora.max_loaded_loras is below the set). We drive `AsyncEngine.generate` directly rather than HTTP on
+loopback: the figures are then the engine's scheduling, slot churn and step times, without JSON and
+HTTP costs, and it needs no tokenizer (a shape-only model works on token ids). The HTTP path is what
+benchmarks/bench_cpu.py measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from appliance.bench.offline import greedy
+from appliance.bench.workload import percentile
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.engine import LLMEngine
+
+
+@dataclass
+class OnlineStats:
+    ttft_s: list[float] = field(default_factory=list)  # arrival -> first token
+    itl_s: list[float] = field(default_factory=list)  # gap between consecutive tokens of a request
+    e2e_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: int = 0
+    failures: int = 0
+    first_error: str = ""
+
+
+async def _drive(aeng: AsyncEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
+                 arrivals: Sequence[float], new_tokens: int, progress: bool) -> tuple[OnlineStats, float]:
+    from tqdm import tqdm
+
+    st = OnlineStats()
+    bar = tqdm(total=len(prompts), desc="online requests", disable=not progress, leave=False)
+
+    async def one(i: int, t_arrive: float) -> None:
+        last: Optional[float] = None
+        n = 0
+        try:
+            async for out in aeng.generate(prompts[i], greedy(new_tokens), adapter=adapters[i]):
+                now = time.perf_counter()
+                k = len(out.token_ids)
+                if k:
+                    if last is None:
+                        st.ttft_s.append(now - t_arrive)
+                    else:  # several tokens in one update share its gap
+                        st.itl_s.extend([(now - last) / k] * k)
+                    last = now
+                    n += k
+            st.e2e_s.append(time.perf_counter() - t_arrive)
+            st.tokens += n
+            st.ok += 1
+        except Exception as e:  # noqa: BLE001 - a failed request is a figure to report, not a crash
+            st.failures += 1
+            st.first_error = st.first_error or f"{type(e).__name__}: {e}"[:300]
+        finally:
+            bar.update(1)
+
+    t0 = time.perf_counter()
+    tasks = []
+    for i, at in enumerate(arrivals):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, t0 + at)))
+    await asyncio.gather(*tasks)
+    bar.close()
+    return st, time.perf_counter() - t0
+
+
+def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
+               arrivals: Sequence[float], new_tokens: int, progress: bool = False) -> dict:
+    """Drive the load; return the summary (latencies in ms) and the raw TTFTs for the CDF plot."""
+    aeng = AsyncEngine(engine)
+    aeng.start()
+    pool = engine.lora.pool if engine.lora is not None else None
+    ev0 = pool.evictions if pool is not None else 0
+    try:
+        # Warm-up, not counted: first-step allocations and kernel compilation.
+        asyncio.run(_drive(aeng, prompts[:1], adapters[:1], [0.0], 2, False))
+        st, wall = asyncio.run(_drive(aeng, prompts, adapters, arrivals, new_tokens, progress))
+    finally:
+        aeng.shutdown()
+    ms = lambda xs, p: round(percentile(xs, p) * 1e3, 2)  # noqa: E731
+    return {
+        "requests": len(prompts), "ok": st.ok, "failures": st.failures, "first_error": st.first_error,
+        "distinct_adapters_used": len({a for a in adapters if a is not None}),
+        "wall_s": round(wall, 3), "req_s": round(st.ok / wall, 3), "out_tok_s": round(st.tokens / wall, 2),
+        "ttft_p50_ms": ms(st.ttft_s, 50), "ttft_p99_ms": ms(st.ttft_s, 99),
+        "itl_p50_ms": ms(st.itl_s, 50), "itl_p99_ms": ms(st.itl_s, 99),
+        "e2e_p50_ms": ms(st.e2e_s, 50), "e2e_p99_ms": ms(st.e2e_s, 99),
+        "slot_evictions": (pool.evictions - ev0) if pool is not None else 0,
+        "ttft_ms_all": [round(x * 1e3, 3) for x in st.ttft_s],
+    }

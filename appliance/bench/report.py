@@ -1,0 +1,132 @@
+"""The report: Markdown tables on stdout, one JSON file, and PNG plots (matplotlib optional)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+
+def table(rows: Sequence[dict], cols: Sequence[str]) -> str:
+    """A Markdown table of `cols` from each row (missing = blank); reads fine as plain text too."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def targets(res: dict) -> list[dict]:
+    """Issue 7's targets, each with the measured value and met true/false (absent data: not listed)."""
+    out: list[dict] = []
+
+    def add(name: str, value: Optional[float], op: str, limit: float) -> None:
+        if value is not None:
+            out.append({"target": name, "value": round(value, 3), "limit": f"{op} {limit}",
+                        "met": value <= limit if op == "<=" else value >= limit})
+
+    for r in res.get("decode_step") or []:
+        what = "base" if r["adapters"] == 0 else f"{r['adapters']} distinct rank-{r['rank']} adapters"
+        add(f"decode step / floor, {what}, batch {r['batch']}, context {r['context']}", r["x_floor"], "<=", 1.25)
+    b = res.get("baselines") or {}
+    ours = {(r["impl"], r["adapters"]): r["tok_s"] for r in b.get("rows", [])}
+    mixed = [r for r in b.get("rows", []) if r["impl"] == "peft mixed"]
+    if mixed:
+        d = mixed[0]["adapters"]
+        mine = ours.get(("appliance", d))
+        if mine:
+            add(f"appliance / peft mixed generate, {d} distinct adapters", mine / mixed[0]["tok_s"], ">=", 100)
+            if ours.get(("transformers", 0)):
+                add(f"appliance ({d} distinct adapters) / transformers base generate",
+                    mine / ours[("transformers", 0)], ">=", 5)
+    pre = {r["adapters"]: r["prefill_tok_s"] for r in res.get("prefill") or []}
+    lora = [k for k in pre if k > 0]
+    if 0 in pre and lora:
+        add(f"prefill tok/s, {lora[0]} distinct adapters / base", pre[lora[0]] / pre[0], ">=", 0.9)
+    return out
+
+
+def render(res: dict) -> str:
+    parts = []
+    sections: list[tuple[str, Any, Sequence[str]]] = [
+        ("Offline throughput", res.get("offline"),
+         ["rank", "adapters", "requests", "batch", "prompt_len", "new_tokens", "tokens", "wall_s", "tok_s"]),
+        ("Decode step vs floor", res.get("decode_step"),
+         ["batch", "context", "adapters", "rank", "step_ms", "floor_ms", "x_floor", "weight_gb", "kv_gb",
+          "adapter_gb"]),
+        ("Prefill", res.get("prefill"),
+         ["label", "adapters", "requests", "prompt_len", "wall_s", "prefill_tok_s"]),
+        ("Same workload: appliance vs transformers / peft", (res.get("baselines") or {}).get("rows"),
+         ["impl", "adapters", "batch", "new_tokens", "tokens", "wall_s", "tok_s"]),
+        ("Online (Poisson arrivals, Zipf adapters)", [res["online"]] if res.get("online", {}).get("requests") else None,
+         ["requests", "failures", "distinct_adapters_used", "offered_rate_rps", "req_s", "out_tok_s", "ttft_p50_ms",
+          "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "slot_evictions"]),
+        ("Targets (issue 7)", res.get("targets"), ["target", "value", "limit", "met"]),
+    ]
+    for title, rows, cols in sections:
+        if rows:
+            parts += [f"## {title}", "", table(rows, cols), ""]
+    b = res.get("baselines") or {}
+    if b.get("greedy_match"):
+        parts.append(f"peft one-adapter greedy tokens identical to the engine's: {b['greedy_match']} requests")
+    c = res.get("ceilings") or {}
+    if c.get("copy_gb_s"):
+        parts.append(f"copy bandwidth (read + write): {c['copy_gb_s']} GB/s")
+    for phase, err in (res.get("errors") or {}).items():
+        parts.append(f"ERROR in {phase}: {err}")
+    return "\n".join(parts)
+
+
+def write_json(res: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(path)
+
+
+def plots(res: dict, out_dir: Path) -> list[str]:
+    """throughput_vs_adapters.png and ttft_cdf.png; returns the files written, or why none."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["plots skipped: matplotlib is not installed (pip install matplotlib, or the dev extra)"]
+    written = []
+    off = res.get("offline") or []
+    rows = (res.get("baselines") or {}).get("rows") or []
+    if off or rows:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for rank in sorted({r["rank"] for r in off if r["adapters"] > 0}):
+            pts = sorted((r["adapters"], r["tok_s"]) for r in off if r["rank"] in (rank, 0))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"appliance, rank {rank}")
+        for impl, marker in (("transformers", "s"), ("peft", "^"), ("peft mixed", "v"), ("appliance", "x")):
+            pts = [(r["adapters"], r["tok_s"]) for r in rows if r["impl"] == impl]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, ms=8, ls="none",
+                        label=f"{impl} (batch {rows[0]['batch']})")
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("distinct adapters in the batch (0 = base)")
+        ax.set_ylabel("generated tokens / s")
+        ax.set_title(f"Offline throughput, {res['meta']['model']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "throughput_vs_adapters.png", dpi=110)
+        plt.close(fig)
+        written.append(str(out_dir / "throughput_vs_adapters.png"))
+    ttft = sorted((res.get("online") or {}).get("ttft_ms_all") or [])
+    if ttft:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post")
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token (ms)")
+        ax.set_ylabel("fraction of requests")
+        on = res["online"]
+        ax.set_title(f"TTFT CDF: {on['requests']} requests, {on.get('offered_rate_rps')} req/s offered")
+        ax.grid(True, which="both", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "ttft_cdf.png", dpi=110)
+        plt.close(fig)
+        written.append(str(out_dir / "ttft_cdf.png"))
+    return written
