@@ -45,8 +45,9 @@ def make_model(dest: Path, tokenizer: Path) -> None:
 
 
 def engine_for(model_dir: Path, dtype: str, max_seqs: int, *extra: str) -> LLMEngine:
+    # The shipped tree serves the demo adapters; this check starts from none and turns LoRA on itself.
     return LLMEngine(compose_config(REPO / "configs", [
-        f"model.path={model_dir}", f"model.dtype={dtype}", "model.device=cuda",
+        "adapters=[]", "lora.enabled=false", f"model.path={model_dir}", f"model.dtype={dtype}", "model.device=cuda",
         f"engine.max_num_seqs={max_seqs}", "engine.num_kv_blocks=4096", *extra]))
 
 
@@ -69,14 +70,15 @@ def make_adapters(model_dir: Path, root: Path, n: int, rank: int) -> list[Path]:
     return out
 
 
-def lora_section(d: Path, prompts: list[list[int]], batches: list[int], new_tokens: int) -> None:
+def lora_section(d: Path, prompts: list[list[int]], batches: list[int], new_tokens: int, backend: str) -> None:
     """fp32 mixed-adapter parity with peft on CUDA, then bf16 tokens/s with 0/1/4/8 adapters."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     root = d / "adapters"
     paths = make_adapters(d, root, 8, 16)
-    lora = ["lora.enabled=true", "lora.max_lora_rank=16", "lora.max_loras_per_batch=8", f"lora.adapter_roots=[{root}]"]
+    lora = ["lora.enabled=true", "lora.max_lora_rank=16", "lora.max_loras_per_batch=8", f"lora.adapter_roots=[{root}]",
+            f"lora.backend={backend}"]
     eng = engine_for(d, "float32", 64, *lora)
     for i, p in enumerate(paths):
         eng.lora.load(f"a{i}", str(p))
@@ -141,6 +143,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--lora", action="store_true", help="also check multi-LoRA parity and speed")
     ap.add_argument("--skip-base", action="store_true")
+    ap.add_argument("--lora-backend", default="torch", choices=["torch", "triton", "csgmv"])
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -153,7 +156,7 @@ def main() -> None:
         greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
         if args.lora:
-            lora_section(d, prompts, args.batches, args.new_tokens)
+            lora_section(d, prompts, args.batches, args.new_tokens, args.lora_backend)
         if args.skip_base:
             return
         # 1. Parity in float32 on the GPU: greedy tokens of 4 prompts, batched, against transformers.
