@@ -149,7 +149,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run one step; float32 logits [N, vocab] for the sampling sequences, prefills then decodes."""
         if self.lora is not None:
-            self.lora.ensure_loaded(plan.slot_loads)
+            # The engine has put newly assigned adapters into their slots (LLMEngine._load_adapters):
+            # a failed read fails only that adapter's requests, which needs the engine's bookkeeping.
             steps = plan.prefills + plan.decodes  # the order prepare() flattens them in
             self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
         x = self.prepare(plan)
