@@ -407,3 +407,35 @@ class Soak:
         if any(a["in_flight"] for a in state["data"]):
             out.append(f"adapters with requests in flight: {[a['name'] for a in state['data'] if a['in_flight']]}")
         return out
+
+
+def metrics_problems(url: str, counts: Counts) -> list[str]:
+    """Compare the server's request counters (appliance.metrics, GET /metrics) with the client's counts.
+
+    Every request that reached the engine finished exactly once: completed ones with stop or length,
+    a disconnected one with abort (or with length, when it had finished before the abort arrived).
+    404s never reach the engine; the references ran in peft, not on the server.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = requests.get(url + "/metrics", timeout=30)
+    if r.status_code != 200:
+        return [f"GET /metrics answered {r.status_code}"]
+    finished: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):
+        for sample in fam.samples:
+            if sample.name == "appliance_requests_total":
+                reason = sample.labels["finish_reason"]
+                finished[reason] = finished.get(reason, 0) + sample.value
+    out = []
+    reached = counts.ok + counts.disconnected
+    if sum(finished.values()) != reached:
+        out.append(f"appliance_requests_total sums to {sum(finished.values())}, the clients saw {reached} "
+                   f"requests reach the engine ({finished})")
+    if finished.get("stop", 0) + finished.get("length", 0) < counts.ok:
+        out.append(f"fewer stop+length finishes than ok answers ({counts.ok}): {finished}")
+    if finished.get("abort", 0) > counts.disconnected:
+        out.append(f"more aborts than disconnects ({counts.disconnected}): {finished}")
+    if finished.get("error", 0):
+        out.append(f"{finished['error']} request(s) finished with error")
+    return out

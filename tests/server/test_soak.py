@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 import requests
 
-from tests.server.soak import Soak, SoakConfig, SoakReport, SoakSetup
+from tests.server.soak import Soak, SoakConfig, SoakReport, SoakSetup, metrics_problems
 
 CFG = SoakConfig(rounds=2, clients=6, requests_per_client=20)
 
@@ -62,23 +62,5 @@ def test_soak_metrics_match_client_counts(soak: tuple[Soak, SoakReport]) -> None
     """Separate step: skipped only while appliance.metrics does not exist (its branch is not merged)."""
     if importlib.util.find_spec("appliance.metrics") is None:
         pytest.skip("appliance.metrics does not exist yet: the metrics comparison turns on with it")
-    from prometheus_client.parser import text_string_to_metric_families
-
     run, report = soak
-    r = requests.get(run.srv.url + "/metrics", timeout=30)
-    assert r.status_code == 200, r.text[:200]
-    finished: dict[str, float] = {}
-    for fam in text_string_to_metric_families(r.text):
-        for s in fam.samples:
-            if s.name == "appliance_requests_total":
-                reason = s.labels["finish_reason"]
-                finished[reason] = finished.get(reason, 0) + s.value
-    c = report.counts
-    # Every request that reached the engine finished exactly once: the completed ones with stop or
-    # length, a disconnected one with abort (or with length, when it had finished before the abort).
-    # 404s never reach the engine. The soak's references run in peft, not on the server.
-    reached = c.ok + c.disconnected
-    assert sum(finished.values()) == reached, (finished, reached)
-    assert finished.get("stop", 0) + finished.get("length", 0) >= c.ok
-    assert finished.get("abort", 0) <= c.disconnected
-    assert finished.get("error", 0) == 0
+    assert metrics_problems(run.srv.url, report.counts) == []
