@@ -111,7 +111,8 @@ CPU tier of {a.cpu_cache}, {a.clients} clients x {a.requests_per_client} request
   **errors / lost / hung: {len(c.failures)}**.
 - Adapters churned: {c.admin_ops} admin operations (load, unload, pin, unpin, reload in place;
   {c.admin_refusals} pins refused with "no slot free" under load, as documented) and {c.config_edits}
-  hot reloads of the YAML inventory.
+  edits of the YAML inventory (rename-saves), each picked up by hot reload
+  (edits within the debounce window reconcile together).
 - Idle after every round (no request in flight, 0 KV blocks, no slot running, nothing retiring):
   {"yes" if not report.idle_checks else report.idle_checks}.
 - RSS: first round {report.rounds[0].rss_mib:.0f} MiB, final {report.rounds[-1].rss_mib:.0f} MiB (growth

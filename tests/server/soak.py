@@ -398,6 +398,10 @@ class Soak:
         out = []
         if e.block_manager.num_used:
             out.append(f"{e.block_manager.num_used} KV blocks still used")
+        if e.seqs or e.has_unfinished():
+            out.append(f"the engine still tracks {len(e.seqs)} sequence(s)")
+        if set(e.lora.keys) != set(e.lora.current.values()):
+            out.append(f"adapter keys without a name: {sorted(set(e.lora.keys) - set(e.lora.current.values()))}")
         busy = [(r.name, r.running) for r in e.lora.pool.residents() if r.running]
         if busy:
             out.append(f"slots still running requests: {busy}")
