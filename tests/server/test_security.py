@@ -34,8 +34,10 @@ API_SECRET = "api-5ecret-from-env-91b2"
 def env_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[tuple[ServerThread, Path]]:
     root = tmp_path_factory.mktemp("sec-adapters")
     make_adapter(tiny_model_dir, root / "s1", seed=5, r=4, lora_alpha=8, target_modules=["q_proj"])
-    overrides = ("server.port=0", f"model.path={tiny_model_dir}", "model.name=tiny", "model.max_model_len=128",
-                 "model.device=cpu", "server.api_keys=[${oc.env:SEC_TEST_API_KEY}]", "lora.enabled=true",
+    # adapters=[]: no shipped inventory (main ships demo adapters outside this test's adapter root).
+    overrides = ("server.port=0", "adapters=[]", f"model.path={tiny_model_dir}", "model.name=tiny",
+                 "model.max_model_len=128", "model.device=cpu", "server.api_keys=[${oc.env:SEC_TEST_API_KEY}]",
+                 "lora.enabled=true",
                  f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8", "reconcile.watch=false",
                  "reconcile.resync_s=0", "server.log_level=debug")
     with pytest.MonkeyPatch.context() as mp:
