@@ -13,7 +13,6 @@ server's request counters disagree with the clients'. Rewrites its section of do
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import re
@@ -27,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.conftest import default_config, make_tiny_model  # noqa: E402
-from tests.server.soak import RoundReport, Soak, SoakConfig, SoakSetup, metrics_problems  # noqa: E402
+from tests.server.soak import RoundReport, Soak, SoakConfig, SoakSetup, has_metrics, metrics_problems  # noqa: E402
 
 BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
 
@@ -64,8 +63,7 @@ def main() -> int:
             t0 = time.monotonic()
             report = soak.run(on_round=lambda r: print(_round_line(r), flush=True))
             seconds = time.monotonic() - t0
-            metrics = (metrics_problems(srv.url, report.counts)
-                       if importlib.util.find_spec("appliance.metrics") else None)
+            metrics = metrics_problems(srv.url, report.counts) if has_metrics() else None
         finally:
             srv.stop()
     c = report.counts

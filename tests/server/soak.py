@@ -413,6 +413,14 @@ class Soak:
         return out
 
 
+def has_metrics() -> bool:
+    """Whether this checkout has appliance/metrics.py. Not importlib.util.find_spec: an editable install
+    of another checkout in the same venv answers for a module this one lacks."""
+    import appliance
+
+    return (Path(appliance.__file__).parent / "metrics.py").is_file()
+
+
 def metrics_problems(url: str, counts: Counts) -> list[str]:
     """Compare the server's request counters (appliance.metrics, GET /metrics) with the client's counts.
 

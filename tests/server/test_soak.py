@@ -7,14 +7,13 @@ The metrics check is a separate step that is skipped only while appliance.metric
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import requests
 
-from tests.server.soak import Soak, SoakConfig, SoakReport, SoakSetup, metrics_problems
+from tests.server.soak import Soak, SoakConfig, SoakReport, SoakSetup, has_metrics, metrics_problems
 
 CFG = SoakConfig(rounds=2, clients=6, requests_per_client=20)
 
@@ -60,7 +59,7 @@ def test_soak_resident_memory_is_stable(soak: tuple[Soak, SoakReport]) -> None:
 
 def test_soak_metrics_match_client_counts(soak: tuple[Soak, SoakReport]) -> None:
     """Separate step: skipped only while appliance.metrics does not exist (its branch is not merged)."""
-    if importlib.util.find_spec("appliance.metrics") is None:
+    if not has_metrics():
         pytest.skip("appliance.metrics does not exist yet: the metrics comparison turns on with it")
     run, report = soak
     assert metrics_problems(run.srv.url, report.counts) == []
