@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # e.g. BENCH_ARGS="--skip-online --new-tokens 32" (see benchmarks/bench_cpu.py --help).
 BENCH_ARGS ?=
 
-.PHONY: install install-dev prepare serve test bench bench-lora soak FORCE
+.PHONY: install install-dev prepare serve test bench bench-lora soak system-deps FORCE
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -46,7 +46,25 @@ prepare: install
 serve: install prepare
 	$(VENV)/bin/appliance serve $(ARGS)
 
-test: install-dev prepare
+# The metrics and Docker tests run real tools: promtool and prometheus (Debian's `prometheus`) and a
+# compose client (`docker compose`, else Debian's `docker-compose`, which validates a file without an
+# engine). Installed with apt when missing (as root, else through sudo); without apt this fails here,
+# so those tests never pass by skipping.
+system-deps:
+	@missing=""; \
+	for t in promtool prometheus; do command -v $$t >/dev/null || missing="$$missing prometheus"; done; \
+	docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | tr '\n' ' '); \
+	if [ -n "$${missing// /}" ]; then \
+	  if ! command -v apt-get >/dev/null; then \
+	    echo "error: the tests need Debian's packages: $$missing(no apt-get here; install them by hand)" >&2; exit 1; \
+	  fi; \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  echo "installing $$missing with apt-get"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+test: install-dev prepare system-deps
 	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
 
 # Not a test: measures CPU tokens/s and loopback TTFT, rewrites its section of docs/benchmarks.md.

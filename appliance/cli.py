@@ -25,6 +25,9 @@ from appliance.models.prepare import ModelPrepareError  # cheap: torch is import
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["demo", "train-adapters"]:
+        # Everything after it belongs to the trainer's own parser (--names, --steps, --help...).
+        return _train_demo(argparse.Namespace(rest=argv[2:]))
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -90,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                                                                          metavar="ACTION")
     train = demo.add_parser("train-adapters", help="train the demo adapters with peft on CPU (needs the dev "
                                                    "extras); the repository ships the result")
-    train.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of appliance.demo.train")
-    train.set_defaults(func=_train_demo, overrides=[])
+    train.add_argument("rest", nargs=argparse.REMAINDER,
+                       help="arguments of appliance.demo.train (see `appliance demo train-adapters --help`)")
 
     config = sub.add_parser("config", help="inspect the composed config").add_subparsers(
         dest="action", required=True, metavar="ACTION")
@@ -252,9 +255,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _train_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from appliance.config.compose import compose_config
     from appliance.demo.train import main as train_main
 
-    return train_main(args.rest)
+    rest = list(args.rest)
+    if "--model-dir" not in rest:
+        # The model the config serves (model.path honours APPLIANCE_CACHE_DIR), not a fixed default.
+        rest = ["--model-dir", str(Path(compose_config().model.path).expanduser())] + rest
+    return train_main(rest)
 
 
 def _prepare(args: argparse.Namespace) -> int:

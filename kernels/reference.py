@@ -8,15 +8,17 @@ B already carries each module's scale (alpha/r or alpha/sqrt(r)), folded in when
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 
-def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """h[t, i, :] = x[t] @ A[slot[t], i]ᵀ  (0 for base tokens).
+def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_slots: torch.Tensor,
+                slot_ranks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h[t, i, :r] = x[t] @ A[slot[t], i, :r]ᵀ  (0 for base tokens and beyond r = slot_ranks[slot[t]]).
 
-    x [T, in], A [S, n, R, in], token_slots [T] -> h [T, n, R] in x's dtype (fp32 accumulation).
+    x [T, in], A [S, n, R, in], token_slots [T], slot_ranks [S] (None = every slot at R)
+    -> h [T, n, R] in x's dtype (fp32 accumulation).
     """
     T, n, R = x.shape[0], A.shape[1], A.shape[2]
     acc = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation at least (fp64 stays fp64)
@@ -25,25 +27,31 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_slots: torch.Tensor) -> 
         if slot < 0:
             continue
         idx = (token_slots == slot).nonzero().squeeze(1)
-        h[idx] = torch.einsum("ti,nri->tnr", x[idx].to(acc), A[slot].to(acc))
+        r = A.shape[2] if slot_ranks is None else int(slot_ranks[slot])
+        h[idx, :, :r] = torch.einsum("ti,nri->tnr", x[idx].to(acc), A[slot, :, :r].to(acc))
     return h.to(x.dtype)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
-                out_offsets: Sequence[int]) -> torch.Tensor:
-    """y[t, o_i:o_{i+1}] += h[t, i] @ B[slot[t], o_i:o_{i+1}]ᵀ for every slice i, in place; returns y.
+                out_offsets: Sequence[int], slot_ranks: Optional[torch.Tensor] = None,
+                scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y[t, o_i:o_{i+1}] += scale[slot[t]] * h[t, i, :r] @ B[slot[t], o_i:o_{i+1}, :r]ᵀ for every slice i,
+    in place; returns y.
 
-    y [T, out], h [T, n, R], B [S, out, R], token_slots [T], out_offsets [n + 1].
+    y [T, out], h [T, n, R], B [S, out, R], token_slots [T], out_offsets [n + 1],
+    slot_ranks [S] (r above; None = R), scalings [S] (None = 1: the engine folds scales into B).
     """
     acc = torch.promote_types(y.dtype, torch.float32)
     for slot in token_slots.unique().tolist():
         if slot < 0:
             continue
         idx = (token_slots == slot).nonzero().squeeze(1)
+        r = B.shape[2] if slot_ranks is None else int(slot_ranks[slot])
+        scale = 1.0 if scalings is None else float(scalings[slot])
         for i in range(len(out_offsets) - 1):
             lo, hi = out_offsets[i], out_offsets[i + 1]
-            delta = h[idx, i].to(acc) @ B[slot, lo:hi].to(acc).T
-            y[idx, lo:hi] += delta.to(y.dtype)
+            delta = scale * (h[idx, i, :r].to(acc) @ B[slot, lo:hi, :r].to(acc).T)
+            y[idx, lo:hi] = (y[idx, lo:hi].to(acc) + delta).to(y.dtype)
     return y
 
 

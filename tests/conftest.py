@@ -11,13 +11,32 @@ from pathlib import Path
 
 import pytest
 
+# The Triton kernels (backends triton/csgmv) run on CPU in Triton's interpreter, which is read when
+# triton is first imported: set it before any test module can import triton. A GPU run keeps the
+# real compiler (the variable is left alone when torch sees CUDA or the caller chose already).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 from appliance.config.compose import compose_config
 from appliance.config.schema import ApplianceConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The shipped config serves the demo adapters with LoRA on. Most tests build their own adapters (or
+# none) on other models, so they start from the same tree with both off; their overrides come later
+# and win (`lora.enabled=true`, `adapters=[...]`). shipped_config() is the tree exactly as shipped.
+TEST_BASE = ("adapters=[]", "lora.enabled=false")
+
+
 def default_config(*overrides: str) -> ApplianceConfig:
+    return compose_config(REPO / "configs", [*TEST_BASE, *overrides])
+
+
+def shipped_config(*overrides: str) -> ApplianceConfig:
     return compose_config(REPO / "configs", list(overrides))
 
 
@@ -42,9 +61,19 @@ def config_tree(dest: Path, yaml_tail: str) -> Path:
     import shutil
 
     shutil.copytree(REPO / "configs", dest, dirs_exist_ok=True)
+    unship(dest)
     with open(dest / "config.yaml", "a") as f:
         f.write(yaml_tail)
     return dest
+
+
+def unship(tree: Path, adapters: str = "[]") -> None:
+    """TEST_BASE in a copied tree: select `adapters` instead of [demo], LoRA off unless the test's
+    YAML turns it on."""
+    cfg = tree / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("  - adapters: [demo]", f"  - adapters: {adapters}"))
+    lora = tree / "lora" / "default.yaml"
+    lora.write_text(lora.read_text().replace("enabled: true", "enabled: false"))
 
 
 def make_tiny_model(dest: Path, tokenizer_src: Path, **overrides) -> Path:

@@ -20,9 +20,11 @@ from appliance.config.schema import ApplianceConfig
 
 LIVE_KEYS = frozenset({"reconcile.prune"})
 SECRET_KEYS = frozenset({"server.api_keys", "server.admin_key"})
-# Compared in-process only: from outside, the address a client reaches is not the one the server
-# binds (port 0, 0.0.0.0, Docker port maps, port-forwards), so a difference there means nothing.
-ADDRESS_KEYS = frozenset({"server.host", "server.port"})
+# Compared in-process only. From outside, the address a client reaches is not the one the server
+# binds (port 0, 0.0.0.0, Docker port maps, port-forwards), and the reconcile settings are how that
+# server follows its own dir (often set by its command line), so a difference there means nothing.
+LOCAL_KEYS = frozenset({"server.host", "server.port"})
+LOCAL_SECTIONS = ("reconcile.",)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ def restart_settings(cfg: ApplianceConfig, in_process: bool = False) -> dict[str
             continue
         for key, value in values.items():
             path = f"{section}.{key}"
-            if path in LIVE_KEYS or (path in SECRET_KEYS | ADDRESS_KEYS and not in_process):
+            local = path in SECRET_KEYS or path in LOCAL_KEYS or path.startswith(LOCAL_SECTIONS)
+            if path in LIVE_KEYS or (local and not in_process):
                 continue
             out[path] = value
     return out

@@ -10,6 +10,7 @@ and compose.py merges them (a name in two files is an error naming both).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
@@ -135,6 +136,7 @@ class ServerConfig:
             raise ConfigError("server.admin_key: must be null or a non-empty string")
 
 
+LORA_BACKENDS = ("torch", "triton", "csgmv")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -152,7 +154,12 @@ class LoRAConfig:
     # CPU tier: most adapters whose weights stay in host memory.
     max_loaded_loras: int = 16
     eviction_policy: str = "lru"  # lru | fifo
-    backend: str = "torch"  # torch (triton, csgmv come with the kernels issue)
+    # torch: plain torch ops (any device). triton: segmented shrink/expand kernels (SGMV), one program
+    # per sequence tile. csgmv: adapter tokens sorted by slot and cut into chunks, for high concurrency.
+    # triton and csgmv need a CUDA device (or TRITON_INTERPRET=1 on CPU, slow: tests only).
+    backend: str = "torch"
+    # csgmv: most tokens of one adapter per chunk (one kernel program's rows).
+    max_chunk_size: int = 16
     # GPU: copy adapters host->device on a side stream while the batch runs.
     overlap_loading: bool = False
     # > 0: once a request waited this long for a slot, stop admitting new requests of one resident
@@ -178,14 +185,32 @@ class LoRAConfig:
                               f"({self.max_loras_per_batch}), got {self.max_loaded_loras}")
         if self.eviction_policy not in ("lru", "fifo"):
             raise ConfigError(f"lora.eviction_policy: {self.eviction_policy!r} is not one of lru, fifo")
-        if self.backend not in ("torch",):
-            raise ConfigError(f"lora.backend: {self.backend!r} is not available (torch)")
+        if self.backend not in LORA_BACKENDS:
+            raise ConfigError(f"lora.backend: {self.backend!r} is not one of {', '.join(LORA_BACKENDS)}")
+        if not 1 <= self.max_chunk_size <= 4096:
+            raise ConfigError(f"lora.max_chunk_size: must be in 1..4096, got {self.max_chunk_size}")
         if self.overlap_loading:
             # Refused rather than silently ignored: adapters load synchronously between steps for now.
             raise ConfigError("lora.overlap_loading: not implemented yet (adapters load between steps); "
                               "set it to false")
         if self.drain_wait_threshold_s < 0:
             raise ConfigError(f"lora.drain_wait_threshold_s: must be >= 0, got {self.drain_wait_threshold_s}")
+
+
+@dataclass
+class MetricsConfig:
+    """Prometheus metrics on GET /metrics (appliance/metrics.py)."""
+
+    enabled: bool = True
+    # true: /metrics needs `Authorization: Bearer <one of server.api_keys>` like the inference routes.
+    require_key: bool = False
+    # Adapters that get their own `adapter` label value on the latency and request metrics, in the
+    # order they are first seen; later ones share the value "other". Bounds the number of series.
+    max_adapter_labels: int = 32
+
+    def check(self) -> None:
+        if self.max_adapter_labels < 0:
+            raise ConfigError(f"metrics.max_adapter_labels: must be >= 0, got {self.max_adapter_labels}")
 
 
 @dataclass
@@ -265,6 +290,7 @@ class ApplianceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     # The wanted adapters, name -> settings: loaded at start, then kept in step by the reconciler.
@@ -275,6 +301,10 @@ class ApplianceConfig:
         self.engine.check()
         self.server.check()
         self.lora.check()
+        self.metrics.check()
+        if self.metrics.enabled and self.metrics.require_key and not self.server.api_keys:
+            raise ConfigError("metrics.require_key: true needs server.api_keys (the keys /metrics accepts); "
+                              "set them or set metrics.require_key to false")
         self.parallel.check()
         self.reconcile.check()
         if self.adapters and not self.lora.enabled:
@@ -301,13 +331,23 @@ class ApplianceConfig:
             )
 
 
+# The demo adapters ship inside the package (appliance/demo/adapters), wherever it is installed: a
+# venv, site-packages in the Docker image. `${appliance.demo_adapters:}` in YAML names that directory.
+DEMO_ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "demo" / "adapters"
+
+
 def register_configs() -> None:
-    """Register the root schema and each group's schema (idempotent)."""
+    """Register the root schema, each group's schema and our resolvers (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("appliance.demo_adapters"):
+        OmegaConf.register_new_resolver("appliance.demo_adapters", lambda: str(DEMO_ADAPTERS_DIR))
     cs = ConfigStore.instance()
     cs.store(name="appliance_schema", node=ApplianceConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="engine", name="engine_schema", node=EngineConfig)
     cs.store(group="server", name="server_schema", node=ServerConfig)
     cs.store(group="lora", name="lora_schema", node=LoRAConfig)
+    cs.store(group="metrics", name="metrics_schema", node=MetricsConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="reconcile", name="reconcile_schema", node=ReconcileConfig)

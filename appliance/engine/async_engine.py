@@ -23,6 +23,7 @@ from appliance.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from appliance.engine.stats import EngineEvents, EngineSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         # Inbox, filled by callers, drained by the engine thread at the start of each step.
-        self._to_add: list[tuple[str, list[int], SamplingParams, Optional[str]]] = []
+        # (request id, prompt ids, params, adapter, arrival time: when the caller submitted it)
+        self._to_add: list[tuple[str, list[int], SamplingParams, Optional[str], float]] = []
         self._to_abort: list[str] = []
         # Callables to run on the engine thread between steps (admin operations such as adapter loads).
         self._calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -45,6 +47,9 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self._dead: Optional[BaseException] = None
+        # Receives the engine's stats events after every loop iteration, on the engine thread
+        # (appliance/metrics.py); None = they are dropped, so they never pile up.
+        self._stats_sink: Optional[Callable[[EngineEvents], None]] = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ----------------------------------------------------------------- lifecycle
@@ -59,6 +64,21 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive() and not self._stop
+
+    def set_stats_sink(self, sink: Optional[Callable[[EngineEvents], None]]) -> None:
+        """Where the engine's stats events go (called on the engine thread; must be thread-safe to read
+        from elsewhere, as prometheus_client's collectors are). Set it before `start` to miss nothing
+        (events since the engine was built, startup adapter loads included, are kept until then)."""
+        self._stats_sink = sink
+
+    async def stats(self) -> EngineSnapshot:
+        """Hand the events so far to the sink and return the engine's state, read on the engine thread
+        between two steps (waits for the step in progress). EngineStoppedError when it is not running."""
+        def take() -> EngineSnapshot:
+            self._flush_stats()
+            return self.engine.snapshot()
+
+        return await self.call(take)
 
     def stop_accepting(self) -> None:
         """New requests get EngineStoppedError; in-flight ones go on."""
@@ -107,7 +127,7 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid}")
             self._streams[rid] = (asyncio.get_running_loop(), queue)
-            self._to_add.append((rid, list(prompt_token_ids), params, adapter))
+            self._to_add.append((rid, list(prompt_token_ids), params, adapter, time.monotonic()))
             self._wakeup.notify_all()
         finished = False
         try:
@@ -165,16 +185,17 @@ class AsyncEngine:
                         _resolve(loop, fut, result=result)
                 for rid in to_abort:
                     self.engine.abort(rid)
-                for rid, ids, params, adapter in to_add:
+                for rid, ids, params, adapter, arrival in to_add:
                     if rid in to_abort:
                         continue
                     try:
-                        self.engine.add_request(rid, ids, params, adapter=adapter)
+                        self.engine.add_request(rid, ids, params, arrival_time=arrival, adapter=adapter)
                     except EngineError as e:
                         # E.g. the adapter was unloaded between resolve and add: fail this request only.
                         self._fail(rid, e)
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
+                self._flush_stats()
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
             log.exception("engine loop died")
             self._dead = e
@@ -188,6 +209,11 @@ class AsyncEngine:
                 _put(loop, queue, err)
             for _, loop, fut in calls:
                 _resolve(loop, fut, error=err)
+
+    def _flush_stats(self) -> None:
+        events = self.engine.stats.take()
+        if self._stats_sink is not None and not events.empty:
+            self._stats_sink(events)
 
     def _fail(self, rid: str, err: BaseException) -> None:
         with self._lock:

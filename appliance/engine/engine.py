@@ -27,6 +27,7 @@ from appliance.engine.request import AdapterNotFoundError, RequestError, Request
 from appliance.engine.sampler import sample
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.engine.sequence import Sequence, SeqStatus
+from appliance.engine.stats import EngineSnapshot, FinishedRequest, LoRASnapshot, StatsRecorder
 from appliance.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
 
 if TYPE_CHECKING:
@@ -51,17 +52,20 @@ class LLMEngine:
             raise ConfigError(f"model.path: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                               f"only {self.runner.args.vocab_size}")
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        # Events for metrics, recorded where they happen (here, the scheduler, the LoRA manager); the
+        # async engine takes them after every loop iteration. Created first: startup loads count too.
+        self.stats = StatsRecorder()
         self.lora: Optional[LoRAManager] = None
         if cfg.lora.enabled:
             # Imported here so a base-only engine never loads the LoRA modules.
             from appliance.lora.manager import LoRAManager as Manager
 
             self.lora = Manager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
-                                    self.runner.device)
+                                self.runner.device, stats=self.stats)
             self.runner.lora = self.lora
             self._load_configured_adapters(cfg)
         self.scheduler = Scheduler(cfg.engine, self.block_manager, self.lora.pool if self.lora else None,
-                                   drain_wait_threshold_s=cfg.lora.drain_wait_threshold_s)
+                                   drain_wait_threshold_s=cfg.lora.drain_wait_threshold_s, stats=self.stats)
         self.seqs: dict[str, Sequence] = {}
         # Requests without a seed draw from generators seeded by this one (model.seed), so a restarted
         # server replays the same sequence of unseeded samples.
@@ -140,7 +144,8 @@ class LLMEngine:
         if key is not None:
             self.lora.request_added(key)  # type: ignore[union-attr]
         seq = Sequence(request_id, list(prompt_token_ids), params,
-                       arrival_time if arrival_time is not None else time.monotonic(), adapter=key)
+                       arrival_time if arrival_time is not None else time.monotonic(), adapter=key,
+                       adapter_name=None if key is None else self.lora.name_of(key))  # type: ignore[union-attr]
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
@@ -168,6 +173,7 @@ class LLMEngine:
         if seq is not None and seq.status is not SeqStatus.FINISHED:
             self.scheduler.remove(seq)
             self._adapter_done(seq)
+            self._record_finished(seq, "abort", time.monotonic())
 
     def _adapter_done(self, seq: Sequence) -> None:
         if seq.adapter is not None and self.lora is not None:
@@ -244,14 +250,21 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, tok: int, now: float) -> Optional[RequestOutput]:
         p = seq.params
+        ev = self.stats.events
         if seq.first_token_time is None:
             seq.first_token_time = now
+            ev.ttfts.append((seq.adapter_name, now - seq.arrival_time))
+            ev.prompt_tokens += len(seq.prompt_token_ids)
+        else:
+            ev.itls.append((seq.adapter_name, now - seq.last_token_time))  # type: ignore[operator]
+        seq.last_token_time = now
         seq.output_token_ids.append(tok)
         finish = None
         if (tok in p.stop_token_ids) or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids):
             seq.output_token_ids.pop()  # stop tokens are not part of the completion
             finish = "stop"
         else:
+            ev.generation_tokens += 1
             seq.text += seq.detok.add(tok)
             if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 finish = "length"
@@ -288,4 +301,22 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self._adapter_done(seq)
         self.seqs.pop(seq.request_id, None)
+        self._record_finished(seq, reason, now)
         return self._emit(seq, len(seq.text), finished=True, error=error)  # type: ignore[return-value]
+
+    def _record_finished(self, seq: Sequence, reason: str, now: float) -> None:
+        self.stats.events.finished.append(FinishedRequest(seq.adapter_name, reason, now - seq.arrival_time))
+
+    # ------------------------------------------------------------------ stats
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state for the metrics' gauges; call on the engine thread (between steps)."""
+        bm = self.block_manager
+        lora = None
+        if self.lora is not None:
+            pool = self.lora.pool.stats()
+            tiers = self.lora.tier_counts()
+            lora = LoRASnapshot(slots=pool.slots, slots_used=pool.used, slots_pinned=pool.pinned,
+                                adapters_gpu=tiers["gpu"], adapters_cpu=tiers["cpu"],
+                                adapters_registered=sum(tiers.values()))
+        return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
+                              kv_usage=bm.num_used / bm.num_blocks, lora=lora)

@@ -20,6 +20,7 @@ from typing import Callable, Mapping, Optional, Protocol
 from appliance.config.schema import EngineConfig
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.sequence import Sequence, SeqStatus
+from appliance.engine.stats import StatsRecorder, WaitReason
 
 
 @dataclass
@@ -65,8 +66,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, block_manager: BlockManager, slots: Optional[Slots] = None,
-                 drain_wait_threshold_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 drain_wait_threshold_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 stats: Optional[StatsRecorder] = None) -> None:
         self.cfg = cfg
+        # Queue times, slot waits and preemptions are recorded here (the engine passes its recorder).
+        self.stats = stats if stats is not None else StatsRecorder()
         self.bm = block_manager
         self.slots = slots
         self.drain_wait_threshold_s = drain_wait_threshold_s
@@ -94,6 +98,14 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def waiting_by_reason(self) -> dict[str, int]:
+        """Waiting requests by why the last schedule left them waiting (stats.WAIT_REASONS); a request
+        added since then counts as "budget" (it waits for the next step)."""
+        out = {"slot": 0, "kv": 0, "budget": 0}
+        for seq in self.waiting:
+            out[seq.wait_reason or "budget"] += 1
+        return out
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
@@ -127,6 +139,9 @@ class Scheduler:
         # requests of resident adapters are not blocked behind it.
         self._update_drain()
         j = 0
+        # Why the scan below stops; the waiting requests it never reaches are held up by the same thing.
+        # A preemption this step means the KV cache ran out.
+        stopped_by: WaitReason = "kv" if out.preempted else "budget"
         while (not out.preempted and j < len(self.waiting) and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
             seq = self.waiting[j]
@@ -136,24 +151,38 @@ class Scheduler:
                     break
                 n = budget
             if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
+                stopped_by = "kv"
                 break  # FIFO for KV blocks: a later, smaller request must not starve this one
             if seq.adapter is not None and self.slots is not None:
                 got = None if seq.adapter == self.draining else self.slots.acquire(seq.adapter)
                 if got is None:
+                    now = self.clock()
                     if seq.slot_wait_since is None and seq.adapter != self.draining:
-                        seq.slot_wait_since = self.clock()
+                        seq.slot_wait_since = now
+                    if seq.slot_refused_at is None:
+                        seq.slot_refused_at = now
+                    seq.wait_reason = "slot"
                     j += 1
                     continue
                 seq.slot_wait_since = None
+                refused_at, seq.slot_refused_at = seq.slot_refused_at, None
+                self.stats.events.slot_waits.append(0.0 if refused_at is None else self.clock() - refused_at)
                 if got.needs_load:  # type: ignore[attr-defined]
                     out.slot_loads.append((got.slot, seq.adapter))  # type: ignore[attr-defined]
             del self.waiting[j]
+            seq.wait_reason = None
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = self.clock()
+                self.stats.events.queue_times.append((seq.adapter_name,
+                                                      seq.first_scheduled_time - seq.arrival_time))
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
 
+        for k in range(j, len(self.waiting)):
+            self.waiting[k].wait_reason = stopped_by
         for s in scheduled:
             if s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0:
                 out.decodes.append(s)
@@ -188,6 +217,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.stats.events.preemptions += 1
 
     def after_step(self, out: SchedulerOutput) -> None:
         """Record that the scheduled tokens are now in the cache (call before appending sampled tokens)."""

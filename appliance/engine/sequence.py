@@ -23,15 +23,23 @@ class Sequence:
     arrival_time: float
     # LoRA adapter key "name@generation" (None = base model); the slot is held while RUNNING.
     adapter: Optional[str] = None
+    # The adapter's registered name, the label metrics use (keys change with every reload, names don't).
+    adapter_name: Optional[str] = None
     output_token_ids: list[int] = field(default_factory=list)
     # When this request was first refused a LoRA slot (drives the drain rule); None = not waiting for one.
     slot_wait_since: Optional[float] = None
+    # When this admission attempt was first refused a slot, drain holds included (metrics' slot wait).
+    slot_refused_at: Optional[float] = None
+    # Why it is still waiting after the last schedule (stats.WaitReason); None = not scheduled yet.
+    wait_reason: Optional[str] = None
     status: SeqStatus = SeqStatus.WAITING
     # Tokens whose K/V are in the cache. Preemption resets it to 0 (recompute prompt + outputs).
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     finish_reason: Optional[str] = None
     # Engine-side helpers owned by the engine (detokenizer, torch.Generator); opaque to control logic.

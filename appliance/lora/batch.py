@@ -1,16 +1,22 @@
 """LoRABatchInfo: the step's adapter layout, built once by the model runner and read by every layer.
 
 The step's tokens are sequences back to back, so each sequence is one segment with one slot. The
-segment form (pointers + slot per segment + per-slot rank) is what segmented kernels (SGMV) take; the
-grouped form (token indices per slot) is what the torch backend takes. Both are built on the host from
-Python lists and moved to the device once, so no layer ever syncs with the host.
+segment form (pointers + slot per segment + per-slot rank) is what the kernels take: `segments` holds
+the backend's own layout (kernels/segments.py: sequences for `triton`, slot-sorted chunks for
+`csgmv`); the grouped form (token indices per slot) is what the `torch` backend takes. All are built
+on the host from Python lists and moved to the device once, so no layer ever syncs with the host.
+There is no per-slot scaling tensor: each module's alpha/r is folded into B when the adapter loads
+(rank_pattern/alpha_pattern make the scale per module, not per slot).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments, to_device
 
 
 # Up to this many tokens in a step, gathering per-token weights beats the per-adapter loop (decode).
@@ -26,10 +32,14 @@ class LoRABatchInfo:
     groups: list[tuple[int, torch.Tensor]]  # (slot, token indices [k] int64) per slot present
     # Few tokens, several adapters: gather each token's A/B instead of looping over adapters.
     gather: bool = False
+    # Backends triton/csgmv: the kernels' segments (no base-token segment); None for torch.
+    segments: Optional[LoRASegments] = None
 
     @classmethod
     def build(cls, seg_lens: list[int], seg_slots: list[int], slot_ranks: list[int],
-              device: torch.device) -> "LoRABatchInfo":
+              device: torch.device, backend: str = "torch", max_chunk_size: int = 16) -> "LoRABatchInfo":
+        if backend != "torch":
+            return cls.build_for_kernels(seg_lens, seg_slots, slot_ranks, device, backend, max_chunk_size)
         indptr = [0]
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
@@ -48,3 +58,21 @@ class LoRABatchInfo:
             groups=groups,
             gather=len(groups) > 1 and len(token_slots) <= GATHER_MAX_TOKENS,
         )
+
+    @classmethod
+    def build_for_kernels(cls, seg_lens: list[int], seg_slots: list[int], slot_ranks: list[int],
+                          device: torch.device, backend: str, max_chunk_size: int) -> "LoRABatchInfo":
+        """The kernels' form only: the torch backend's per-token and per-group tensors are not built."""
+        if backend == "triton":
+            segs = sgmv_segments(seg_lens, seg_slots, device)
+        elif backend == "csgmv":
+            segs = csgmv_segments(seg_lens, seg_slots, max_chunk_size, device)
+        else:
+            raise ValueError(f"unknown LoRA backend {backend!r}")
+        indptr = [0]
+        for n in seg_lens:
+            indptr.append(indptr[-1] + n)
+        seg_indptr, slots_t, ranks_t = to_device([indptr, list(seg_slots), list(slot_ranks)], device)
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return cls(seg_indptr=seg_indptr, seg_slots=slots_t, slot_ranks=ranks_t, token_slots=empty,
+                   groups=[], segments=segs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Optional, TypeVar
 
 from appliance.lora.registry import LoRAStateError
 
@@ -33,7 +33,8 @@ class CacheStats:
 class HostCache(Generic[T]):
     """Not thread-safe: its owner serialises calls (a miss runs the loader inline)."""
 
-    def __init__(self, capacity: int, loader: Callable[[str], T]) -> None:
+    def __init__(self, capacity: int, loader: Callable[[str], T],
+                 on_evict: Optional[Callable[[str], None]] = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
@@ -42,6 +43,8 @@ class HostCache(Generic[T]):
         self._pinned: set[str] = set()
         self.loads = 0
         self.evictions = 0
+        # Called with the key of every entry evicted for capacity (not for `drop`): metrics count them.
+        self._on_evict = on_evict
 
     def get(self, key: str) -> T:
         """The weights for `key`, loaded on a miss; `key` becomes the most recently used.
@@ -109,3 +112,5 @@ class HostCache(Generic[T]):
                 continue
             del self._items[key]
             self.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(key)

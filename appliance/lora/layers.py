@@ -37,6 +37,7 @@ class LoRAContext:
 
     info: Optional[LoRABatchInfo] = None
     wrappers: dict[str, "LoRALinear"] = field(default_factory=dict)  # "layers.{i}.{module}" -> wrapper
+    backend: str = "torch"  # lora.backend: torch | triton | csgmv
 
 
 class LoRALinear(nn.Module):
@@ -53,13 +54,25 @@ class LoRALinear(nn.Module):
         self.A = torch.zeros(num_slots, n, max_rank, base.in_features, dtype=w.dtype, device=w.device)
         self.B = torch.zeros(num_slots, base.out_features, max_rank, dtype=w.dtype, device=w.device)
         self.ctx = ctx
+        if ctx.backend != "torch":
+            # Imported here so the torch backend never needs triton (no wheel on some platforms).
+            from kernels.lora_expand import lora_expand
+            from kernels.lora_shrink import lora_shrink
+
+            self._shrink, self._expand = lora_shrink, lora_expand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         info = self.ctx.info
-        if info is None or not info.groups:
+        if info is None:
             return y
-        if info.gather:
+        if info.segments is not None:
+            # Kernels: h [T, n, R] fp32, then y += h @ Bᵀ per slice, in place; base rows untouched.
+            h = self._shrink(x, self.A, info.segments, info.slot_ranks)
+            self._expand(y, h, self.B, info.segments, info.slot_ranks, self.out_offsets)
+        elif not info.groups:
+            return y
+        elif info.gather:
             lora_apply_gathered(y, x, self.A, self.B, info.token_slots, self.out_offsets)
         else:
             lora_apply_grouped(y, x, self.A, self.B, info.groups, self.out_offsets)
@@ -84,9 +97,10 @@ class LoRALinear(nn.Module):
         self.B[slot].zero_()
 
 
-def apply_lora(model: LlamaModel, targets: tuple[str, ...], num_slots: int, max_rank: int) -> LoRAContext:
+def apply_lora(model: LlamaModel, targets: tuple[str, ...], num_slots: int, max_rank: int,
+               backend: str = "torch") -> LoRAContext:
     """Wrap the projections that carry any of `targets`; return the context the runner fills per step."""
-    ctx = LoRAContext()
+    ctx = LoRAContext(backend=backend)
     for i, layer in enumerate(model.layers):
         for path, names in FUSED_SLICES.items():
             if not set(names) & set(targets):

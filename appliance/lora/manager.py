@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
-from appliance.config.schema import LoRAConfig
+from appliance.config.schema import ConfigError, LoRAConfig
+from appliance.engine.stats import LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, inspect_adapter, load_adapter_weights, resolve_adapter_path
 from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.cache import HostCache
@@ -31,6 +33,7 @@ from appliance.models.llama import LlamaModel
 log = logging.getLogger(__name__)
 
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
+T = TypeVar("T")
 
 
 @dataclass
@@ -42,20 +45,30 @@ class KeyState:
 
 class LoRAManager:
     def __init__(self, cfg: LoRAConfig, model: LlamaModel, base_name: str, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, stats: Optional[StatsRecorder] = None) -> None:
         self.cfg = cfg
+        # Loads (disk -> cpu, cpu -> gpu) and evictions of both tiers, for metrics.
+        self.stats = stats if stats is not None else StatsRecorder()
         self.args = model.args
         self.base_name = base_name
         self.dtype = dtype
         self.device = device
         self.registry = Registry()
-        self.pool = SlotPool(cfg.max_loras_per_batch, cfg.eviction_policy)
+        self.pool = SlotPool(cfg.max_loras_per_batch, cfg.eviction_policy,  # type: ignore[arg-type]
+                             on_evict=lambda _: self.stats.eviction("gpu", cfg.eviction_policy))
         self.keys: dict[str, KeyState] = {}  # every live key, current or retiring
         self.current: dict[str, str] = {}  # adapter name -> the key new requests get
         self._key_numbers = itertools.count()
-        self.host = HostCache(cfg.max_loaded_loras, self._read_weights)
+        self.host = HostCache(cfg.max_loaded_loras, self._read_weights,
+                              on_evict=lambda _: self.stats.eviction("cpu", "lru"))
+        if cfg.backend != "torch":
+            from kernels.platform import triton_unavailable_reason
+
+            why = triton_unavailable_reason(device)
+            if why is not None:
+                raise ConfigError(f"lora.backend: {cfg.backend!r} cannot run here: {why}")
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
-                                           cfg.max_lora_rank)
+                                           cfg.max_lora_rank, cfg.backend)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
 
     # ------------------------------------------------------------------ admin operations
@@ -74,7 +87,10 @@ class LoRAManager:
             raise LoRAStateError(f"adapter name {name!r} is the base model's name", 400)
         resolved = resolve_adapter_path(path, self.cfg.adapter_roots)
         spec = inspect_adapter(resolved, self.cfg, self.args)
-        weights = load_adapter_weights(spec, self.dtype)  # a corrupt file fails here, before any change
+        t0 = time.perf_counter()
+        # A corrupt file fails here, before any change (counted as a failed disk -> cpu load).
+        weights = self._timed("cpu", lambda: load_adapter_weights(spec, self.dtype), record_ok=False)
+        read_s = time.perf_counter() - t0
         old_key = self.current[name] if old is not None else None
         key = f"{name}@{next(self._key_numbers)}"
         if pinned:
@@ -103,11 +119,29 @@ class LoRAManager:
         if old_key is not None:
             # Requests in flight on the old weights keep them until they finish.
             self._retire(old_key)
+        self.stats.load("cpu", True, read_s)  # counted once the load is committed, not when refused
         return entry
 
     def unload(self, name: str) -> None:
         self.registry.remove(name)  # 404 when unknown
         self._retire(self.current.pop(name))
+
+    @staticmethod
+    def name_of(key: str) -> str:
+        """The adapter name of a key: keys are "<name>@<N>" (see `load`), and names may contain '@'."""
+        return key.rpartition("@")[0]
+
+    def tier(self, name: str) -> str:
+        """Where a registered adapter's current weights are: "gpu" (a slot), "cpu" (host memory) or
+        "disk" (read again on its next request)."""
+        key = self.current[name]
+        return "gpu" if self.pool.lookup(key) is not None else "cpu" if key in self.host else "disk"
+
+    def tier_counts(self) -> dict[str, int]:
+        out = {"gpu": 0, "cpu": 0, "disk": 0}
+        for name in self.current:
+            out[self.tier(name)] += 1
+        return out
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:
         """Pin or unpin a loaded adapter without reloading it (same weights, same key).
@@ -175,7 +209,12 @@ class LoRAManager:
             self.slot_ranks[slot] = 0
 
     def _fill_slot(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
-        load_adapter_into_slot(self.ctx, slot, weights)
+        def copy() -> None:
+            load_adapter_into_slot(self.ctx, slot, weights)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the copy's real duration, not its launch
+
+        self._timed("gpu", copy)
         self.slot_ranks[slot] = spec.rank
 
     def begin_step(self, seg_lens: list[int], seg_keys: list[Optional[str]]) -> None:
@@ -183,15 +222,32 @@ class LoRAManager:
         if any(s is None for s in slots):
             raise RuntimeError("a scheduled adapter has no slot")
         self.ctx.info = None if all(s == -1 for s in slots) else LoRABatchInfo.build(
-            seg_lens, slots, self.slot_ranks, self.device)  # type: ignore[arg-type]
+            seg_lens, slots, self.slot_ranks, self.device,  # type: ignore[arg-type]
+            self.cfg.backend, self.cfg.max_chunk_size)
 
     # ------------------------------------------------------------------ internals
     def _read_weights(self, key: str) -> Weights:
         """A cold read (CPU tier miss). The path is confined again: the dir or its files may have been
         replaced by symlinks leading out of lora.adapter_roots since the adapter was registered."""
         st = self.keys[key]
-        resolve_adapter_path(str(st.spec.path), self.cfg.adapter_roots)
-        return load_adapter_weights(st.spec, self.dtype)
+
+        def read() -> Weights:
+            resolve_adapter_path(str(st.spec.path), self.cfg.adapter_roots)
+            return load_adapter_weights(st.spec, self.dtype)
+
+        return self._timed("cpu", read)
+
+    def _timed(self, tier: LoadTier, fn: Callable[[], T], record_ok: bool = True) -> T:
+        """Run a load of `tier`; record it (failures always, successes when `record_ok`) and re-raise."""
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+        except Exception:
+            self.stats.load(tier, False, time.perf_counter() - t0)
+            raise
+        if record_ok:
+            self.stats.load(tier, True, time.perf_counter() - t0)
+        return out
 
     def _retire(self, key: str) -> None:
         st = self.keys.get(key)

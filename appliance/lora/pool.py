@@ -14,7 +14,7 @@ deterministic.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Optional, Sequence
 
 from appliance.lora.registry import LoRAStateError
 
@@ -69,7 +69,8 @@ class _Resident:
 class SlotPool:
     """Not thread-safe: the engine's scheduler owns it and calls it from the engine loop only."""
 
-    def __init__(self, num_slots: int, policy: Policy) -> None:
+    def __init__(self, num_slots: int, policy: Policy,
+                 on_evict: Optional[Callable[[str], None]] = None) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if policy not in ("lru", "fifo"):
@@ -80,6 +81,8 @@ class SlotPool:
         self._res: dict[str, _Resident] = {}
         self._clock = 0
         self.evictions = 0
+        # Called with the evicted adapter's name on every eviction (the engine counts them for metrics).
+        self._on_evict = on_evict
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -206,6 +209,8 @@ class SlotPool:
             slot = self._res.pop(victim).slot
             evicted = victim
             self.evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(victim)
         t = self._tick()
         self._slots[slot] = name
         self._res[name] = _Resident(slot=slot, loaded_at=t, last_used=t)

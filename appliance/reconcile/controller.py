@@ -17,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from appliance.config.compose import config_hash
 from appliance.config.restart import SettingChange, mask_override, restart_diff, restart_settings
@@ -88,7 +88,7 @@ class Reconciler:
         }
         self.last = ReconcileRecord("start", "success", now, 0.0)
         # Observers (metrics) called with each finished ReconcileRecord.
-        self.listeners: list[Any] = []
+        self.listeners: list[Callable[[ReconcileRecord], None]] = []
 
     # ------------------------------------------------------------------ entry points
     async def reconcile(self, trigger: str) -> ReconcileRecord:

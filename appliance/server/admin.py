@@ -187,7 +187,7 @@ def adapter_view(lora: LoRAManager, entry: AdapterEntry) -> dict[str, Any]:
     """
     key = lora.current[entry.name]
     slot = lora.pool.lookup(key)
-    tier = "gpu" if slot is not None else "cpu" if key in lora.host else "disk"
+    tier = lora.tier(entry.name)
     st = lora.keys.get(key)
     return {"name": entry.name, "path": entry.path, "pinned": entry.pinned, "id": entry.id,
             "rank": entry.rank, "target_modules": list(entry.target_modules), "checksum": entry.checksum,

@@ -34,7 +34,8 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
                                       RequestError)
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.registry import LoRAStateError
-from appliance.reconcile.controller import ConfigSource, Reconciler
+from appliance.metrics import BuildInfo, Metrics
+from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
 from appliance.server import protocol
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
@@ -43,6 +44,7 @@ from appliance.server.group import RequestGroup
 from appliance.server.limits import ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
 from appliance.server.protocol import Choice, ParsedRequest
+from appliance.server.scrape import ScrapeApi
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +65,13 @@ class _ClientGone(Exception):
 
 
 def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> Starlette:
-    """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`. `source`:
-    the config dir and overrides `cfg` was composed from, which hot reload composes again."""
+    """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`, `app.state.metrics`
+    its `Metrics` (None when metrics.enabled is false; the reconciler reports through it). `source`: the
+    config dir and overrides `cfg` was composed from, which hot reload composes again."""
     api = _Api(engine, cfg, source)
     # One limit shared by every inference route (server.max_concurrent_requests).
     limit = ConcurrencyLimit(cfg.server.max_concurrent_requests)
+    metrics = _metrics(engine, cfg)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
@@ -75,6 +79,7 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
         Route("/v1/chat/completions", limit.wrap(request_response(api.chat_completions)), methods=["POST"]),
         Route("/generate", limit.wrap(request_response(api.generate)), methods=["POST"]),
         *api.admin.routes(),
+        *(ScrapeApi(engine, metrics, api.auth, cfg.metrics.require_key).routes() if metrics else []),
     ]
     routes.append(Route("/openapi.json", openapi_route(routes, cfg), methods=["GET"]))
     app = Starlette(routes=routes, exception_handlers={
@@ -85,7 +90,34 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
     })
     app.state.server = api.state
     app.state.limit = limit
+    app.state.metrics = metrics
+    if metrics is not None:
+        api.state.reconciler.listeners.append(_reconcile_metrics(metrics, api.state.reconciler))
     return app
+
+
+def _reconcile_metrics(metrics: Metrics, reconciler: Reconciler) -> Callable[[ReconcileRecord], None]:
+    """Feeds each finished reconcile into the reconcile and config-reload collectors."""
+
+    def on_record(r: ReconcileRecord) -> None:
+        metrics.record_reconcile(r.result, r.duration_s,
+                                 [(a.action.kind, "success" if a.ok else "failed") for a in r.results])
+        # Only an invalid config is a failed reload; a valid one whose actions failed was still taken.
+        metrics.record_config_reload(r.result != "invalid", reconciler.generation, r.started_at)
+
+    return on_record
+
+
+def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
+    """The app's collectors, fed with the engine's stats events from now on; None when disabled."""
+    if not cfg.metrics.enabled:
+        return None
+    from appliance import __version__
+
+    metrics = Metrics(cfg.metrics, BuildInfo(__version__, cfg.model.name, cfg.lora.backend),
+                      eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled)
+    engine.set_stats_sink(metrics.record_events)
+    return metrics
 
 
 class _Api:

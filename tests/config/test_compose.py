@@ -103,7 +103,8 @@ def test_config_hash_tracks_content() -> None:
     ("lora.target_modules=[lm_head]", "lora.target_modules"),
     ("lora.max_loaded_loras=1", "lora.max_loaded_loras"),
     ("lora.max_lora_rank=0", "lora.max_lora_rank"),
-    ("lora.backend=csgmv", "lora.backend"),
+    ("lora.backend=sgmv", "lora.backend"),
+    ("lora.max_chunk_size=0", "lora.max_chunk_size"),
     ("lora.overlap_loading=true", "lora.overlap_loading"),
 ])
 def test_invalid_lora_settings_name_their_key(override: str, key: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 from appliance.config.compose import compose_tree
 from appliance.config.restart import restart_diff, restart_settings
 from appliance.config.schema import ConfigError
-from tests.conftest import REPO, default_config
+from tests.conftest import REPO, default_config, shipped_config, unship
 
 
 def tree(tmp_path: Path, files: dict[str, str], select: str = "[]", tail: str = "") -> Path:
@@ -19,7 +19,8 @@ def tree(tmp_path: Path, files: dict[str, str], select: str = "[]", tail: str = 
     (tmp_path / "adapters").mkdir(exist_ok=True)
     for name, text in files.items():
         (tmp_path / "adapters" / f"{name}.yaml").write_text(text)
-    cfg = (tmp_path / "config.yaml").read_text().replace("  - adapters: []", f"  - adapters: {select}")
+    unship(tmp_path, select)
+    cfg = (tmp_path / "config.yaml").read_text()
     (tmp_path / "config.yaml").write_text(cfg + "lora:\n  enabled: true\n" + tail)
     return tmp_path
 
@@ -89,6 +90,7 @@ def test_restart_settings_and_diff() -> None:
     sa, sb = restart_settings(a), restart_settings(b)
     assert "lora.max_lora_rank" in sa and "reconcile.prune" not in sa  # prune applies live
     assert "server.admin_key" not in sa and "server.port" not in sa  # secrets and address: in-process only
+    assert not any(k.startswith("reconcile.") for k in sa)
     assert [c.key for c in restart_diff(sa, sb)] == ["lora.max_lora_rank"]
     local = restart_diff(restart_settings(a, in_process=True), restart_settings(b, in_process=True))
     assert [c.key for c in local] == ["lora.max_lora_rank", "server.admin_key", "server.port"]
@@ -97,7 +99,7 @@ def test_restart_settings_and_diff() -> None:
 
 def test_llama_8b_gpu_example_composes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("APPLIANCE_ADAPTER_ROOT", "/data/loras")
-    cfg = default_config("model=llama-3.1-8b-instruct", "engine=gpu", "lora=gpu", "adapters=[llama_example]")
+    cfg = shipped_config("model=llama-3.1-8b-instruct", "engine=gpu", "lora=gpu", "adapters=[llama_example]")
     assert cfg.model.dtype == "bfloat16" and cfg.model.source is None and cfg.lora.max_loras_per_batch == 32
     assert cfg.lora.adapter_roots == ["/data/loras"] and cfg.adapters["sql"].path == "/data/loras/sql-lora"
     assert cfg.adapters["sql"].pinned and cfg.adapters["support"].base_model == "meta-llama/Llama-3.1-8B-Instruct"

@@ -158,3 +158,41 @@ def test_drain_rule_stops_admitting_the_resident_adapter(threshold: float) -> No
     out = s.schedule()
     assert "b1" in ids(out) and out.slot_loads == [(0, "b")]
     assert a2.status is SeqStatus.WAITING
+
+
+# ---------------------------------------------------------------------------------- stats for metrics
+
+def test_waiting_reasons_kv_and_budget_and_queue_times() -> None:
+    clock = iter(range(100, 200)).__next__
+    s = Scheduler(EngineConfig(max_num_batched_tokens=8), BlockManager(3, 4), clock=lambda: float(clock()))
+    a = add(s, "a", 8)  # takes 2 of 3 blocks and the whole token budget
+    b = add(s, "b", 8)
+    s.schedule()
+    assert s.waiting_by_reason() == {"slot": 0, "kv": 0, "budget": 1} and b.wait_reason == "budget"
+    assert s.stats.events.queue_times == [(None, a.first_scheduled_time - a.arrival_time)]
+    s2 = Scheduler(EngineConfig(max_num_batched_tokens=64), BlockManager(3, 4))
+    add(s2, "a", 8)
+    c = add(s2, "c", 8)  # needs 2 blocks, 1 left
+    s2.schedule()
+    assert s2.waiting_by_reason() == {"slot": 0, "kv": 1, "budget": 0} and c.wait_reason == "kv"
+
+
+def test_slot_waits_and_preemptions_are_recorded() -> None:
+    from appliance.lora.pool import SlotPool
+
+    now = [0.0]
+    pool = SlotPool(1, "lru")
+    s = Scheduler(EngineConfig(), BlockManager(100, 4), slots=pool, clock=lambda: now[0])
+    a = Sequence("a", [1, 2], SamplingParams(max_tokens=5), 0.0, adapter="x@0", adapter_name="x")
+    b = Sequence("b", [1, 2], SamplingParams(max_tokens=5), 0.0, adapter="y@1", adapter_name="y")
+    s.add(a)
+    s.add(b)
+    s.schedule()  # a gets the only slot, b waits for it
+    assert s.waiting_by_reason()["slot"] == 1 and s.stats.events.slot_waits == [0.0]
+    now[0] = 2.5
+    s.remove(a)
+    s.schedule()
+    assert s.stats.events.slot_waits == [0.0, 2.5]
+    assert [q for q, _ in s.stats.events.queue_times] == ["x", "y"]
+    events = s.stats.take()
+    assert events.preemptions == 0 and s.stats.events.slot_waits == []

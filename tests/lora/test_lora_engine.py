@@ -96,13 +96,16 @@ def run_mixed(engine: LLMEngine, jobs: list[tuple[str | None, int]]) -> dict[int
     return res
 
 
-def test_mixed_batch_matches_peft_per_adapter(adapters: dict[str, Path], oracle: dict, tiny_model_dir: Path) -> None:
+# triton/csgmv: the Triton kernels, in the interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET).
+@pytest.mark.parametrize("backend", ["torch", "triton", "csgmv"])
+def test_mixed_batch_matches_peft_per_adapter(adapters: dict[str, Path], oracle: dict, tiny_model_dir: Path,
+                                              backend: str) -> None:
     root = next(iter(adapters.values())).parent
-    engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=5")
+    engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=5", f"lora.backend={backend}")
     for name, path in adapters.items():
         engine.lora.load(name, str(path))
     jobs = [(name, p) for name in [None, *adapters] for p in range(len(PROMPTS))]
-    # First step only: every request prefills in one batch; compare its last-position logits to peft.
+    # First step: every request prefills in one batch; compare its last-position logits to peft.
     for j, (name, p) in enumerate(jobs):
         engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY, adapter=name)
     plan = engine.scheduler.schedule()
@@ -111,12 +114,18 @@ def test_mixed_batch_matches_peft_per_adapter(adapters: dict[str, Path], oracle:
     for j, (name, p) in enumerate(jobs):
         diff = (logits[j] - oracle[name][1][p]).abs().max().item()
         assert diff <= 1e-3, f"{name} prompt {p}: logits differ by {diff}"
-    engine._postprocess(plan, logits)
+    # Then the same batch decodes to the end: greedy tokens against peft's.
+    got: dict[int, list[int]] = {}
+    for o in engine._postprocess(plan, logits):
+        got.setdefault(int(o.request_id), []).extend(o.token_ids)
     while engine.has_unfinished():
-        engine.step()
-    got = run_mixed(engine, jobs)
+        for o in engine.step():
+            got.setdefault(int(o.request_id), []).extend(o.token_ids)
+    assert engine.block_manager.num_used == 0
     for j, (name, p) in enumerate(jobs):
         assert got[j] == oracle[name][0][p], f"{name} prompt {p}"
+    if backend == "torch":  # a second round on the warm engine (slots already loaded); cheap on torch only
+        assert run_mixed(engine, jobs) == got
     # Adapters really change the output (the test would be vacuous otherwise): every adapter moves
     # the logits, and most change the greedy text.
     moved = {n: (oracle[n][1][0] - oracle[None][1][0]).abs().max().item() for n in adapters}
@@ -235,3 +244,16 @@ def test_adapters_listed_in_config_load_at_start(adapters: dict[str, Path], orac
         config_with_adapters(tmp_path / "off", good, f"model.path={tiny_model_dir}")
     with pytest.raises(ConfigError, match=r"adapters\.a\.(foo|.*foo)"):
         config_with_adapters(tmp_path / "typo", good + "    foo: 1\n", *lora)
+
+
+def test_triton_backends_refused_on_cpu_without_interpreter(tiny_model_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with Triton's interpreter off, triton/csgmv fail at start with the key path, not mid-request."""
+    import kernels.platform
+    from appliance.config.schema import ConfigError
+
+    monkeypatch.setattr(kernels.platform, "interpreter_active", lambda: False)
+    for backend in ("triton", "csgmv"):
+        with pytest.raises(ConfigError, match=r"lora\.backend: '" + backend + "' cannot run here: .*CUDA device"):
+            lora_engine(tiny_model_dir, tmp_path, f"lora.backend={backend}", "model.device=cpu")
+    assert lora_engine(tiny_model_dir, tmp_path, "lora.backend=torch", "model.device=cpu").lora is not None

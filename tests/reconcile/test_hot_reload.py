@@ -84,6 +84,16 @@ class Traffic:
                 self.ok += 1
 
 
+def scrape(url: str) -> dict[str, float]:
+    """GET /metrics as series -> value (comments skipped)."""
+    out = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            out[series] = float(value)
+    return out
+
+
 def status(url: str) -> dict:
     return admin(url, "/v1/status").json()
 
@@ -143,6 +153,16 @@ def test_watch_plain_dir(tmp_path: Path, tiny_model_dir: Path, root: Path, oracl
             assert st["restart_required"] == ["lora.max_lora_rank: 8 -> 16 (requires restart)"]
             assert st["settings"]["lora.max_lora_rank"] == 8
             assert srv.engine.engine.lora.cfg.max_lora_rank == 8
+
+            # The reconcile metrics follow what happened (counted per reconcile, so at least).
+            m = scrape(srv.url)
+            assert m['appliance_config_generation'] == st["config"]["generation"]
+            assert m['appliance_config_last_reload_successful'] == 1
+            assert m['appliance_reconcile_total{result="invalid"}'] >= 3
+            assert m['appliance_reconcile_actions_total{action="load",result="success"}'] >= 2  # b, then c
+            assert m['appliance_reconcile_actions_total{action="unload",result="success"}'] >= 2
+            assert m['appliance_reconcile_duration_seconds_count'] == sum(
+                v for k, v in m.items() if k.startswith("appliance_reconcile_total{"))
         assert traffic.failures == [] and traffic.ok > 0, traffic.failures[:5]
         print(f"\nhot reload convergence (s): {took}; client requests ok: {traffic.ok}, failed: 0")
     finally:

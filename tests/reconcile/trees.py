@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import requests
 
-from tests.conftest import REPO
+from tests.conftest import REPO, unship
 
 KEY = "reconcile-secret"
 
@@ -24,8 +24,8 @@ def write_tree(dest: Path, model: Path, root: Path, inventories: dict[str, dict[
     (dest / "adapters").mkdir(exist_ok=True)
     for f, inv in inventories.items():
         write_inventory(dest / "adapters" / f"{f}.yaml", inv)
+    unship(dest, f"[{', '.join(inventories)}]")
     text = (dest / "config.yaml").read_text()
-    text = text.replace("  - adapters: []", f"  - adapters: [{', '.join(inventories)}]")
     text += (f"model:\n  path: {model}\n  name: tiny\nserver:\n  admin_key: {KEY}\n"
              f"lora:\n  enabled: true\n  max_lora_rank: {max_rank}\n  max_loras_per_batch: {slots}\n"
              f"  adapter_roots: [{root}]\n"

@@ -1,0 +1,97 @@
+"""What the engine reports for metrics: events since the last take, and a snapshot of its state.
+
+Plain dataclasses, no prometheus: the engine, scheduler and LoRA manager record events where they
+happen into one `StatsRecorder` (on the engine thread). The async engine hands the events to its sink
+(appliance/metrics.py) after every loop iteration, and a scrape asks the engine thread for a fresh
+`EngineSnapshot`, so gauges are read between two steps and always consistent with each other.
+
+Adapter labels are registered adapter names (never request input): a request whose model is unknown
+is refused before it reaches the engine and so never appears here. None = the base model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+# Why a waiting request is not running: its adapter has no GPU slot, the KV cache is full, or the
+# step's token/sequence budget (engine.max_num_batched_tokens, engine.max_num_seqs) is spent.
+WaitReason = Literal["slot", "kv", "budget"]
+WAIT_REASONS: tuple[WaitReason, ...] = ("slot", "kv", "budget")
+# LoRA tiers: "cpu" = disk -> host memory, "gpu" = host memory -> a GPU slot.
+LoadTier = Literal["cpu", "gpu"]
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    adapter: Optional[str]  # registered adapter name; None = base model
+    finish_reason: str  # stop | length | abort
+    e2e_s: float  # arrival -> finish (or abort)
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    tier: LoadTier
+    ok: bool  # False: reading or copying the weights raised
+    duration_s: float
+
+
+@dataclass
+class EngineEvents:
+    """Everything counted since the previous `StatsRecorder.take()`."""
+
+    prompt_tokens: int = 0  # prompt length of each request, counted once at its first token
+    generation_tokens: int = 0  # completion tokens (a stop token the engine drops is not counted)
+    preemptions: int = 0
+    queue_times: list[tuple[Optional[str], float]] = field(default_factory=list)  # arrival -> first scheduled
+    ttfts: list[tuple[Optional[str], float]] = field(default_factory=list)  # arrival -> first token
+    itls: list[tuple[Optional[str], float]] = field(default_factory=list)  # between two tokens of a request
+    finished: list[FinishedRequest] = field(default_factory=list)
+    slot_waits: list[float] = field(default_factory=list)  # per admission of an adapter request
+    loads: list[AdapterLoad] = field(default_factory=list)
+    evictions: list[tuple[LoadTier, str]] = field(default_factory=list)  # (tier, policy)
+
+    @property
+    def empty(self) -> bool:
+        return self == EngineEvents()
+
+
+class StatsRecorder:
+    """Collects EngineEvents on the engine thread; `take()` hands them over and starts afresh.
+
+    Not thread-safe: only the engine thread records and takes (the async engine's loop and the scrape's
+    `AsyncEngine.call` both run there).
+    """
+
+    def __init__(self) -> None:
+        self.events = EngineEvents()
+
+    def take(self) -> EngineEvents:
+        out, self.events = self.events, EngineEvents()
+        return out
+
+    def load(self, tier: LoadTier, ok: bool, duration_s: float) -> None:
+        self.events.loads.append(AdapterLoad(tier, ok, duration_s))
+
+    def eviction(self, tier: LoadTier, policy: str) -> None:
+        self.events.evictions.append((tier, policy))
+
+
+@dataclass(frozen=True)
+class LoRASnapshot:
+    slots: int  # lora.max_loras_per_batch
+    slots_used: int  # slots holding weights, retiring weights of unloaded adapters included
+    slots_pinned: int
+    # Adapters by tier as /v1/adapters shows them: gpu (in a slot), cpu (host memory, no slot);
+    # registered = every loaded name, whatever its tier.
+    adapters_gpu: int
+    adapters_cpu: int
+    adapters_registered: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    running: int
+    waiting: dict[str, int]  # WaitReason -> requests
+    kv_usage: float  # used KV blocks / all KV blocks, 0..1
+    lora: Optional[LoRASnapshot]  # None when lora.enabled is false

@@ -1,0 +1,162 @@
+"""lora_shrink: the first half of a multi-LoRA projection, every slice of a fused projection at once.
+
+    h[t, i*R + j] = x[t] · A[slot(t), i, j]    for j < rank[slot(t)], every slice i, adapter tokens t
+
+A[s] [n, R, in] is read as one [n*R, in] matrix, so one tile of output columns covers every slice
+(qkv: 3, gate_up: 2) and x is read once per tile, not once per slice. Columns j >= rank of the slot
+are masked: their A rows are never loaded (no traffic for padding up to max_lora_rank) and their h
+entries are never written. Base tokens have no segment (kernels/segments.py) and cost nothing.
+
+Grid: (segment x BLOCK_M tile, column tile, K split). Decode steps have few rows and a long K, so
+when the grid is small the launcher splits K across programs that add their fp32 partial sums
+atomically (h is zeroed first); prefill steps have enough tiles and store directly.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.platform import dot_upcast
+from kernels.segments import LoRASegments, check_segments, check_tile
+
+
+@triton.jit(do_not_specialize=["tiles_per_seg"])  # varies every step: no recompiles
+def _lora_shrink_kernel(
+    x_ptr,  # [T, K] input rows (fp32/bf16/fp16)
+    a_ptr,  # [S, N, K] A of every slot, N = n*R: row i*R + j = rank row j of slice i
+    h_ptr,  # [T, N] fp32 output
+    tok_ptr,  # [P] int32 token row per position (GATHER only)
+    seg_start_ptr,  # [G] int32 first position of each segment
+    seg_len_ptr,  # [G] int32 positions in each segment
+    seg_slot_ptr,  # [G] int32 slot of each segment
+    rank_ptr,  # [S] int32 true rank of each slot (0 = empty slot)
+    K, N, R,  # in features, n*R, max rank
+    stride_xt, stride_xk, stride_as, stride_an, stride_ak, stride_ht, stride_hn,
+    tiles_per_seg,  # cdiv(longest segment, BLOCK_M)
+    k_per_split,  # K range of one program along grid axis 2 (a multiple of BLOCK_K)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seg = pid // tiles_per_seg
+    m0 = (pid % tiles_per_seg) * BLOCK_M
+    seg_len = tl.load(seg_len_ptr + seg)
+    if m0 >= seg_len:
+        return  # this segment is shorter than the longest one
+    slot = tl.load(seg_slot_ptr + seg)
+    rank = tl.load(rank_ptr + slot)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < N) & ((offs_n % R) < rank)
+    if tl.max(n_mask.to(tl.int32), axis=0) == 0:
+        return  # the whole column tile is rank padding (or the slot is empty)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    pos = tl.load(seg_start_ptr + seg) + offs_m
+    if GATHER:
+        rows = tl.load(tok_ptr + pos, mask=m_mask, other=0)
+    else:
+        rows = pos
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n[None, :] * stride_an
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        xt = tl.load(x_rows + offs_k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_rows + offs_k[:, None] * stride_ak, mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
+        acc += tl.dot(xt, at, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_ht + offs_n[None, :] * stride_hn
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(h_ptrs, acc, mask=out_mask)
+    else:
+        tl.store(h_ptrs, acc, mask=out_mask)
+
+
+def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,
+                out: Optional[torch.Tensor] = None, split_k: Optional[int] = None, *,
+                block_m: Optional[int] = None, block_k: Optional[int] = None,
+                num_warps: Optional[int] = None) -> torch.Tensor:
+    """h[t, i, :r] = x[t] @ A[slot(t), i, :r]ᵀ for every slice i, r = slot_ranks[slot(t)].
+
+    x [T, in] fp32/bf16/fp16; A [S, n, R, in] same dtype, contiguous; segs: segments over the
+    adapter tokens (kernels/segments.py); slot_ranks [S] int32; out: optional [T, n, R] fp32.
+    Returns h [T, n, R] fp32. Only h[t, i, :rank] of adapter tokens is written: rows of base
+    tokens and rank padding hold whatever `out` held (garbage when allocated here); lora_expand
+    never reads them. split_k: programs along K (None = chosen from the grid size; >1 zeroes h).
+    block_m, block_k, num_warps: tile overrides for benchmarks (None = the launcher's choice).
+    """
+    if x.dim() != 2 or A.dim() != 4:
+        raise ValueError(f"lora_shrink: x must be [T, in] and A [S, n, R, in], got {tuple(x.shape)}, {tuple(A.shape)}")
+    T, K = x.shape
+    S, n, R, K_a = A.shape
+    if K_a != K:
+        raise ValueError(f"lora_shrink: A's in features {K_a} != x's {K}")
+    if x.dtype != A.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"lora_shrink: x and A must share one of fp32/bf16/fp16, got {x.dtype}, {A.dtype}")
+    if not A.is_contiguous():
+        raise ValueError("lora_shrink: A must be contiguous (its [n, R] dims are read as one)")
+    check_segments(segs, slot_ranks, S, x.device)
+    if out is None:
+        out = torch.empty(T, n, R, dtype=torch.float32, device=x.device)
+    elif out.shape != (T, n, R) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"lora_shrink: out must be a contiguous fp32 [{T}, {n}, {R}], got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    G = segs.num_segs
+    if G == 0 or T == 0:
+        return out
+    N = n * R
+    if block_m is None:
+        block_m = 16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64)
+    # One column tile covers every slice's rank rows (n*R = 48 for qkv at rank 16), so x is read
+    # once; decode steps get their parallelism from splitting K instead (below).
+    block_n = min(64, max(16, triton.next_power_of_2(N)))
+    if block_k is None:
+        # H200, docs/benchmarks.md: 64-wide K steps beat 128 for prefill tiles (qkv at 16k tokens
+        # 64 vs 85 µs), 128 is as good as any for decode tiles.
+        block_k = min(128 if segs.max_len <= 16 else 64, max(16, triton.next_power_of_2(K)))
+    check_tile(block_m=block_m, block_k=block_k)
+    tiles_per_seg = triton.cdiv(segs.max_len, block_m)
+    grid_mn = G * tiles_per_seg * triton.cdiv(N, block_n)
+    if split_k is None:
+        split_k = _auto_split_k(grid_mn, K, block_k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)
+    if split_k > 1:
+        out.zero_()
+    h2 = out.view(T, N)
+    a3 = A.view(S, N, K)
+    tok = segs.token_index if segs.token_index is not None else segs.starts  # unused when not GATHER
+    grid = (G * tiles_per_seg, triton.cdiv(N, block_n), split_k)
+    _lora_shrink_kernel[grid](
+        x, a3, h2, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
+        K, N, R,
+        x.stride(0), x.stride(1), a3.stride(0), a3.stride(1), a3.stride(2), h2.stride(0), h2.stride(1),
+        tiles_per_seg, k_per_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GATHER=segs.token_index is not None, ATOMIC=split_k > 1,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
+        num_warps=num_warps or 4,
+    )
+    return out
+
+
+def _auto_split_k(grid_mn: int, K: int, block_k: int, device: torch.device) -> int:
+    """Enough programs to keep every SM streaming A: ~2 per SM, each with >= 2 K blocks of work."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if grid_mn >= 2 * sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, grid_mn), K // (2 * block_k)))
+

@@ -1,0 +1,42 @@
+"""Where the Triton kernels can run: a CUDA device, or the CPU under Triton's interpreter.
+
+The interpreter is switched on by TRITON_INTERPRET=1 before triton is imported; we read triton's own
+view of it (triton.knobs, falling back to the variable on triton versions without knobs) so the
+answer matches what a launch will actually do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+def interpreter_active() -> bool:
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_unavailable_reason(device: torch.device) -> Optional[str]:
+    """None when the Triton kernels can run on `device`, else why not (a sentence for the operator)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and interpreter_active():
+        return None  # slow, but exact: the CPU tests and CI run the kernels this way
+    return (f"the Triton kernels need a CUDA device, and the model runs on {device}; use backend torch "
+            "(or set TRITON_INTERPRET=1 before start to run them in Triton's slow CPU interpreter)")
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Triton's interpreter (3.9) multiplies bf16 tiles in tl.dot as raw integers; upcasting both
+    operands to fp32 first gives the exact bf16 products with fp32 accumulation that a GPU computes."""
+    return dtype == torch.bfloat16 and interpreter_active()

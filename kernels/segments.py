@@ -1,0 +1,118 @@
+"""LoRASegments: which token rows each multi-LoRA kernel program works on, for both strategies.
+
+A kernel program handles up to BLOCK_M consecutive *positions* of one segment; every segment has one
+slot. Position p maps to token row p (SGMV) or to row token_index[p] (chunked SGMV). Base tokens
+(no adapter) belong to no segment at all, so they cost no program and no memory traffic.
+
+- `sgmv_segments` (backend `triton`): the step's sequences in token order, consecutive sequences of
+  the same slot merged; a long prefill is one long segment cut into BLOCK_M tiles by the grid.
+- `csgmv_segments` (backend `csgmv`): adapter tokens stably sorted by slot, then cut into chunks of at
+  most `max_chunk_size` tokens. Every sequence of one adapter shares its chunks, so under high
+  concurrency (many decodes, few adapters) A and B are read once per chunk instead of once per
+  sequence, and the tensor-core tiles are full instead of 1/16 used.
+
+Both are built on the host from Python lists the scheduler already has, with one host->device copy
+(from pinned memory on CUDA, non-blocking): no layer and no decode step waits on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass
+class LoRASegments:
+    starts: torch.Tensor  # [G] int32: first position of each segment
+    lens: torch.Tensor  # [G] int32: positions in each segment (>= 1)
+    slots: torch.Tensor  # [G] int32: slot of each segment (>= 0: base tokens have no segment)
+    token_index: Optional[torch.Tensor]  # [P] int32: token row at each position; None = row = position
+    max_len: int  # longest segment, kept on the host: it sizes the grid without a device sync
+
+    @property
+    def num_segs(self) -> int:
+        return self.starts.shape[0]
+
+
+def sgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], device: torch.device) -> LoRASegments:
+    """Sequences (lengths, slot or -1) in token order -> segments over token rows."""
+    starts: list[int] = []
+    lens: list[int] = []
+    slots: list[int] = []
+    row = 0
+    for n, s in zip(seg_lens, seg_slots):
+        if s >= 0 and n > 0:
+            if slots and slots[-1] == s and starts[-1] + lens[-1] == row:
+                lens[-1] += n  # same adapter right after: one segment, A/B read once
+            else:
+                starts.append(row)
+                lens.append(n)
+                slots.append(s)
+        row += n
+    starts_t, lens_t, slots_t = to_device([starts, lens, slots], device)
+    return LoRASegments(starts_t, lens_t, slots_t, None, max(lens, default=0))
+
+
+def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_size: int,
+                   device: torch.device) -> LoRASegments:
+    """Sequences (lengths, slot or -1) in token order -> adapter tokens sorted by slot, in chunks of at
+    most `max_chunk_size` positions of one slot."""
+    if max_chunk_size < 1:
+        raise ValueError(f"max_chunk_size must be >= 1, got {max_chunk_size}")
+    rows_by_slot: dict[int, list[int]] = {}
+    row = 0
+    for n, s in zip(seg_lens, seg_slots):
+        if s >= 0:
+            rows_by_slot.setdefault(s, []).extend(range(row, row + n))
+        row += n
+    token_index: list[int] = []
+    starts: list[int] = []
+    lens: list[int] = []
+    slots: list[int] = []
+    for s in sorted(rows_by_slot):
+        rows = rows_by_slot[s]
+        for c in range(0, len(rows), max_chunk_size):
+            starts.append(len(token_index) + c)
+            lens.append(min(max_chunk_size, len(rows) - c))
+            slots.append(s)
+        token_index.extend(rows)
+    starts_t, lens_t, slots_t, index_t = to_device([starts, lens, slots, token_index], device)
+    return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0))
+
+
+def to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """One int32 host buffer, one copy, then views: a single small transfer per step."""
+    flat = [v for p in parts for v in p]
+    buf = torch.tensor(flat, dtype=torch.int32)
+    if device.type == "cuda":
+        # From pinned memory the copy is queued on the stream and the host goes on at once.
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    elif buf.device != device:
+        buf = buf.to(device)
+    out, o = [], 0
+    for p in parts:
+        out.append(buf[o:o + len(p)])
+        o += len(p)
+    return out
+
+
+def check_segments(segs: LoRASegments, slot_ranks: torch.Tensor, num_slots: int, device: torch.device) -> None:
+    """The launchers' check of the metadata they are given (dtype, device, shape)."""
+    tensors = [segs.starts, segs.lens, segs.slots, slot_ranks]
+    if segs.token_index is not None:
+        tensors.append(segs.token_index)
+    for t in tensors:
+        if t.dtype != torch.int32 or t.device != device or t.dim() != 1:
+            raise ValueError(f"LoRA kernel metadata must be 1-D int32 on {device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if slot_ranks.shape[0] != num_slots:
+        raise ValueError(f"slot_ranks has {slot_ranks.shape[0]} slots, the weights have {num_slots}")
+
+
+def check_tile(**sizes: int) -> None:
+    """Tile sizes must be powers of two >= 16 (tl.dot's smallest tile)."""
+    for name, v in sizes.items():
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")

@@ -1,0 +1,195 @@
+"""The Triton shrink/expand kernels against their torch twins (kernels/reference.py), punica-style.
+
+On CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), on a GPU compiled.
+Sweeps: how adapters spread over the batch (distinct, uniform, zipf, identical, skewed; base tokens
+mixed in), decode and prefill shapes, both strategies (triton = SGMV, csgmv = sorted chunks), dtypes
+with a tolerance table, ranks 1..64 and mixed ranks in one batch, hidden sizes that are not powers of
+two. Every case poisons with NaN what must not be read or is not meant to be written: A and B beyond
+each slot's rank, all of an empty slot, and h before the shrink; a NaN that leaks shows as a mismatch.
+Sizes are small where they can be: each interpreted kernel program costs tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import lora_shrink
+from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {  # dtype -> (atol, rtol) of the kernel against the same-dtype torch twin, values of order 1
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+LAYOUTS = ("distinct", "uniform", "zipf", "identical", "skewed")
+
+
+def batch_layout(layout: str, num_seqs: int, num_slots: int, rng: random.Random) -> list[int]:
+    """Slot of each sequence; every third sequence is a base request (-1)."""
+    if layout == "distinct":
+        slots = [i % num_slots for i in range(num_seqs)]
+    elif layout == "uniform":
+        slots = [rng.randrange(num_slots) for _ in range(num_seqs)]
+    elif layout == "zipf":
+        w = [1 / (k + 1) ** 1.5 for k in range(num_slots)]
+        slots = rng.choices(range(num_slots), weights=w, k=num_seqs)
+    elif layout == "identical":
+        slots = [1] * num_seqs
+    elif layout == "skewed":  # one hot adapter, a long tail of one request each
+        slots = [0 if i % 2 == 0 else 1 + (i // 2) % (num_slots - 1) for i in range(num_seqs)]
+    else:
+        raise ValueError(layout)
+    return [-1 if i % 3 == 2 else s for i, s in enumerate(slots)]
+
+
+def segments(strategy: str, seg_lens: list[int], seg_slots: list[int], chunk: int) -> LoRASegments:
+    if strategy == "triton":
+        return sgmv_segments(seg_lens, seg_slots, DEV)
+    return csgmv_segments(seg_lens, seg_slots, chunk, DEV)
+
+
+def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
+               K: int, slices: list[int], R: int, chunk: int = 4, split_k: int = 1,
+               with_scale: bool = False, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    S, n = len(ranks), len(slices)
+    offs = [0]
+    for s in slices:
+        offs.append(offs[-1] + s)
+    OUT, T = offs[-1], sum(seg_lens)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    A = randn(S, n, R, K, scale=1 / math.sqrt(K))
+    B = randn(S, OUT, R, scale=1 / math.sqrt(R))
+    for s, r in enumerate(ranks):  # padding up to R must never be read (nor written, for A's: below)
+        A[s, :, r:] = 1000.0
+        B[s, :, r:] = float("nan")
+    x, y0 = randn(T, K), randn(T, OUT)
+    ranks_t = torch.tensor(ranks, dtype=torch.int32)
+    token_slots = torch.tensor([s for n_, s in zip(seg_lens, seg_slots) for _ in range(n_)], dtype=torch.long)
+    scal = torch.rand(S, generator=g) + 0.5 if with_scale else None
+    want_h = ref.lora_shrink(x, A, token_slots, ranks_t)
+    want_y = ref.lora_expand(y0.clone(), want_h, B, token_slots, offs, ranks_t, scal)
+
+    segs = segments(strategy, seg_lens, seg_slots, chunk)
+    r_dev = ranks_t.to(DEV)
+    h = torch.full((T, n, R), float("nan"), device=DEV)
+    out = lora_shrink(x.to(DEV), A.to(DEV), segs, r_dev, out=h, split_k=split_k)
+    assert out is h
+    atol, rtol = TOL[dtype]
+    h = h.cpu()
+    for t in range(T):
+        s = int(token_slots[t])
+        if s >= 0:  # every element the expand will read was written, and is right
+            r = ranks[s]
+            torch.testing.assert_close(h[t, :, :r].to(dtype), want_h[t, :, :r], atol=atol, rtol=rtol,
+                                       msg=lambda m: f"h of token {t} (slot {s}, rank {r}): {m}")
+            if split_k == 1:  # rank padding: no A row loaded, no h written (split-K zeroes h first)
+                assert h[t, :, r:].isnan().all(), f"h of token {t} written beyond rank {r}"
+        elif split_k == 1:
+            assert h[t].isnan().all(), f"h of base token {t} written"
+    y = y0.clone().to(DEV)
+    lora_expand(y, h.to(DEV), B.to(DEV), segs, r_dev, offs, None if scal is None else scal.to(DEV))
+    y = y.cpu()
+    torch.testing.assert_close(y, want_y, atol=atol, rtol=rtol)
+    base = token_slots < 0
+    assert torch.equal(y[base], y0[base]), "base tokens' rows changed"
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batch_layouts(layout: str, shape: str, strategy: str) -> None:
+    rng = random.Random(f"{layout}-{shape}")
+    num_seqs = 10 if shape == "decode" else 4
+    seg_slots = batch_layout(layout, num_seqs, 5, rng)
+    seg_lens = [1] * num_seqs if shape == "decode" else [rng.randint(3, 37) for _ in range(num_seqs)]
+    # qkv-like slices; slot 3 is empty (rank 0), ranks below max_lora_rank elsewhere.
+    check_case(strategy, torch.float32, seg_lens, seg_slots, ranks=[16, 8, 12, 0, 5], K=48,
+               slices=[32, 16, 16], R=16, chunk=3 if shape == "decode" else 16)
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_dtypes(dtype: torch.dtype, shape: str, strategy: str) -> None:
+    rng = random.Random(shape)
+    seg_slots = batch_layout("zipf", 6, 4, rng)
+    seg_lens = [1] * 6 if shape == "decode" else [rng.randint(5, 40) for _ in range(6)]
+    check_case(strategy, dtype, seg_lens, seg_slots, ranks=[16, 4, 16, 9], K=96, slices=[64, 32],
+               R=16, chunk=8, with_scale=True)
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("ranks,R", [([1, 1], 1), ([8, 8], 8), ([16, 16], 16), ([64, 64], 64),
+                                     ([1, 8, 16, 64], 64)], ids=["r1", "r8", "r16", "r64", "mixed"])
+def test_ranks(ranks: list[int], R: int, strategy: str) -> None:
+    S = len(ranks)
+    seg_slots = [s for s in range(S)] + [-1] + [S - 1]
+    seg_lens = [2, 19, 1, 3, 5, 1][:len(seg_slots)]
+    check_case(strategy, torch.float32, seg_lens, seg_slots, ranks, K=32, slices=[24, 8, 8], R=R, chunk=8)
+
+
+@pytest.mark.parametrize("K,slices,strategy", [
+    (576, [576, 192, 192], "triton"),  # SmolLM2 qkv
+    (576, [1536, 1536], "csgmv"),  # SmolLM2 gate_up
+    (1536, [576], "csgmv"),  # SmolLM2 down
+    (14336, [576], "triton"),  # Llama-3.1-8B down_proj's in features
+])
+def test_hidden_sizes(K: int, slices: list[int], strategy: str) -> None:
+    check_case(strategy, torch.float32, [2, 1, 1], [0, -1, 1], ranks=[16, 8], K=K, slices=slices, R=16,
+               with_scale=True)
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+def test_split_k_partial_sums(strategy: str) -> None:
+    # K = 576 is 4.5 blocks of 128: the splits end mid-block, and the last one is short.
+    check_case(strategy, torch.float32, [1, 1, 4, 1], [1, 0, 1, -1], ranks=[16, 3], K=576, slices=[40, 24],
+               R=16, split_k=3)
+
+
+def test_no_adapter_tokens_is_a_no_op() -> None:
+    segs = sgmv_segments([3, 1], [-1, -1], DEV)
+    A = torch.randn(2, 1, 8, 16, device=DEV)
+    B = torch.randn(2, 16, 8, device=DEV)
+    x, y = torch.randn(4, 16, device=DEV), torch.randn(4, 16, device=DEV)
+    y0 = y.clone()
+    h = lora_shrink(x, A, segs, torch.tensor([8, 8], dtype=torch.int32, device=DEV))
+    lora_expand(y, h, B, segs, torch.tensor([8, 8], dtype=torch.int32, device=DEV), [0, 16])
+    assert torch.equal(y, y0)
+
+
+def test_launchers_refuse_bad_arguments() -> None:
+    segs = sgmv_segments([2], [0], DEV)
+    ranks = torch.tensor([4], dtype=torch.int32, device=DEV)
+    x = torch.randn(2, 16, device=DEV)
+    A = torch.randn(1, 2, 4, 16, device=DEV)
+    B = torch.randn(1, 24, 4, device=DEV)
+    h = torch.zeros(2, 2, 4, device=DEV)
+    y = torch.zeros(2, 24, device=DEV)
+    with pytest.raises(ValueError, match="share one of"):
+        lora_shrink(x.half(), A, segs, ranks)
+    with pytest.raises(ValueError, match="in features"):
+        lora_shrink(x[:, :8], A, segs, ranks)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_shrink(x, A.transpose(2, 3).contiguous().transpose(2, 3), segs, ranks)
+    with pytest.raises(ValueError, match="int32"):
+        lora_shrink(x, A, segs, ranks.long())
+    with pytest.raises(ValueError, match="slots"):
+        lora_shrink(x, A, segs, torch.tensor([4, 4], dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match="out_offsets"):
+        lora_expand(y, h, B, segs, ranks, [0, 10, 20])
+    with pytest.raises(ValueError, match="fp32"):
+        lora_expand(y, h.half(), B, segs, ranks, [0, 12, 24])
+    with pytest.raises(ValueError, match="shapes disagree"):
+        lora_expand(y[:, :20], h, B, segs, ranks, [0, 10, 20])
+    with pytest.raises(ValueError, match="scalings"):
+        lora_expand(y, h, B, segs, ranks, [0, 12, 24], scalings=torch.ones(3, device=DEV))

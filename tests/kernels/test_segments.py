@@ -1,0 +1,40 @@
+"""The kernels' per-step metadata: SGMV segments and chunked-SGMV chunks, built from the step's sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.segments import csgmv_segments, sgmv_segments
+
+CPU = torch.device("cpu")
+
+
+def test_sgmv_drops_base_and_merges_neighbours_of_one_slot() -> None:
+    segs = sgmv_segments([3, 2, 1, 4, 1, 2], [0, 0, -1, 2, 0, -1], CPU)
+    assert segs.starts.tolist() == [0, 6, 10]
+    assert segs.lens.tolist() == [5, 4, 1]
+    assert segs.slots.tolist() == [0, 2, 0]
+    assert segs.token_index is None and segs.max_len == 5
+    assert all(t.dtype == torch.int32 for t in (segs.starts, segs.lens, segs.slots))
+
+
+def test_csgmv_sorts_by_slot_and_chunks() -> None:
+    seg_lens, seg_slots = [3, 2, 1, 4, 1, 1], [2, 0, -1, 2, 0, 2]
+    segs = csgmv_segments(seg_lens, seg_slots, 3, CPU)
+    # slot 0: rows 3, 4, 10; slot 2: rows 0, 1, 2, 6, 7, 8, 9, 11 -> chunks of at most 3
+    assert segs.token_index.tolist() == [3, 4, 10, 0, 1, 2, 6, 7, 8, 9, 11]
+    assert segs.slots.tolist() == [0, 2, 2, 2]
+    assert segs.starts.tolist() == [0, 3, 6, 9]
+    assert segs.lens.tolist() == [3, 3, 3, 2]
+    assert segs.max_len == 3
+
+
+def test_all_base_step_has_no_segment() -> None:
+    for segs in (sgmv_segments([2, 5], [-1, -1], CPU), csgmv_segments([2, 5], [-1, -1], 4, CPU)):
+        assert segs.num_segs == 0 and segs.max_len == 0
+
+
+def test_chunk_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_chunk_size"):
+        csgmv_segments([1], [0], 0, CPU)

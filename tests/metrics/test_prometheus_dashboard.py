@@ -1,0 +1,190 @@
+"""A real Prometheus (Debian's binary, loopback, temp dir, 1 s scrape) scrapes a live server under
+adapter traffic; every PromQL expression of the provisioned Grafana dashboard must evaluate there, the
+traffic panels with numbers, and every metric the dashboard names must be one the server exports."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+from tests.conftest import REPO
+from tests.metrics.helpers import (MODEL, complete, free_port, load, lora_server, make_adapters,
+                                   require_tool, scrape)
+from tests.server.conftest import ServerThread
+
+DASHBOARD = REPO / "docker/grafana/dashboards/appliance.json"
+# What Grafana substitutes before sending a query: the adapter variable's "All" value and a rate
+# window of several 1 s scrapes.
+VARIABLES = {"$adapter": ".*", "$__rate_interval": "10s", "$__interval": "1s"}
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(panel title, expr) for every target of every panel."""
+    dash = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def substitute(expr: str) -> str:
+    for k, v in VARIABLES.items():
+        expr = expr.replace(k, v)
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerThread]:
+    dirs = make_adapters(tmp_path_factory.mktemp("prom-adapters"), tiny_model_dir)
+    server = lora_server(tiny_model_dir, next(iter(dirs.values())).parent)
+    for name, path in dirs.items():
+        load(server, name, path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(srv: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = require_tool("prometheus")
+    d = tmp_path_factory.mktemp("prometheus")
+    port = srv.url.rsplit(":", 1)[1]
+    (d / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: appliance\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n")
+    listen = f"127.0.0.1:{free_port()}"
+    log = open(d / "prometheus.log", "w")
+    proc = subprocess.Popen([binary, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+                             f"--web.listen-address={listen}", "--log.level=warn"], stdout=log, stderr=log)
+    url = f"http://{listen}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited {proc.returncode}: {(d / 'prometheus.log').read_text()}")
+            try:
+                if requests.get(url + "/-/ready", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("prometheus did not become ready in 60 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def query(prom: str, expr: str) -> dict:
+    r = requests.get(prom + "/api/v1/query", params={"query": expr}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", (expr, body)
+    return body["data"]
+
+
+def scraped_samples(prom: str, expr: str) -> float:
+    res = query(prom, expr)["result"]
+    return float(res[0]["value"][1]) if res else 0.0
+
+
+@pytest.fixture(scope="module")
+def traffic(srv: ServerThread, prometheus: str) -> None:
+    """Adapter and base requests while Prometheus scrapes, until it holds 10 s of samples with traffic
+    in them (bounded: at most 120 requests and 120 s)."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def drive() -> None:
+        names = ["qv4", "mlp6", "down2", MODEL]
+        try:
+            for i in range(120):
+                if stop.is_set():
+                    return
+                complete(srv, names[i % len(names)], max_tokens=4)
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=drive, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            n = scraped_samples(prometheus, "count_over_time(appliance_generation_tokens_total[1m])")
+            grew = scraped_samples(prometheus, "increase(appliance_generation_tokens_total[1m])")
+            if n >= 10 and grew > 0 and not errors:
+                break
+            time.sleep(1)
+        else:
+            pytest.fail("Prometheus did not collect 10 scrapes with traffic in 120 s")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+
+
+def test_prometheus_scrapes_the_server(prometheus: str, traffic: None) -> None:
+    up = query(prometheus, 'up{job="appliance"}')["result"]
+    assert up and up[0]["value"][1] == "1"
+    # The adapter variable's query finds the adapters that had traffic, and only label values we made.
+    r = requests.get(prometheus + "/api/v1/label/adapter/values", timeout=30,
+                     params={"match[]": "appliance_time_to_first_token_seconds_count"})
+    assert {"base", "qv4", "mlp6", "down2"} <= set(r.json()["data"]) <= {"base", "qv4", "mlp6", "down2", "other"}
+
+
+def test_every_dashboard_expression_evaluates(prometheus: str, traffic: None) -> None:
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    empty, numbers = [], set()
+    for title, expr in exprs:
+        data = query(prometheus, substitute(expr))
+        values = [float(s["value"][1]) for s in data["result"]]
+        if not values:
+            empty.append((title, expr))
+        if any(not math.isnan(v) and v > 0 for v in values):
+            numbers.add(title)
+    # Every series the dashboard reads is initialised at start, so every expression has data.
+    assert not empty, empty
+    must_have_numbers = {"GPU LoRA slots", "Adapters by tier", "Evictions per second", "Loads per second",
+                         "Load latency p50 / p99", "Time to first token p50", "Time to first token p99",
+                         "Inter-token latency p50 / p99", "End-to-end latency p50 / p99",
+                         "Tokens per second", "Requests per second", "Last config reload",
+                         "Config generation", "Since last successful reload", "Build"}
+    assert must_have_numbers <= numbers, must_have_numbers - numbers
+
+
+def test_every_metric_the_dashboard_names_is_exported(srv: ServerThread) -> None:
+    text = DASHBOARD.read_text()
+    named = set(re.findall(r"\bappliance_[a-z_]+\b", text))
+    exported = {name for name, _ in scrape(srv).samples}
+    assert named and named <= exported, named - exported
+
+
+def test_every_panel_has_a_unit_a_description_and_the_provisioned_datasource() -> None:
+    import yaml
+
+    uid = yaml.safe_load((REPO / "docker/grafana/provisioning/datasources/prometheus.yaml").read_text())[
+        "datasources"][0]["uid"]
+    dash = json.loads(DASHBOARD.read_text())
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    for p in panels:
+        assert p["description"].strip(), p["title"]
+        assert p["fieldConfig"]["defaults"]["unit"], p["title"]
+        assert p["datasource"]["uid"] == uid and all(t["datasource"]["uid"] == uid for t in p["targets"])
+    var = {v["name"]: v for v in dash["templating"]["list"]}["adapter"]
+    assert var["datasource"]["uid"] == uid and var["includeAll"]
+    # The per-adapter latency panels follow the variable.
+    ttft = [p for p in panels if p["title"].startswith("Time to first token")]
+    assert len(ttft) == 2 and all('adapter=~"$adapter"' in p["targets"][0]["expr"] for p in ttft)
+    rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
+    assert rows == ["LoRA slots and tiers", "Latency per adapter", "Engine", "Config and reconcile"]
