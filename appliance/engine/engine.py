@@ -4,9 +4,10 @@ Single-threaded by design; engine/async_engine.py runs it on its own thread for 
 
 Failures stay with the requests they concern. An adapter whose weights cannot be read when it is
 given a GPU slot (file deleted, truncated or changed on disk since it was registered) fails the
-requests of that adapter scheduled in the step; the rest of the step runs. An exception in the model
-forward or the sampler fails every request of that step (their KV state is unknown), with the
-exception's message, and the engine goes on with the next step. The engine never stops itself over
+requests of that adapter scheduled in the step; the rest of the step runs. When the model forward of
+a step fails, each of its requests is run again alone: those that fail by themselves finish with the
+exception's message, the others go on as if nothing happened. An exception in the sampler fails the
+whole step (it has advanced). Either way the engine goes on with the next step. The engine never stops itself over
 failed steps: a request that triggers a failure could otherwise be sent a few times to take the server
 down; a broken device shows as every request failing with its message (logged with the traceback).
 """
@@ -188,10 +189,35 @@ class LLMEngine:
         if plan.empty:
             return outputs
         try:
-            sampling, tokens = self._sample(plan, self.runner.execute(plan))
-        except Exception as e:  # noqa: BLE001 - fails this step's requests (below), the engine goes on
+            logits = self.runner.execute(plan)
+        except Exception as e:  # noqa: BLE001 - the failing requests fail (below), the engine goes on
+            return outputs + self._isolate(plan, e)
+        try:
+            sampling, tokens = self._sample(plan, logits)
+        except Exception as e:  # noqa: BLE001 - sampling already advanced the step: fail all of it
             return outputs + self._fail_step(plan, e)
         return outputs + self._append_tokens(sampling, tokens)
+
+    def _isolate(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        """A forward over several requests failed: run each alone, so that only the ones that fail by
+        themselves get the error and a bad request cannot take its batch down with it. Safe because
+        the failed forward advanced nothing: each request recomputes the same positions, and a K/V
+        the failed pass wrote is written again with the same value."""
+        steps = plan.prefills + plan.decodes
+        if len(steps) == 1:
+            return self._fail_step(plan, e)
+        log.warning("engine step of %d requests failed (%s: %s); running each alone", len(steps),
+                    type(e).__name__, e)
+        outputs: list[RequestOutput] = []
+        for s in steps:
+            one = SchedulerOutput(prefills=[s] if s in plan.prefills else [], decodes=[s] if s in plan.decodes else [])
+            try:
+                logits = self.runner.execute(one)
+            except Exception as e1:  # noqa: BLE001 - this request fails by itself
+                outputs += self._fail_step(one, e1)
+                continue
+            outputs += self._postprocess(one, logits)
+        return outputs
 
     def _load_adapters(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Put the weights of adapters newly given a slot into it. An adapter that cannot be read fails

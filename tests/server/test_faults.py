@@ -2,8 +2,9 @@
 it concerns, with a clear error in the OpenAI shape, and the server goes on serving correct answers.
 
 - An exception inside a forward step: the engine's debug setting engine.fault_injection_token_id makes
-  the real model forward raise when a step's input holds that token (engine/faults.py). The requests
-  of that step get 500 (or a stream error event); later requests are served, peft-exact.
+  the real model forward raise when a step's input holds that token (engine/faults.py). The request
+  that holds it gets 500 (or a stream error event); the others of that step are rerun alone and
+  answered, peft-exact, as are later requests.
 - An adapter's files broken after it was registered, while it is on disk only (not in the CPU tier):
   deleted, truncated, replaced by a directory, turned into a symlink out of lora.adapter_roots, or
   (not as root) unreadable. Its next cold load fails its requests only; repairing the files heals it.
@@ -121,8 +122,8 @@ def test_forward_exception_fails_its_request_then_serving_goes_on(srv: ServerThr
 
 
 def test_forward_exception_during_concurrent_traffic(srv: ServerThread, oracle: dict, root: Path) -> None:
-    """Poisoned requests among correct ones: each request ends with the right answer or with the
-    engine's 500; the poisoned ones always fail; nothing hangs; the engine ends idle."""
+    """Poisoned requests among correct ones: the poisoned ones fail with the engine's 500, every other
+    one gets its right answer (a failed step is rerun request by request); nothing hangs."""
     load(srv, "good", root / "good")
     results: list[tuple[str, requests.Response]] = []
     lock = threading.Lock()
@@ -143,11 +144,8 @@ def test_forward_exception_during_concurrent_traffic(srv: ServerThread, oracle: 
     for kind, r in results:
         if kind == "poison":
             assert r.status_code == 500 and "InjectedFault" in error(r)["message"]
-        elif r.status_code == 500:  # shared the failing step with a poisoned prefill: failed as documented
-            assert "InjectedFault" in error(r)["message"]
-        else:
+        else:  # sharing a failed step with a poisoned prefill costs a retry alone, not the answer
             assert tokens(srv, r) == oracle[None if kind == "tiny" else kind], kind
-    assert sum(k != "poison" and r.status_code == 200 for k, r in results) > 0
     assert tokens(srv, complete(srv, "good")) == oracle["good"]
     unload(srv, "good")
     assert_idle(srv)
