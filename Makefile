@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # e.g. BENCH_ARGS="--skip-online --new-tokens 32" (see benchmarks/bench_cpu.py --help).
 BENCH_ARGS ?=
 
-.PHONY: install install-dev prepare serve test bench bench-lora system-deps FORCE
+.PHONY: install install-dev prepare serve test bench bench-lora soak system-deps FORCE
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -74,5 +74,11 @@ bench: install-dev prepare
 # CPU tokens/s with 0, 1, 4 and 8 distinct LoRA adapters in a batch of 8; rewrites its docs section.
 bench-lora: install-dev prepare
 	$(PY) benchmarks/bench_lora_cpu.py $(BENCH_ARGS)
+
+# Long soak (a few minutes): clients, adapter and config churn at once; rewrites docs/reliability.md.
+# e.g. SOAK_ARGS="--rounds 10 --clients 12"; the short variant runs in `make test`.
+SOAK_ARGS ?=
+soak: install-dev prepare
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
 FORCE:

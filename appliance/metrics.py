@@ -57,7 +57,8 @@ RECONCILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 RECONCILE_RESULTS = ("success", "failed", "invalid", "unchanged")
 RECONCILE_ACTIONS = ("load", "unload", "reload", "pin", "unpin")
 ACTION_RESULTS = ("success", "failed")
-FINISH_REASONS = ("stop", "length", "abort")
+# error: the engine failed the request (a failed step or adapter load; docs/reliability.md).
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # `_created` series double every counter's and histogram's series and no dashboard reads them. The
 # switch is process-wide in prometheus_client; every Metrics wants it off, so this is set once here.
@@ -150,7 +151,7 @@ class Metrics:
         self.generation_tokens = Counter("appliance_generation_tokens", "Completion tokens generated.",
                                          registry=r)
         self.requests = Counter("appliance_requests", "Finished requests by adapter and finish reason "
-                                "(stop, length, abort).", ["adapter", "finish_reason"], registry=r)
+                                "(stop, length, abort, error).", ["adapter", "finish_reason"], registry=r)
         self.preemptions = Counter("appliance_preemptions", "Running requests preempted because the KV "
                                    "cache ran out (recomputed later).", registry=r)
 

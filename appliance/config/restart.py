@@ -57,6 +57,13 @@ def restart_settings(cfg: ApplianceConfig, in_process: bool = False) -> dict[str
     return out
 
 
+def mask_override(override: str) -> str:
+    """A Hydra override as /v1/status may show it: the value of a secret key becomes ***. Overrides are
+    shown as typed, so `server.admin_key=${oc.env:KEY}` is harmless; a key typed literally is not."""
+    key, sep, _ = override.partition("=")
+    return f"{key}=***" if sep and key.lstrip("+~") in SECRET_KEYS else override
+
+
 def restart_diff(live: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[SettingChange]:
     """Settings that differ, sorted by key. A key only one side knows (an older server) is skipped."""
     return [SettingChange(k, live[k], wanted[k]) for k in sorted(live.keys() & wanted.keys())

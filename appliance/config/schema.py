@@ -79,11 +79,17 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # Requests waiting beyond this are refused with 429 (the server maps QueueFullError).
     max_waiting_requests: int = 1024
+    # Debug only: a forward step whose input tokens hold this id raises inside the model (engine/faults.py),
+    # to exercise the failure path end to end. null = off; never set it on a server that serves users.
+    fault_injection_token_id: Optional[int] = None
 
     def check(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.fault_injection_token_id is not None and self.fault_injection_token_id < 0:
+            raise ConfigError(f"engine.fault_injection_token_id: must be >= 0 or null, got "
+                              f"{self.fault_injection_token_id}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"engine.num_kv_blocks: must be >= 1 or null, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gib <= 0:
@@ -106,11 +112,28 @@ class ServerConfig:
     shutdown_timeout_s: float = 30.0
     # Largest request body accepted (413 beyond).
     max_request_body_bytes: int = 4 * 1024 * 1024
+    # Inference requests (OpenAI routes, /generate) handled at once; beyond: 429 with Retry-After.
+    # Counted per HTTP request, from the body read to the last byte of the answer. 0 = no limit.
+    max_concurrent_requests: int = 256
+    # Longest an inference request may take, from arrival to its last token; beyond, it is aborted:
+    # 504 before the answer started, an error event in a stream. 0 = no limit.
+    request_timeout_s: float = 600.0
+    # Most distinct adapters one request may name (/generate's `lora_path` list); beyond: 400.
+    max_adapters_per_request: int = 16
     log_level: str = "info"
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port: must be in 0..65535, got {self.port}")
+        if self.max_request_body_bytes < 1:
+            raise ConfigError(f"server.max_request_body_bytes: must be >= 1, got {self.max_request_body_bytes}")
+        if self.max_concurrent_requests < 0:
+            raise ConfigError(f"server.max_concurrent_requests: must be >= 0 (0 = no limit), got "
+                              f"{self.max_concurrent_requests}")
+        if self.request_timeout_s < 0:
+            raise ConfigError(f"server.request_timeout_s: must be >= 0 (0 = no limit), got {self.request_timeout_s}")
+        if self.max_adapters_per_request < 1:
+            raise ConfigError(f"server.max_adapters_per_request: must be >= 1, got {self.max_adapters_per_request}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"server.shutdown_timeout_s: must be >= 0, got {self.shutdown_timeout_s}")
         if any(not k for k in self.api_keys):

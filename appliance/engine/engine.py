@@ -1,6 +1,15 @@
 """The engine: add requests, abort them, step. One step = schedule, run the model, post-process.
 
 Single-threaded by design; engine/async_engine.py runs it on its own thread for the server.
+
+Failures stay with the requests they concern. An adapter whose weights cannot be read when it is
+given a GPU slot (file deleted, truncated or changed on disk since it was registered) fails the
+requests of that adapter scheduled in the step; the rest of the step runs. When the model forward of
+a step fails, each of its requests is run again alone: those that fail by themselves finish with the
+exception's message, the others go on as if nothing happened. An exception in the sampler fails the
+whole step (it has advanced). Either way the engine goes on with the next step. The engine never stops itself over
+failed steps: a request that triggers a failure could otherwise be sent a few times to take the server
+down; a broken device shows as every request failing with its message (logged with the traceback).
 """
 
 from __future__ import annotations
@@ -76,6 +85,13 @@ class LLMEngine:
         # Requests without a seed draw from generators seeded by this one (model.seed), so a restarted
         # server replays the same sequence of unseeded samples.
         self._seed_rng = torch.Generator().manual_seed(cfg.model.seed)
+        self.failed_steps = 0  # total, since start
+        if cfg.engine.fault_injection_token_id is not None:
+            from appliance.engine.faults import install_token_fault
+
+            log.warning("engine.fault_injection_token_id=%d: steps whose input holds it will fail (debug)",
+                        cfg.engine.fault_injection_token_id)
+            install_token_fault(self.runner.model, cfg.engine.fault_injection_token_id)
 
     def _load_configured_adapters(self, cfg: ApplianceConfig) -> None:
         """Load `adapters.*` at start; a bad one stops the start with its key path."""
@@ -183,14 +199,81 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        logits = self.runner.execute(plan)
-        return self._postprocess(plan, logits)
+        outputs = self._load_adapters(plan)
+        if plan.empty:
+            return outputs
+        try:
+            logits = self.runner.execute(plan)
+        except Exception as e:  # noqa: BLE001 - the failing requests fail (below), the engine goes on
+            return outputs + self._isolate(plan, e)
+        try:
+            sampling, tokens = self._sample(plan, logits)
+        except Exception as e:  # noqa: BLE001 - sampling already advanced the step: fail all of it
+            return outputs + self._fail_step(plan, e)
+        return outputs + self._append_tokens(sampling, tokens)
+
+    def _isolate(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        """A forward over several requests failed: run each alone, so that only the ones that fail by
+        themselves get the error and a bad request cannot take its batch down with it. Safe because
+        the failed forward advanced nothing: each request recomputes the same positions, and a K/V
+        the failed pass wrote is written again with the same value."""
+        steps = plan.prefills + plan.decodes
+        if len(steps) == 1:
+            return self._fail_step(plan, e)
+        log.warning("engine step of %d requests failed (%s: %s); running each alone", len(steps),
+                    type(e).__name__, e)
+        outputs: list[RequestOutput] = []
+        for s in steps:
+            one = SchedulerOutput(prefills=[s] if s in plan.prefills else [], decodes=[s] if s in plan.decodes else [])
+            try:
+                logits = self.runner.execute(one)
+            except Exception as e1:  # noqa: BLE001 - this request fails by itself
+                outputs += self._fail_step(one, e1)
+                continue
+            outputs += self._postprocess(one, logits)
+        return outputs
+
+    def _load_adapters(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Put the weights of adapters newly given a slot into it. An adapter that cannot be read fails
+        its requests in this step (taken out of `plan`) and gives its slot back; nothing else changes."""
+        if self.lora is None or not plan.slot_loads:
+            return []
+        failed = self.lora.ensure_loaded(plan.slot_loads)
+        plan.slot_loads = []
+        if not failed:
+            return []
+        outputs, now = [], time.monotonic()
+        for part in (plan.prefills, plan.decodes):
+            for s in [s for s in part if s.seq.adapter in failed]:
+                part.remove(s)
+                name = s.seq.adapter.rpartition("@")[0]  # type: ignore[union-attr]
+                log.error("request %s: adapter %r failed to load: %s", s.seq.request_id, name,
+                          failed[s.seq.adapter])  # type: ignore[index]
+                outputs.append(self._finish(s.seq, "error", now,
+                                            f"adapter {name!r} could not be loaded: {failed[s.seq.adapter]}"))
+        for key in failed:
+            self.lora.load_failed(key)  # its requests released the slot above; free it for anyone
+        return outputs
+
+    def _fail_step(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        seqs = [s.seq for s in plan.prefills + plan.decodes]
+        self.failed_steps += 1
+        log.exception("engine step failed; failing its %d request(s): %s", len(seqs),
+                      ", ".join(q.request_id for q in seqs))
+        now = time.monotonic()
+        message = f"the engine step running this request failed: {type(e).__name__}: {e}"
+        return [self._finish(seq, "error", now, message) for seq in seqs]
 
     def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        return self._append_tokens(*self._sample(plan, logits))
+
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> tuple[list[Sequence], list[int]]:
         sampling = [s.seq for s in plan.prefills + plan.decodes if s.samples]
         self.scheduler.after_step(plan)
         banned = [self._banned(seq) for seq in sampling]
-        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], banned)
+        return sampling, sample(logits, [s.params for s in sampling], [s.generator for s in sampling], banned)
+
+    def _append_tokens(self, sampling: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
         for seq, tok in zip(sampling, tokens):
@@ -238,7 +321,8 @@ class LLMEngine:
         safe = len(seq.text) - partial_stop_len(seq.text, p.stop) if p.stop else len(seq.text)
         return self._emit(seq, safe, finished=False)
 
-    def _emit(self, seq: Sequence, upto: int, finished: bool) -> Optional[RequestOutput]:
+    def _emit(self, seq: Sequence, upto: int, finished: bool,
+              error: Optional[str] = None) -> Optional[RequestOutput]:
         new_text = seq.text[seq.sent_chars:upto] if upto > seq.sent_chars else ""
         new_ids = seq.output_token_ids[seq.sent_tokens:]
         if not finished and not new_text and not new_ids:
@@ -248,17 +332,17 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id, token_ids=new_ids, text=new_text, finished=finished,
             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_token_ids),
-            completion_tokens=len(seq.output_token_ids), arrival_time=seq.arrival_time,
+            completion_tokens=len(seq.output_token_ids), error=error, arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time)
 
-    def _finish(self, seq: Sequence, reason: str, now: float) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str, now: float, error: Optional[str] = None) -> RequestOutput:
         seq.finish_reason = reason
         seq.finish_time = now
         self.scheduler.remove(seq)
         self._adapter_done(seq)
         self.seqs.pop(seq.request_id, None)
         self._record_finished(seq, reason, now)
-        return self._emit(seq, len(seq.text), finished=True)  # type: ignore[return-value]
+        return self._emit(seq, len(seq.text), finished=True, error=error)  # type: ignore[return-value]
 
     def _record_finished(self, seq: Sequence, reason: str, now: float) -> None:
         self.stats.events.finished.append(FinishedRequest(seq.adapter_name, reason, now - seq.arrival_time))

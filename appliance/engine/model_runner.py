@@ -153,7 +153,12 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> torch.Tensor:
         """Run one step; float32 logits [N, vocab] for the sampling sequences, prefills then decodes."""
         if self.lora is not None:
-            self.lora.ensure_loaded(plan.slot_loads)
+            # LLMEngine.step loads newly assigned adapters first (a failed read fails only that
+            # adapter's requests, which needs the engine's bookkeeping) and empties plan.slot_loads.
+            # A caller that runs a plan directly (tests, benchmarks) gets them loaded here, all or nothing.
+            failed = self.lora.ensure_loaded(plan.slot_loads)
+            if failed:
+                raise RuntimeError(f"adapter weights could not be loaded: {failed}")
             steps = plan.prefills + plan.decodes  # the order prepare() flattens them in
             self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
         x = self.prepare(plan)

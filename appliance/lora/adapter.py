@@ -98,6 +98,17 @@ def resolve_adapter_path(path: str, roots: list[str]) -> Path:
         raise AdapterError(f"{path}: does not exist")
     if not real.is_dir():
         raise AdapterError(f"{path}: is not a directory (expected a PEFT adapter directory)")
+    # The files are read through the dir, so a symlinked file could still lead out of the roots.
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        f = real / name
+        if f.is_symlink():
+            try:
+                target = f.resolve(strict=False)
+            except (OSError, RuntimeError) as e:
+                raise AdapterError(f"{path}: {name}: cannot resolve: {e}") from e
+            if not any(target.is_relative_to(r) for r in real_roots):
+                raise AdapterError(f"{path}: {name} resolves to {target}, outside lora.adapter_roots "
+                                   f"{list(roots)}")
     return real
 
 

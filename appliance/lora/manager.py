@@ -22,7 +22,7 @@ import torch
 
 from appliance.config.schema import ConfigError, LoRAConfig
 from appliance.engine.stats import LoadTier, StatsRecorder
-from appliance.lora.adapter import AdapterSpec, inspect_adapter, load_adapter_weights, resolve_adapter_path
+from appliance.lora.adapter import AdapterError, AdapterSpec, inspect_adapter, load_adapter_weights, resolve_adapter_path
 from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.cache import HostCache
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
@@ -185,10 +185,28 @@ class LoRAManager:
             self._drop(key)
 
     # ------------------------------------------------------------------ per step
-    def ensure_loaded(self, loads: list[tuple[int, str]]) -> None:
-        """Copy each (slot, key) the scheduler just assigned into the slot buffers."""
+    def ensure_loaded(self, loads: list[tuple[int, str]]) -> dict[str, str]:
+        """Copy each (slot, key) the scheduler just assigned into the slot buffers. Returns the keys
+        whose weights could not be read (key -> why): a file deleted, truncated, made unreadable or
+        changed on disk since the adapter was registered. Their slots hold no valid weights; the
+        engine fails their requests, then calls `load_failed`."""
+        failed: dict[str, str] = {}
         for slot, key in loads:
-            self._fill_slot(slot, key, self.keys[key].spec, self.host.get(key))
+            try:
+                weights = self.host.get(key)
+            except AdapterError as e:
+                failed[key] = str(e)
+                continue
+            self._fill_slot(slot, key, self.keys[key].spec, weights)
+        return failed
+
+    def load_failed(self, key: str) -> None:
+        """Free the slot a key got for a load that failed (its requests are gone), so the next request
+        of that adapter reads the files again and any other adapter may take the slot."""
+        slot = self.pool.lookup(key)
+        if slot is not None:
+            self.pool.remove(key)
+            self.slot_ranks[slot] = 0
 
     def _fill_slot(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
         def copy() -> None:
@@ -209,8 +227,15 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ internals
     def _read_weights(self, key: str) -> Weights:
+        """A cold read (CPU tier miss). The path is confined again: the dir or its files may have been
+        replaced by symlinks leading out of lora.adapter_roots since the adapter was registered."""
         st = self.keys[key]
-        return self._timed("cpu", lambda: load_adapter_weights(st.spec, self.dtype))
+
+        def read() -> Weights:
+            resolve_adapter_path(str(st.spec.path), self.cfg.adapter_roots)
+            return load_adapter_weights(st.spec, self.dtype)
+
+        return self._timed("cpu", read)
 
     def _timed(self, tier: LoadTier, fn: Callable[[], T], record_ok: bool = True) -> T:
         """Run a load of `tier`; record it (failures always, successes when `record_ok`) and re-raise."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 from appliance.config.compose import config_hash
-from appliance.config.restart import SettingChange, restart_diff, restart_settings
+from appliance.config.restart import SettingChange, mask_override, restart_diff, restart_settings
 from appliance.config.schema import ApplianceConfig
 from appliance.reconcile.apply import ActionResult, AdapterOps, execute
 from appliance.reconcile.live import desired_state, live_adapters
@@ -113,7 +113,7 @@ class Reconciler:
         return {
             "object": "status",
             "config": {"dir": str(self.source.config_dir) if self.source else None,
-                       "overrides": list(self.source.overrides) if self.source else [],
+                       "overrides": [mask_override(o) for o in self.source.overrides] if self.source else [],
                        "generation": self.generation, "hash": self.hash,
                        "watch": bool(self.source) and self.running.reconcile.watch,
                        "resync_s": self.running.reconcile.resync_s, "prune": self.prune},

@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, request_response
 from starlette.types import Receive, Scope, Send
 
 from appliance.config.schema import ApplianceConfig
@@ -41,14 +41,14 @@ from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
+from appliance.server.limits import ConcurrencyLimit, Deadline, too_many
+from appliance.server.openapi import openapi_route
 from appliance.server.protocol import Choice, ParsedRequest
 from appliance.server.scrape import ScrapeApi
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# Seconds a client should wait before retrying after a 429 (the engine queue drains quickly).
-RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -69,16 +69,19 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
     its `Metrics` (None when metrics.enabled is false; the reconciler reports through it). `source`: the
     config dir and overrides `cfg` was composed from, which hot reload composes again."""
     api = _Api(engine, cfg, source)
+    # One limit shared by every inference route (server.max_concurrent_requests).
+    limit = ConcurrencyLimit(cfg.server.max_concurrent_requests)
     metrics = _metrics(engine, cfg)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-        Route("/generate", api.generate, methods=["POST"]),
+        Route("/v1/completions", limit.wrap(request_response(api.completions)), methods=["POST"]),
+        Route("/v1/chat/completions", limit.wrap(request_response(api.chat_completions)), methods=["POST"]),
+        Route("/generate", limit.wrap(request_response(api.generate)), methods=["POST"]),
         *api.admin.routes(),
         *(ScrapeApi(engine, metrics, api.auth, cfg.metrics.require_key).routes() if metrics else []),
     ]
+    routes.append(Route("/openapi.json", openapi_route(routes, cfg), methods=["GET"]))
     app = Starlette(routes=routes, exception_handlers={
         ApiError: _api_error,
         HTTPException: _http_error,
@@ -86,6 +89,7 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
         Exception: _internal_error,
     })
     app.state.server = api.state
+    app.state.limit = limit
     app.state.metrics = metrics
     if metrics is not None:
         api.state.reconciler.listeners.append(_reconcile_metrics(metrics, api.state.reconciler))
@@ -187,18 +191,20 @@ class _Api:
 
     # ------------------------------------------------------------------------------ OpenAI routes
     async def completions(self, request: Request) -> Response:
-        req, model = await self._parse(request, protocol.parse_completion)
+        deadline = Deadline(self.cfg.server.request_timeout_s)
+        req, model = await self._parse(request, protocol.parse_completion, deadline)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        group = await self._start(request, req, rid)
+        group = await self._start(request, req, rid, deadline)
         if req.stream:
             return _SSEResponse(self._completion_stream(group, created, model, req.include_usage))
         choices = await self._collect(request, group)
         return JSONResponse(protocol.completion_response(rid, created, model, choices))
 
     async def chat_completions(self, request: Request) -> Response:
-        req, model = await self._parse(request, protocol.parse_chat)
+        deadline = Deadline(self.cfg.server.request_timeout_s)
+        req, model = await self._parse(request, protocol.parse_chat, deadline)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        group = await self._start(request, req, rid)
+        group = await self._start(request, req, rid, deadline)
         if req.stream:
             return _SSEResponse(self._chat_stream(group, created, model, req.include_usage))
         choices = await self._collect(request, group)
@@ -250,8 +256,9 @@ class _Api:
     # ------------------------------------------------------------------------------ native route
     async def generate(self, request: Request) -> Response:
         """SGLang-style /generate. Streams carry cumulative `text` / `output_ids` per `index`."""
-        req, _ = await self._parse(request, protocol.parse_generate)
-        group = await self._start(request, req, f"gen-{uuid.uuid4().hex}")
+        deadline = Deadline(self.cfg.server.request_timeout_s)
+        req, _ = await self._parse(request, protocol.parse_generate, deadline)
+        group = await self._start(request, req, f"gen-{uuid.uuid4().hex}", deadline)
         if req.stream:
             return _SSEResponse(self._generate_stream(group))
         choices = await self._collect(request, group)
@@ -275,19 +282,25 @@ class _Api:
             group.cancel()
 
     # ------------------------------------------------------------------------------ plumbing
-    async def _parse(self, request: Request,
-                     parse: Callable[[dict, Tokenizer, int], ParsedRequest]) -> tuple[ParsedRequest, str]:
+    async def _parse(self, request: Request, parse: Callable[[dict, Tokenizer, int], ParsedRequest],
+                     deadline: Deadline) -> tuple[ParsedRequest, str]:
         """Parse the body and resolve its model / adapters; returns the request and the `model` to
         answer with (the base model's name, or the adapter as the client named it)."""
         self.auth.check(request)
         if self.state.draining:
             raise ApiError(503, "The server is shutting down.", code="draining")
-        req = parse(await self._read_json(request), self.tokenizer, self.engine.max_model_len)
+        req = parse(await deadline.read(self._read_json(request)), self.tokenizer, self.engine.max_model_len)
         base = self.cfg.model.name
         if req.lora_paths is not None:  # /generate: one adapter per input
             if req.model is not None and req.model != base:
                 raise bad_request(f"Send the adapter either as 'model' or as 'lora_path', not both "
                                   f"('model' is {req.model!r}).", "lora_path")
+            distinct = {n for n in req.lora_paths if n is not None and n != base}
+            limit = self.cfg.server.max_adapters_per_request
+            if len(distinct) > limit:
+                # Each distinct adapter may need a slot and a cold read: bound what one request can ask.
+                raise bad_request(f"'lora_path' names {len(distinct)} distinct adapters; at most {limit} "
+                                  "are allowed in one request (server.max_adapters_per_request).", "lora_path")
             names, param = req.lora_paths, "lora_path"
         else:
             names, param = [req.model] * len(req.jobs), "model"
@@ -321,13 +334,13 @@ class _Api:
             raise _ClientGone() from None
         return b"".join(chunks)
 
-    async def _start(self, request: Request, req: ParsedRequest, rid: str) -> RequestGroup:
+    async def _start(self, request: Request, req: ParsedRequest, rid: str, deadline: Deadline) -> RequestGroup:
         """Submit the request's jobs; return once each has its first update.
 
         Adapters travel by the name the client used: the engine resolves it again when it takes the
         request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
-        group = RequestGroup(self.engine, req.jobs, rid)
+        group = RequestGroup(self.engine, req.jobs, rid, deadline)
         try:
             await _unless_disconnected(request, group.start())
         except EngineError as e:
@@ -405,7 +418,7 @@ def _to_api_error(e: ApiError | EngineError) -> ApiError:
     if isinstance(e, RequestError):
         return bad_request(str(e))
     if isinstance(e, QueueFullError):
-        return ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return too_many(f"The server is busy: {e}; retry later.", "queue_full")
     if isinstance(e, EngineStoppedError):
         return ApiError(503, str(e), code="engine_stopped")
     return ApiError(500, f"{type(e).__name__}: {e}", code="engine_error")

@@ -3,6 +3,7 @@ routes (null = admin API off)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Sequence
 
@@ -45,10 +46,13 @@ def bearer_token(request: Request) -> bytes | None:
 
 
 def keys_match(token: bytes, keys: Sequence[bytes]) -> bool:
-    """Constant-time comparison against every key (no early exit that would tell which one was close)."""
+    """Constant-time comparison against every key (no early exit that would tell which one was close).
+    Both sides are hashed first: compare_digest hides the content but not the length of its inputs,
+    and digests all have the same length."""
     ok = False
+    digest = hashlib.sha256(token).digest()
     for key in keys:
-        ok |= hmac.compare_digest(token, key)
+        ok |= hmac.compare_digest(digest, hashlib.sha256(key).digest())
     return ok
 
 

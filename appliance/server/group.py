@@ -2,24 +2,29 @@
 
 Each job runs in its own task that owns its `AsyncEngine.generate` iterator, so cancelling the task
 (client gone, handler cancelled) closes the iterator, which aborts the request in the engine and
-frees its KV blocks. Updates from all jobs are merged, in arrival order, onto one queue.
+frees its KV blocks. Updates from all jobs are merged, in arrival order, onto one queue. With a
+`Deadline` (server.request_timeout_s), waiting for an update past it raises ApiError 504, and the
+caller's `cancel()` aborts the engine requests.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Union
+from typing import AsyncIterator, Optional, Union
 
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import RequestOutput
+from appliance.server.limits import Deadline
 from appliance.server.protocol import Choice, Job
 
 _Item = tuple[int, Union[RequestOutput, Exception]]
 
 
 class RequestGroup:
-    def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str,
+                 deadline: Optional[Deadline] = None) -> None:
         self._engine = engine
+        self._deadline = deadline
         self._jobs = jobs
         self.request_id = request_id
         self.choices = [Choice(prompt_tokens=len(j.prompt_ids)) for j in jobs]
@@ -42,7 +47,7 @@ class RequestGroup:
         started: set[int] = set()
         try:
             while len(started) < len(self._jobs):
-                i, item = await self._queue.get()
+                i, item = await self._next()
                 if isinstance(item, Exception):
                     raise item
                 started.add(i)
@@ -58,7 +63,7 @@ class RequestGroup:
             self._apply(i, out)
             yield i, out
         while not all(self._finished):
-            i, item = await self._queue.get()
+            i, item = await self._next()
             if isinstance(item, Exception):
                 raise item
             self._apply(i, item)
@@ -80,6 +85,11 @@ class RequestGroup:
         are free again, e.g. to retry the group)."""
         self.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _next(self) -> _Item:
+        if self._deadline is None:
+            return await self._queue.get()
+        return await self._deadline.wait(self._queue.get())
 
     def _apply(self, i: int, out: RequestOutput) -> None:
         c = self.choices[i]

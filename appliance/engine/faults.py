@@ -1,0 +1,29 @@
+"""Debug fault injection: make a real forward step fail, to exercise the engine's failure path.
+
+Off unless `engine.fault_injection_token_id` is set. Then a forward pre-hook on the model raises
+`InjectedFault` inside the real forward call of any step whose input tokens hold that id: a prompt
+containing it fails at its prefill (together with every request in the same step, as any forward
+failure does), and the engine goes on serving. Nothing is mocked: the engine, the scheduler and the
+HTTP layer see the exception exactly as they would see a kernel or device error.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the forward hook that engine.fault_injection_token_id installs."""
+
+
+def install_token_fault(model: nn.Module, token_id: int) -> None:
+    """Make `model`'s forward raise when its first argument (input ids [T]) holds `token_id`."""
+
+    def check(module: nn.Module, args: tuple) -> None:
+        input_ids: torch.Tensor = args[0]  # [T]
+        if bool((input_ids == token_id).any()):
+            raise InjectedFault(f"injected fault: token id {token_id} in this step's input "
+                                "(engine.fault_injection_token_id is set)")
+
+    model.register_forward_pre_hook(check)
