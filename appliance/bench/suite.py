@@ -17,7 +17,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -292,7 +292,7 @@ class Bench:
         if o.baseline_batch > 0:
             self._phase("baselines (engine side)", engine_side)
         holder.clear()
-        del eng
+        eng = None  # the last reference: free the engine before the baselines load their models
         self._free()
 
     def _online(self) -> None:
