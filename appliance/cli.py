@@ -185,16 +185,12 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from appliance.reconcile.client import AdminClientError
     from appliance.reconcile.plan import render
 
-    try:
-        cfg, _, p = _remote_plan(args)
-    except _Invalid:
+    got = _remote_plan(args)
+    if got is None:
         return 1
-    except AdminClientError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    _, p = got
     print(render(p))
     return 2 if (p.has_changes and args.detailed_exitcode) else 0
 
@@ -203,16 +199,12 @@ def _apply(args: argparse.Namespace) -> int:
     import asyncio
 
     from appliance.reconcile.apply import execute
-    from appliance.reconcile.client import AdminClientError
     from appliance.reconcile.plan import render
 
-    try:
-        cfg, client, p = _remote_plan(args)
-    except _Invalid:
+    got = _remote_plan(args)
+    if got is None:
         return 1
-    except AdminClientError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    client, p = got
     print(render(p))
     if not p.actions:
         if p.restart:
@@ -254,10 +246,6 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Invalid(Exception):
-    """The local config did not validate; its problems are printed already."""
-
-
 def _client(cfg: ApplianceConfig, url: Optional[str]):
     import os
 
@@ -270,21 +258,27 @@ def _client(cfg: ApplianceConfig, url: Optional[str]):
 
 
 def _remote_plan(args: argparse.Namespace):
-    """Validate the local config, read the server, plan. Raises _Invalid or AdminClientError."""
+    """Validate the local config, read the server, plan: (client, plan), or None once the config's
+    problems or the server's error are printed."""
     from appliance.config.restart import restart_diff, restart_settings
+    from appliance.reconcile.client import AdminClientError
     from appliance.reconcile.live import desired_state, live_adapters
     from appliance.reconcile.plan import plan
 
     cfg = _validated(args)
     if cfg is None:
-        raise _Invalid
+        return None
     client = _client(cfg, args.url)
-    live = live_adapters(client.adapters())
-    status = client.status()
+    try:
+        live = live_adapters(client.adapters())
+        status = client.status()
+    except AdminClientError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
     restart = restart_diff(status["settings"], restart_settings(cfg)) if status else []
     desired, broken = desired_state(cfg)
     prune = cfg.reconcile.prune and not args.no_prune
-    return cfg, client, plan(desired, live, prune=prune, broken=broken, restart=restart)
+    return client, plan(desired, live, prune=prune, broken=broken, restart=restart)
 
 
 def _serve(args: argparse.Namespace) -> int:

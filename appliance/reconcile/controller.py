@@ -134,14 +134,14 @@ class Reconciler:
         if problems or cfg is None:
             self._set("ConfigValid", False, "Invalid", "; ".join(problems))
             return ReconcileRecord(trigger, "invalid", started, 0.0, problems=problems)
-        self._set("ConfigValid", True, "Valid", f"generation {self.generation}")
         new_hash = config_hash(cfg)
-        if trigger == "watch" and new_hash == self.hash and self.conditions["Reconciled"].status:
-            return ReconcileRecord(trigger, "unchanged", started, 0.0)
-        if new_hash != self.hash:
+        unchanged = new_hash == self.hash
+        if not unchanged:
             self.generation += 1
             self.hash = new_hash
-            self._set("ConfigValid", True, "Valid", f"generation {self.generation}")
+        self._set("ConfigValid", True, "Valid", f"generation {self.generation}")
+        if trigger == "watch" and unchanged and self.conditions["Reconciled"].status:
+            return ReconcileRecord(trigger, "unchanged", started, 0.0)
         self.prune = cfg.reconcile.prune
         self.restart = restart_diff(restart_settings(self.running, in_process=True),
                                     restart_settings(cfg, in_process=True))

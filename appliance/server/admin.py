@@ -130,9 +130,7 @@ class AdminApi:
 
     # ------------------------------------------------------------------------------ routes
     async def load(self, request: Request) -> Response:
-        self.auth.check(request)
-        body = await self.read_json(request)
-        _check_keys(body, _LOAD_KEYS, request.url.path)
+        body = await self._body(request, _LOAD_KEYS)
         name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
         pinned, inplace = _opt_bool(body, "pinned"), _opt_bool(body, "load_inplace")
         async with self.ops.lock:
@@ -142,9 +140,7 @@ class AdminApi:
                              "adapter": view})
 
     async def unload(self, request: Request) -> Response:
-        self.auth.check(request)
-        body = await self.read_json(request)
-        _check_keys(body, _UNLOAD_KEYS, request.url.path)
+        body = await self._body(request, _UNLOAD_KEYS)
         name = _required_str(body, "lora_name")
         async with self.ops.lock:
             in_flight = await self.ops.unload(name)
@@ -154,9 +150,7 @@ class AdminApi:
                              "in_flight": in_flight})
 
     async def pin(self, request: Request) -> Response:
-        self.auth.check(request)
-        body = await self.read_json(request)
-        _check_keys(body, _PIN_KEYS, request.url.path)
+        body = await self._body(request, _PIN_KEYS)
         name = _required_str(body, "lora_name")
         if not isinstance(body.get("pinned"), bool):
             raise bad_request("'pinned' must be true or false.", "pinned")
@@ -164,6 +158,13 @@ class AdminApi:
             view = await self.ops.set_pinned(name, body["pinned"])
         verb = "pinned to GPU slot %s" % view["slot"] if view["pinned"] else "unpinned"
         return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb}.", "adapter": view})
+
+    async def _body(self, request: Request, known: set[str]) -> dict:
+        """The admin key checked, then the JSON body read and its keys checked against `known`."""
+        self.auth.check(request)
+        body = await self.read_json(request)
+        _check_keys(body, known, request.url.path)
+        return body
 
     async def adapters(self, request: Request) -> Response:
         self.auth.check(request)
