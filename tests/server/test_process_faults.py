@@ -9,10 +9,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import IO, Iterator, Optional
@@ -21,41 +18,18 @@ import pytest
 import requests
 
 from tests.lora.test_lora_engine import make_adapter
-from tests.server.test_shutdown import REPO, StreamThread, free_port
+from tests.server.test_shutdown import ServeProcess, StreamThread
 
 ADMIN = {"Authorization": "Bearer proc-admin"}
 
 
-class Serve:
+class Serve(ServeProcess):
+    """A serve process with LoRA on, two slots, the adapters under `root` and an admin key."""
+
     def __init__(self, model: Path, root: Path, out: Optional[IO] = None, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [f"model.path={model}", "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
-                "server.host=127.0.0.1", f"server.port={self.port}", "lora.enabled=true", "lora.max_lora_rank=8",
-                "lora.max_loras_per_batch=2", f"lora.adapter_roots=[{root}]", "server.admin_key=proc-admin",
-                "server.shutdown_timeout_s=60", *extra]
-        code = ("from tests.conftest import default_config\nfrom appliance.server.run import serve\n"
-                f"serve(default_config(*{args!r}))\n")
-        self.log = out
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                                     stdout=out or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def output(self) -> str:
-        return self.proc.stdout.read() if self.proc.stdout is not None else "(output went to /dev/full)"
-
-    def wait_healthy(self, timeout_s: float = 180) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "server never became healthy"
-            time.sleep(0.1)
+        super().__init__(model, "lora.enabled=true", "lora.max_lora_rank=8", "lora.max_loras_per_batch=2",
+                         f"lora.adapter_roots=[{root}]", "server.admin_key=proc-admin",
+                         "server.shutdown_timeout_s=60", *extra, out=out)
 
     def load(self, name: str, path: Path) -> requests.Response:
         return requests.post(self.url + "/load_lora_adapter", headers=ADMIN, timeout=60,

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator, Optional
 
 import pytest
 import requests
@@ -26,7 +26,10 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, model_dir: Path, *overrides: str) -> None:
+    """`appliance.server.run.serve` in a child process on the tiny model; `out` = where its output goes
+    (default: a pipe, read by output())."""
+
+    def __init__(self, model_dir: Path, *overrides: str, out: Optional[IO] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [f"model.path={model_dir}", "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
@@ -36,12 +39,15 @@ class ServeProcess:
                 f"serve(default_config(*{args!r}))\n")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=out or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def wait_healthy(self, timeout_s: float = 120) -> None:
+    def output(self) -> str:
+        return self.proc.stdout.read() if self.proc.stdout is not None else "(output not piped)"
+
+    def wait_healthy(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            assert self.proc.poll() is None, self.proc.stdout.read()
+            assert self.proc.poll() is None, self.output()
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
