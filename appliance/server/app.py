@@ -210,48 +210,33 @@ class _Api:
         choices = await self._collect(request, group)
         return JSONResponse(protocol.chat_response(rid, created, model, choices))
 
-    async def _completion_stream(self, group: RequestGroup, created: int, model: str,
-                                 include_usage: bool) -> AsyncIterator[str]:
-        rid = group.request_id
-        try:
-            async for i, out in group.updates():
-                _raise_if_failed(group.choices[i])
-                if out.text or out.finished:
-                    yield protocol.sse(protocol.completion_chunk(
-                        rid, created, model, i, out.text, group.choices[i].finish_reason, include_usage))
-            if include_usage:
-                yield protocol.sse(protocol.usage_chunk("text_completion", rid, created, model,
-                                                        group.choices))
-            yield protocol.SSE_DONE
-        except (ApiError, EngineError) as e:
-            yield _to_api_error(e).sse_event()
-            yield protocol.SSE_DONE
-        finally:
-            group.cancel()
-
-    async def _chat_stream(self, group: RequestGroup, created: int, model: str,
+    def _completion_stream(self, group: RequestGroup, created: int, model: str,
                            include_usage: bool) -> AsyncIterator[str]:
         rid = group.request_id
-        try:
-            for i in range(len(group.choices)):  # OpenAI opens each choice with the role
-                yield protocol.sse(protocol.chat_chunk(rid, created, model, i,
-                                                       {"role": "assistant", "content": ""}, None,
-                                                       include_usage))
-            async for i, out in group.updates():
-                _raise_if_failed(group.choices[i])
-                if out.text or out.finished:
-                    delta = {"content": out.text} if out.text else {}
-                    yield protocol.sse(protocol.chat_chunk(
-                        rid, created, model, i, delta, group.choices[i].finish_reason, include_usage))
-            if include_usage:
-                yield protocol.sse(protocol.usage_chunk("chat.completion.chunk", rid, created, model,
-                                                        group.choices))
-            yield protocol.SSE_DONE
-        except (ApiError, EngineError) as e:
-            yield _to_api_error(e).sse_event()
-            yield protocol.SSE_DONE
-        finally:
-            group.cancel()
+
+        def chunk(i: int, text: str, finish: Optional[str]) -> dict:
+            return protocol.completion_chunk(rid, created, model, i, text, finish, include_usage)
+
+        def usage() -> dict:
+            return protocol.usage_chunk("text_completion", rid, created, model, group.choices)
+
+        return _openai_stream(group, [], chunk, usage if include_usage else None)
+
+    def _chat_stream(self, group: RequestGroup, created: int, model: str,
+                     include_usage: bool) -> AsyncIterator[str]:
+        rid = group.request_id
+        # OpenAI opens each choice with the role.
+        head = [protocol.sse(protocol.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""},
+                                                 None, include_usage)) for i in range(len(group.choices))]
+
+        def chunk(i: int, text: str, finish: Optional[str]) -> dict:
+            return protocol.chat_chunk(rid, created, model, i, {"content": text} if text else {}, finish,
+                                       include_usage)
+
+        def usage() -> dict:
+            return protocol.usage_chunk("chat.completion.chunk", rid, created, model, group.choices)
+
+        return _openai_stream(group, head, chunk, usage if include_usage else None)
 
     # ------------------------------------------------------------------------------ native route
     async def generate(self, request: Request) -> Response:
@@ -401,6 +386,29 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _until_disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _openai_stream(group: RequestGroup, head: list[str],
+                         chunk: Callable[[int, str, Optional[str]], dict],
+                         usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
+    """The SSE events of one OpenAI stream: `head`, a chunk per update that carries text or a finish,
+    the usage chunk when asked, then [DONE]. An error mid-stream becomes an error event before [DONE];
+    the request is cancelled however the stream ends (client gone included)."""
+    try:
+        for event in head:
+            yield event
+        async for i, out in group.updates():
+            _raise_if_failed(group.choices[i])
+            if out.text or out.finished:
+                yield protocol.sse(chunk(i, out.text, group.choices[i].finish_reason))
+        if usage is not None:
+            yield protocol.sse(usage())
+        yield protocol.SSE_DONE
+    except (ApiError, EngineError) as e:
+        yield _to_api_error(e).sse_event()
+        yield protocol.SSE_DONE
+    finally:
+        group.cancel()
 
 
 def _raise_if_failed(choice: Choice) -> None:
