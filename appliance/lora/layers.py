@@ -61,14 +61,14 @@ class LoRALinear(nn.Module):
 
             self._apply = lora_apply
             self._linear, self._linear_pays = lora_linear, lora_linear_pays
-        # lora_linear computes x @ Wᵀ itself: only for a plain, unbiased linear (a subclass with
-        # its own forward, e.g. a sharded one, keeps the add-after order).
-        self._own_gemm = type(base).forward is nn.Linear.forward and base.bias is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         info = self.ctx.info
         segs = None if info is None else info.segments
-        if segs is not None and self._own_gemm and x.dim() == 2 and self._linear_pays(x.shape[0], segs, x.device):
+        # lora_linear computes x @ Wᵀ itself: only for a plain, unbiased linear (checked per call: a
+        # base swapped later for a module with its own forward, e.g. a sharded one, keeps the add after).
+        own_gemm = type(self.base).forward is nn.Linear.forward and self.base.bias is None
+        if segs is not None and own_gemm and x.dim() == 2 and self._linear_pays(x.shape[0], segs, x.device):
             # Prefill-shaped step: the delta is written first and the base GEMM accumulates into it
             # (kernels/lora_linear.py), so y crosses HBM once less than with the add after.
             return self._linear(x, self.base.weight, self.A, self.B, segs, info.slot_ranks, self.out_offsets)
