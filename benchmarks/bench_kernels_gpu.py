@@ -3,7 +3,7 @@
 Not a test. Imports only torch, triton and the repo's `kernels` package (the GPU host has no hydra or
 starlette). Run from the repo root:
 
-    python3 benchmarks/bench_kernels_gpu.py [--budget-s 240] [--out FILE]
+    python3 benchmarks/bench_kernels_gpu.py [--budget-s 240] [--out FILE] [--tune-first] [--skip-torch]
 
 1. Correctness: both strategies against kernels/reference.py on the GPU (compiled, not interpreted):
    bf16/fp16/fp32, decode (through lora_apply's fused kernel and through shrink + expand) and
@@ -17,8 +17,11 @@ starlette). Run from the repo root:
    256 slots across the replayed iterations so they come from HBM, not from the 60 MB L2.
    "adapter GB/s" counts the A and B bytes of the D adapters, the bytes the op must read; "% copy" is
    that against the measured copy bandwidth (the target is >= 70 %).
-4. Prefill: 4k and 16k tokens in sequences of 4k, 1 or 4 adapters: LoRA time against the base
-   projection's (x @ Wᵀ, bf16, cuBLAS) time (the target is <= 10 %).
+4. Prefill: 1k to 16k tokens in sequences of up to 4k, 1 or 4 adapters: LoRA time against the base
+   projection's (x @ Wᵀ, bf16, cuBLAS) time (the target is <= 10 %). The LoRA time is the whole
+   wrapped projection's time minus the base GEMM's: kernels/lora_linear.py (delta written first, the
+   GEMM accumulating into it: what the engine runs for prefill steps) for each strategy, and the
+   add-after order (GEMM, then lora_apply adding into y) that the engine ran before.
 The torch reference is the engine's `torch` backend (gathered below 64 tokens, grouped above).
 """
 
@@ -39,6 +42,7 @@ import triton  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.lora_apply import lora_apply  # noqa: E402
 from kernels.lora_expand import lora_expand  # noqa: E402
+from kernels.lora_linear import lora_linear  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
 from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments  # noqa: E402
 
@@ -53,9 +57,8 @@ RANK = 16
 SLOTS = 256
 GATHER_MAX_TOKENS = 64  # appliance/lora/batch.py: the torch backend's gathered path up to this many tokens
 DECODE = [(256, 256), (64, 64), (1, 1), (256, 16), (16, 16), (256, 1), (64, 8), (256, 64), (16, 1), (64, 1)]
-PREFILL = [(4096, 1), (16384, 1), (16384, 4)]
+PREFILL = [(256, 1), (1024, 1), (4096, 1), (16384, 1), (16384, 4)]
 PREFILL_SEQ = 4096  # tokens per prefill sequence
-TUNE = [("o", 256, 256, 1), ("down", 256, 256, 1), ("gate_up", 64, 64, 1), ("down", 64, 64, 1)]
 STRATEGIES = {"triton": None, "csgmv16": 16, "csgmv64": 64}
 
 
@@ -99,6 +102,28 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
     return ok, err
 
 
+def check_linear(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
+                 K: int, slices: list[int], R: int) -> tuple[bool, float]:
+    """kernels/lora_linear.py against its torch twin, NaN in B's rank padding, base tokens in between."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    S, n, offs = len(ranks), len(slices), offsets(slices)
+    T, OUT = sum(seg_lens), offs[-1]
+    A = (torch.randn(S, n, R, K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
+    B = (torch.randn(S, OUT, R, device=DEV, generator=g) / math.sqrt(R)).to(dtype)
+    for s, r in enumerate(ranks):
+        A[s, :, r:] = 1000.0
+        B[s, :, r:] = float("nan")
+    x = torch.randn(T, K, device=DEV, generator=g).to(dtype)
+    W = (torch.randn(OUT, K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
+    ranks_t = torch.tensor(ranks, dtype=torch.int32, device=DEV)
+    token_slots = torch.tensor([s for m, s in zip(seg_lens, seg_slots) for _ in range(m)], device=DEV)
+    want = ref.lora_linear(x, W, A, B, token_slots, offs, ranks_t)
+    y = lora_linear(x, W, A, B, make_segments(strategy, seg_lens, seg_slots), ranks_t, offs)
+    err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}[dtype]
+    return err <= tol, err
+
+
 def run_checks(smoke: bool) -> bool:
     cases = []
     shapes = [(4096, [4096, 1024, 1024]), (14336, [4096]), (576, [576, 192, 192])] if not smoke else [(64, [64, 16, 16])]
@@ -109,6 +134,15 @@ def run_checks(smoke: bool) -> bool:
                 cases.append((strategy, dtype, [1] * 40, slots, "decode", fused))
             cases.append((strategy, dtype, [300, 1, 700, 45], [0, -1, 3, 0], "prefill", None))
     all_ok, n_checked = True, 0
+    for strategy in STRATEGIES:  # the prefill path: delta written, base GEMM accumulated into it
+        for dtype in (torch.bfloat16, torch.float16, torch.float32) if not smoke else (torch.bfloat16,):
+            for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
+                ok, err = check_linear(strategy, dtype, [300, 1, 700, 45, 20], [0, -1, 3, 0, -1],
+                                       [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16)
+                n_checked += 1
+                all_ok &= ok
+                if not ok:
+                    print(f"FAIL lora_linear {strategy} {dtype} K={K} {slices}: max rel err {err:.2e}")
     for strategy, dtype, lens, slots, shape, fused in cases:
         # bf16 (the serving dtype) on every shape; fp16 and fp32 on qkv (each shape compiles anew)
         for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
@@ -152,6 +186,36 @@ def graph_time(fns: list[Callable[[], None]], reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def interleaved_times(fns: list[Callable[[], None]], reps: int = 7) -> list[float]:
+    """Seconds per call of each fn, one CUDA graph each, replayed round robin reps times (medians): the
+    clock drift of a long run (a 5 ms GEMM's time moved by 5-10 % between rows) hits all of them alike."""
+    if DEV.type == "cpu":
+        return [graph_time([f]) for f in fns]
+    graphs = []
+    for f in fns:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            f()  # warm-up: compiles, allocates
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            f()
+        g.replay()
+        graphs.append(g)
+    torch.cuda.synchronize()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for g, ts in zip(graphs, times):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+    return [sorted(ts)[len(ts) // 2] for ts in times]
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy of 2 GiB, bytes read + written; the faster of plain launches and a graph."""
     src = torch.randn((2**30 if DEV.type == "cuda" else 2**19), device=DEV, dtype=torch.bfloat16)
@@ -188,6 +252,51 @@ class Proj:
         self.ranks = torch.full((SLOTS,), RANK, dtype=torch.int32, device=DEV)
         self.x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
         self.y = torch.zeros(T, OUT, device=DEV, dtype=torch.bfloat16)
+        self.W: torch.Tensor | None = None  # [OUT, K], made by base_fn (prefill only)
+
+    def weight(self) -> torch.Tensor:
+        if self.W is None:
+            self.W = torch.randn(self.offs[-1], self.K, device=DEV, dtype=torch.bfloat16) * 0.02
+        return self.W
+
+    def base_fn(self, accumulate: bool = False) -> Callable[[], None]:
+        """x @ Wᵀ into y through cuBLAS; accumulate: y += x @ Wᵀ (beta = 1, C read in the epilogue)."""
+        W = self.weight()
+        if accumulate:
+            return lambda: self.y.addmm_(self.x, W.t())
+        return lambda: torch.mm(self.x, W.t(), out=self.y)
+
+    def linear_fn(self, segs: LoRASegments) -> Callable[[], None]:
+        """The engine's prefill path: the whole wrapped projection through kernels/lora_linear.py."""
+        W = self.weight()
+        return lambda: lora_linear(self.x, W, self.A, self.B, segs, self.ranks, self.offs)
+
+    def add_after_fn(self, segs: LoRASegments) -> Callable[[], None]:
+        """The order before lora_linear: the base GEMM, then lora_apply reads y, adds, writes it back."""
+        base = self.base_fn()
+
+        def fn() -> None:
+            base()
+            lora_apply(self.y, self.x, self.A, self.B, segs, self.ranks, self.offs)
+        return fn
+
+    def old_fn(self, segs: LoRASegments) -> Callable[[], None]:
+        """lora_apply as the launchers chose before this round (docs/benchmarks.md): fused whenever the
+        (token, slice) pairs cover the SMs, else shrink with split-K atomics + expand; 128-row shrink
+        tiles above 64 rows."""
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == "cuda" else 1
+
+        def fn() -> None:
+            if segs.max_len == 1 and segs.num_segs * self.n >= sms:
+                lora_apply(self.y, self.x, self.A, self.B, segs, self.ranks, self.offs, fused=True)
+                return
+            ml = segs.max_len
+            bm = 128 if ml > 64 else (64 if ml > 32 else None)
+            big = bm == 128
+            h = lora_shrink(self.x, self.A, segs, self.ranks, block_m=bm, block_k=64 if ml > 16 else None,
+                            num_warps=8 if big else None, num_stages=4 if big else None)
+            lora_expand(self.y, h, self.B, segs, self.ranks, self.offs)
+        return fn
 
     def kernel_fn(self, segs: LoRASegments) -> Callable[[], None]:
         def fn() -> None:
@@ -221,37 +330,42 @@ def bench(args: argparse.Namespace) -> list[str]:
     mm = matmul_time(m, m, m)
     lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write); bf16 {m}^3 matmul "
              f"{2 * m**3 / mm / 1e12:.0f} TFLOP/s", ""]
-    head = ("| proj | T | D | base µs | " + " | ".join(f"{s} µs (% base)" for s in STRATEGIES)
-            + " | torch µs (% base) | TFLOP/s (best) |")
-    lines += ["Prefill (sequences of 4096 tokens, rank 16, bf16; base = x @ Wᵀ through cuBLAS):", "",
+    head = ("| proj | T | D | base µs | base, C read (beta=1) µs | add-after (triton) LoRA µs (% base) | "
+            + " | ".join(f"{s} LoRA µs (% base)" for s in STRATEGIES) + " | torch LoRA µs (% base) | TFLOP/s (best) |")
+    lines += ["Prefill (sequences of up to 4096 tokens, rank 16, bf16; base = x @ Wᵀ through cuBLAS; LoRA µs = "
+              "the wrapped projection's time minus the base's; strategy columns: kernels/lora_linear.py):", "",
               head, "|" + "---|" * (head.count("|") - 1)]
     rows = [(name, K, slices, T, D) for name, (K, slices) in LLAMA_8B.items() for T, D in PREFILL]
     for name, K, slices, T, D in rows:
         if time.time() - t_start > 0.4 * args.budget_s:  # leave the rest of the budget to decode
             lines.append(f"(prefill's share of the budget spent: stopped before {name} T={T} D={D})")
             break
-        if True:
-            p = Proj(K, slices, T)
-            its = layouts(T, D, T // PREFILL_SEQ)[:1]
-            base = matmul_time(T, K, p.offs[-1])
-            flops = 2 * T * RANK * (p.n * K + p.offs[-1])
-            cells, best = [], math.inf
-            for strategy in STRATEGIES:
-                t = graph_time([p.kernel_fn(make_segments(strategy, *its[0]))])
-                best = min(best, t)
-                cells.append(f"{t * 1e6:.1f} ({100 * t / base:.1f} %)")
-            tt = graph_time([p.torch_fn(*its[0])])
-            row = (f"| {name} | {T} | {D} | {base * 1e6:.0f} | " + " | ".join(cells)
-                   + f" | {tt * 1e6:.1f} ({100 * tt / base:.1f} %) | {flops / best / 1e12:.1f} |")
-            lines.append(row)
-            print(row, flush=True)
-            del p
+        p = Proj(K, slices, T)
+        its = layouts(T, D, max(1, T // PREFILL_SEQ))[:1]
+        segs = {strategy: make_segments(strategy, *its[0]) for strategy in STRATEGIES}
+        fns = ([p.base_fn(), p.base_fn(accumulate=True), p.add_after_fn(segs["triton"])]
+               + [p.linear_fn(segs[strategy]) for strategy in STRATEGIES])
+        base, acc, t_after, *lin = interleaved_times(fns)
+        t_lin = dict(zip(STRATEGIES, lin))
+        flops = 2 * T * RANK * (p.n * K + p.offs[-1])
+        tt = math.nan if args.skip_torch else graph_time([p.torch_fn(*its[0])])
+
+        def cell(t: float) -> str:
+            return f"{(t - base) * 1e6:.1f} ({100 * (t - base) / base:.1f} %)"
+        best = min(t_lin.values()) - base
+        row = (f"| {name} | {T} | {D} | {base * 1e6:.1f} | {acc * 1e6:.1f} | {cell(t_after)} | "
+               + " | ".join(cell(t) for t in t_lin.values())
+               + f" | {tt * 1e6:.1f} ({100 * tt / base:.1f} %) | {flops / max(best, 1e-9) / 1e12:.1f} |")
+        lines.append(row)
+        print(row, flush=True)
+        del p
     head = ("| proj | T | D | " + " | ".join(f"{s} µs | {s} adapter GB/s (% copy)" for s in STRATEGIES)
-            + " | triton b2b µs (% copy) | torch µs | TFLOP/s (best) |")
-    lines += ["", "Decode (shrink + expand, rank 16, bf16; CUDA-graph replay, weights rotated past the L2):", "",
+            + " | triton b2b µs (% copy) | triton, before µs (% copy) | torch µs | TFLOP/s (best) |")
+    lines += ["", "Decode (lora_apply, rank 16, bf16; CUDA-graph replay, weights rotated past the L2; before = "
+              "the launchers' choices of the previous round):", "",
               head, "|" + "---|" * (head.count("|") - 1)]
     print(lines[0], flush=True)
-    for T, D in DECODE:  # most telling first, should the budget run out
+    for T, D in DECODE[:args.decode_rows]:  # most telling first, should the budget run out
         for name, (K, slices) in LLAMA_8B.items():
             if time.time() - t_start > args.budget_s:
                 lines.append(f"(budget of {args.budget_s} s spent: stopped before {name} T={T} D={D})")
@@ -268,7 +382,9 @@ def bench(args: argparse.Namespace) -> list[str]:
             fns = [p.kernel_fn(make_segments("triton", *it)) for it in its]
             tb = graph_time(fns * triton.cdiv(8, len(fns)))  # >= 8 applications back to back per graph
             cells.append(f"{tb * 1e6:.1f} ({100 * n_bytes / tb / bw:.0f} %)")
-            tt = graph_time([p.torch_fn(*it) for it in its])
+            to = graph_time([p.old_fn(make_segments("triton", *it)) for it in its])
+            cells.append(f"{to * 1e6:.1f} ({100 * n_bytes / to / bw:.0f} %)")
+            tt = math.nan if args.skip_torch else graph_time([p.torch_fn(*it) for it in its])
             row = f"| {name} | {T} | {D} | " + " | ".join(cells) + f" | {tt * 1e6:.1f} | {flops / best / 1e12:.2f} |"
             lines.append(row)
             print(row, flush=True)
@@ -276,23 +392,18 @@ def bench(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-# (block_m, block_n, block_k, split_k, num_warps, num_stages); None = the launcher's choice
-SHRINK_DECODE = [(None,) * 6, (1, 16, 512, 1, 4, 3), (1, 16, 512, 2, 4, 3), (1, 16, 512, 4, 4, 3),
-                 (1, 16, 256, 4, 4, 4), (1, 16, 512, 2, 8, 3), (1, 64, 128, 2, 4, 3), (1, 64, 128, 4, 8, 3),
-                 (16, 64, 128, None, 4, 3)]
-SHRINK_PREFILL = [(None,) * 6, (64, 64, 64, 1, 4, 3), (64, 64, 64, None, 4, 4), (128, 64, 64, None, 8, 3),
-                  (128, 64, 64, 1, 8, 4), (64, 64, 128, None, 4, 3), (32, 64, 128, 1, 4, 4)]
-# (block_m, block_n, cols_per_prog, num_warps, num_stages)
-EXPAND_DECODE = [(None,) * 5, (1, 128, 128, 4, 3), (1, 128, 512, 4, 3), (1, 256, 256, 4, 3), (1, 256, 1024, 4, 3),
-                 (1, 512, 512, 8, 3), (1, 256, 512, 2, 3), (1, 256, 512, 8, 4), (16, 256, 256, 4, 3)]
-EXPAND_PREFILL = [(None,) * 5, (64, 128, 1 << 20, 4, 3), (64, 128, 1024, 4, 3), (128, 128, None, 8, 3),
-                  (64, 64, None, 4, 3), (64, 256, None, 8, 3), (32, 128, None, 4, 3), (64, 128, None, 4, 4),
-                  (64, 128, None, 4, 2)]
-
-
-# lora_apply, one-token segments: (fused, block_k, block_n, cols_per_prog, num_warps, num_stages)
-APPLY_DECODE = [(None,) * 6, (False, None, None, None, None, None), (True, None, None, None, None, None),
-                (True, 512, 256, 4096, 4, 3), (True, 512, 256, None, 4, 2), (True, 512, 512, None, 8, 3)]
+# lora_apply, one-token segments: (fused, split_k, block_k, block_n, cols_per_prog, num_warps); None = the
+# launchers' choice; 1<<20 columns = a whole slice per program
+APPLY_DECODE = [(None,) * 6, (True, None, 1024, 256, None, 8), (True, None, 512, 256, None, 8),
+                (True, None, 512, 256, 1536, 4), (False, 2) + (None,) * 4]
+TUNE_DECODE = [("o", 256, 256), ("down", 256, 256)]
+# lora_linear's two kernels timed apart at prefill shapes. shrink: (block_m, block_k, num_warps, num_stages);
+# expand (write mode): (block_m, block_n, num_warps, num_stages)
+SHRINK_PREFILL = [(None,) * 4, (128, 64, 8, 4)]
+EXPAND_WRITE = [(None,) * 4, (64, 64, 4, 3)]
+TUNE_PREFILL = [("o", 16384, 1)]
+# decode-shaped merged segments (T tokens of one adapter): shrink row tiles
+TUNE_ROWS = [("down", 256)]
 
 
 def tiles(cfg: tuple) -> str:
@@ -300,76 +411,87 @@ def tiles(cfg: tuple) -> str:
 
 
 def tune(args: argparse.Namespace, bw: float) -> list[str]:
-    """Shrink and expand timed apart under other tile choices than the launchers' (marked *)."""
-    lines = ["", "Tile choices, shrink and expand timed apart (triton strategy; * = the launchers' default;",
-             "shrink: block_m/n/k split warps stages; expand: block_m/n cols_per_prog warps stages;",
-             "apply (shrink + expand): fused block_k block_n cols_per_prog warps stages):", "",
+    """Other tile and path choices than the launchers' (marked *), at the shapes that miss the targets."""
+    lines = ["", "Tile and path choices (triton strategy; * = the launchers' default). apply: fused/split_k/"
+             "block_k/block_n/cols_per_prog/warps; shrink: block_m/block_k/warps/stages (prefill) or block_m "
+             "(rows); expand (write): block_m/block_n/warps/stages:", "",
              "| op | proj | T | D | tiles | µs | GB/s moved (% copy) |", "|---|---|---|---|---|---|---|"]
     t0 = time.time()
-    for name, T, D, seq in TUNE:
+
+    def emit(op: str, name: str, T: int, D: int, cfg: tuple, t: float, nbytes: float) -> None:
+        star = "*" if all(c is None for c in cfg) else ""
+        line = (f"| {op}{star} | {name} | {T} | {D} | {tiles(cfg)} | {t * 1e6:.1f} | {nbytes / t / 1e9:.0f} "
+                f"({100 * nbytes / t / bw:.0f} %) |")
+        lines.append(line)
+        print(line, flush=True)
+
+    for name, T, D in TUNE_DECODE:
         if time.time() - t0 > args.tune_budget_s:
             lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
-            break
+            return lines
         K, slices = LLAMA_8B[name]
         p = Proj(K, slices, T)
-        its = layouts(T, D, T // seq)
-        segs = [make_segments("triton", *it) for it in its]
-        decode = seq == 1
-        h = lora_shrink(p.x, p.A, segs[0], p.ranks)
-        a_bytes = D * p.n * RANK * K * 2 + T * K * 2
-        b_bytes = D * p.offs[-1] * RANK * 2 + 2 * T * p.offs[-1] * 2
-        n0 = len(lines)
-        for cfg in (APPLY_DECODE if decode else []):
-            fu, bk, bn, cp, w, st = cfg
-            kw = dict(block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st) if fu else {}
-            t = graph_time([lambda sg=sg: lora_apply(p.y, p.x, p.A, p.B, sg, p.ranks, p.offs, fused=fu, **kw)
-                            for sg in segs])
-            star = "*" if fu is None else ""
-            lines.append(f"| apply{star} | {name} | {T} | {D} | {tiles(cfg)} | "
-                         f"{t * 1e6:.1f} | {(a_bytes + b_bytes) / t / 1e9:.0f} "
-                         f"({100 * (a_bytes + b_bytes) / t / bw:.0f} %) |")
-        if args.tune_apply_only:
-            print("\n".join(lines[n0:]), flush=True)
-            p = h = None  # frees the buffers before the next shape
-            continue
-        for cfg in (SHRINK_DECODE if decode else SHRINK_PREFILL):
-            bm, bn, bk, sk, w, st = cfg
-            t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, split_k=sk, block_m=bm,
-                                                      block_k=bk, block_n=bn, num_warps=w, num_stages=st)
-                            for sg in segs])
-            star = "*" if bm is None else ""
-            lines.append(f"| shrink{star} | {name} | {T} | {D} | {tiles(cfg)} | "
-                         f"{t * 1e6:.1f} | {a_bytes / t / 1e9:.0f} ({100 * a_bytes / t / bw:.0f} %) |")
-        for cfg in (EXPAND_DECODE if decode else EXPAND_PREFILL):
-            bm, bn, cp, w, st = cfg
-            if cp is not None:
-                cp = min(cp, triton.cdiv(p.offs[-1], bn) * bn)
-            t = graph_time([lambda sg=sg: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs, block_m=bm,
-                                                      block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st)
-                            for sg in segs])
-            star = "*" if bm is None else ""
-            lines.append(f"| expand{star} | {name} | {T} | {D} | {tiles(cfg)} | "
-                         f"{t * 1e6:.1f} | {b_bytes / t / 1e9:.0f} ({100 * b_bytes / t / bw:.0f} %) |")
-        print("\n".join(lines[n0:]), flush=True)
-        p = h = None  # frees the buffers before the next shape
+        segs = [make_segments("triton", *it) for it in layouts(T, D, T)]
+        nbytes = D * (p.n * RANK * K + p.offs[-1] * RANK) * 2
+        for cfg in APPLY_DECODE:
+            fu, sk, bk, bn, cp, w = cfg
+            kw = dict(fused=fu, split_k=sk, block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w)
+            t = graph_time([lambda sg=sg: lora_apply(p.y, p.x, p.A, p.B, sg, p.ranks, p.offs, **kw) for sg in segs])
+            emit("apply", name, T, D, cfg, t, nbytes)
+        # the two phases of the unfused path apart (2 planes): where its time goes
+        hs = [lora_shrink(p.x, p.A, sg, p.ranks, split_k=2, partials=True) for sg in segs]
+        t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, split_k=2, partials=True) for sg in segs])
+        emit("shrink (2 planes)", name, T, D, (1,), t, D * p.n * RANK * K * 2)
+        t = graph_time([lambda sg=sg, h=h: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs) for sg, h in zip(segs, hs)])
+        emit("expand", name, T, D, (1,), t, D * p.offs[-1] * RANK * 2 + 2 * T * p.offs[-1] * 2)
+        p = hs = None  # frees the buffers before the next shape
+    for name, T in TUNE_ROWS:
+        K, slices = LLAMA_8B[name]
+        p = Proj(K, slices, T)
+        seg = make_segments("triton", [T], [0])
+        for bm in (None, 32, 64, 128):
+            t = graph_time([lambda: lora_shrink(p.x, p.A, seg, p.ranks, block_m=bm)])
+            emit("shrink", name, T, 1, (bm,), t, T * K * 2 + p.n * RANK * K * 2)
+        p = None
+    for name, T, D in TUNE_PREFILL:
+        if time.time() - t0 > args.tune_budget_s:
+            lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
+            return lines
+        K, slices = LLAMA_8B[name]
+        p = Proj(K, slices, T)
+        seg = make_segments("triton", *layouts(T, D, max(1, T // PREFILL_SEQ))[0])
+        t = graph_time([lambda: p.y.zero_()])
+        emit("memset y", name, T, D, ("",), t, p.y.numel() * 2)
+        for bm, bk, w, st in SHRINK_PREFILL:
+            t = graph_time([lambda: lora_shrink(p.x, p.A, seg, p.ranks, partials=True, block_m=bm, block_k=bk,
+                                                num_warps=w, num_stages=st)])
+            emit("shrink", name, T, D, (bm, bk, w, st), t, p.x.numel() * 2)
+        h = lora_shrink(p.x, p.A, seg, p.ranks, partials=True)
+        for bm, bn, w, st in EXPAND_WRITE:
+            t = graph_time([lambda: lora_expand(p.y, h, p.B, seg, p.ranks, p.offs, write=True, block_m=bm,
+                                                block_n=bn, num_warps=w, num_stages=st)])
+            emit("expand", name, T, D, (bm, bn, w, st), t, p.y.numel() * 2)
+        p = h = None
     return lines
 
 
 def main() -> None:
+    global SLOTS, DECODE, PREFILL, PREFILL_SEQ, TUNE_DECODE, TUNE_ROWS, TUNE_PREFILL, APPLY_DECODE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop timing new rows after this long")
     ap.add_argument("--out", help="also write the tables to this file")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-tune", action="store_true", help="no table of other tile choices")
     ap.add_argument("--tune-first", action="store_true", help="time the tile choices before the main tables")
-    ap.add_argument("--tune-apply-only", action="store_true", help="tile choices of lora_apply only")
     ap.add_argument("--tune-budget-s", type=float, default=150.0, help="stop tuning new shapes after this long")
+    ap.add_argument("--skip-torch", action="store_true", help="no timing of the torch reference")
+    ap.add_argument("--decode-rows", type=int, default=len(DECODE), help="time only the first N (T, D) decode rows")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script itself (CPU + interpreter)")
     args = ap.parse_args()
     if args.smoke:
-        global SLOTS, DECODE, PREFILL, PREFILL_SEQ, TUNE
         SLOTS, DECODE, PREFILL, PREFILL_SEQ = 8, [(1, 1), (4, 2), (8, 8)], [(64, 1), (128, 2)], 64
-        TUNE = [("qkv", 8, 8, 1), ("qkv", 4, 4, 1), ("gate_up", 128, 1, 64)]
+        TUNE_DECODE, TUNE_ROWS, TUNE_PREFILL = [("o", 8, 8)], [("down", 32)], [("qkv", 128, 1)]
+        APPLY_DECODE = APPLY_DECODE[:1] + APPLY_DECODE[4:5]
         for name, (K, slices) in list(LLAMA_8B.items()):
             LLAMA_8B[name] = (K // 64, [s // 64 for s in slices])
     gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)"

@@ -1,5 +1,6 @@
 """Triton kernels of the appliance: one op per file, each with a checking launcher, and their
 pure-torch twins in kernels/reference.py. Multi-LoRA: lora_apply.py (fused GEMV for decode, else
-lora_shrink.py then lora_expand.py) over the per-step segments of segments.py (backends `triton`
-and `csgmv`); platform.py says where they run.
+lora_shrink.py then lora_expand.py), lora_linear.py (prefill: the delta written first, the base GEMM
+accumulating into it), over the per-step segments of segments.py (backends `triton` and `csgmv`),
+each kernel starting with segment_tile.py's prologue; platform.py says where they run.
 Importing this package does not import triton (the `torch` backend needs none)."""

@@ -8,8 +8,9 @@ expand). When every segment is one token (decode with distinct adapters) one lau
 a program takes one token and one slice (and, on small steps, one range of that slice's columns),
 streams A[slot, i] against x to get h_i in registers, then streams B[slot, slice i] and adds into
 y. No h round trip through memory, no zeroing, no atomics, one launch instead of two or three.
-Longer segments, and steps with fewer (token, slice) pairs than SMs (one program would stream a
-whole A slice alone), go through lora_shrink + lora_expand.
+Longer segments, and steps with fewer than ~1.5 (token, slice) pairs per SM (a program would stream
+a whole A slice alone), go through lora_shrink + lora_expand; for one-token segments the shrink's K
+splits then leave planes of partial sums that the expand adds (no memset, no atomics).
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ import triton.language as tl
 
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
+from kernels.segment_tile import segment_row, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
+
+
+# The fused kernel runs when the (token, slice) programs cover the SMs FUSE_MIN_WAVES times over;
+# below, shrink (K split into planes of partial sums) + expand is faster. H200, docs/benchmarks.md:
+# 192 pairs (qkv_proj, 64 tokens) 20.2 µs fused against 18.9 split; 256 pairs (o_proj, down_proj,
+# 256 tokens) 29.3 / 53.0 µs fused against 32.4 / 56.3 at best split.
+FUSE_MIN_WAVES = 1.5
 
 
 @triton.jit
@@ -34,6 +43,7 @@ def _lora_fused_gemv_kernel(
     scale_ptr,  # [S] fp32 scale per slot (HAS_SCALE only)
     tok_ptr,  # [P] int32 token row per position (GATHER only)
     seg_start_ptr,  # [G] int32 position of each (one-token) segment
+    seg_len_ptr,  # [G] int32 (all 1)
     seg_slot_ptr,  # [G] int32
     rank_ptr,  # [S] int32 true rank per slot
     K, OUT, R, o1, o2,  # in features, out features, max rank, first column of slices 1 and 2
@@ -43,7 +53,7 @@ def _lora_fused_gemv_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
-    seg = tl.program_id(0)
+    seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
     i = tl.program_id(1)  # slice
     lo = tl.where(i == 0, 0, tl.where(i == 1, o1, o2))
     hi = tl.where(i == 0, o1, tl.where(i == 1, o2, OUT))
@@ -51,15 +61,9 @@ def _lora_fused_gemv_kernel(
     if c_lo >= hi:
         return  # this slice is narrower than the widest one
     c_hi = tl.minimum(c_lo + cols_per_prog, hi)
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
     if rank == 0:
         return  # empty slot: nothing to add
-    pos = tl.load(seg_start_ptr + seg)
-    if GATHER:
-        row = tl.load(tok_ptr + pos).to(tl.int64)
-    else:
-        row = pos.to(tl.int64)
+    row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     # shrink: h_i[j] = x[row] · A[slot, i, j], [BLOCK_R, BLOCK_K] partial products in fp32
@@ -91,20 +95,23 @@ def _lora_fused_gemv_kernel(
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
                slot_ranks: torch.Tensor, out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
-               fused: Optional[bool] = None, block_k: Optional[int] = None, block_n: Optional[int] = None,
-               cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
+               fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
+               block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
                num_stages: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
     slot_ranks, out_offsets, scalings as for lora_shrink / lora_expand. Returns y.
     fused: one launch (needs every segment one token long); None = when it applies and pays.
+    Unfused: lora_shrink then lora_expand; for one-token segments the shrink's K splits go to planes
+    of partial sums that the expand adds (no memset, no atomics); split_k overrides the number of
+    splits (benchmarks).
     block_k, block_n, cols_per_prog, num_warps, num_stages: fused-kernel overrides for benchmarks.
     """
     if fused is None:
-        fused = segs.max_len == 1 and _enough_programs(segs.num_segs * A.shape[1], x.device)
+        fused = segs.max_len == 1 and _fuse_pays(segs.num_segs * A.shape[1], x.device)
     if not fused:
-        h = lora_shrink(x, A, segs, slot_ranks)
+        h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=segs.max_len == 1)
         return lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings)
     if segs.max_len > 1:
         raise ValueError(f"lora_apply: the fused kernel takes one-token segments, the longest is {segs.max_len}")
@@ -158,7 +165,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     tok = segs.token_index if segs.token_index is not None else segs.starts
     grid = (G, n, triton.cdiv(widest, cols_per_prog))
     _lora_fused_gemv_kernel[grid](
-        y, x, a3, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.slots, slot_ranks,
+        y, x, a3, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots,
+        slot_ranks,
         K, OUT, R, o1, o2, cols_per_prog,
         x.stride(0), x.stride(1), a3.stride(0), a3.stride(1), a3.stride(2),
         y.stride(0), y.stride(1), B.stride(0), B.stride(1), B.stride(2),
@@ -169,13 +177,13 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     return y
 
 
-def _enough_programs(pairs: int, device: torch.device) -> bool:
-    """Fuse only when the (token, slice) programs cover every SM. H200, docs/benchmarks.md: with
-    fewer, one program streams a whole A slice alone (down_proj, 1 token: 21 µs fused against
-    9 µs for shrink + expand, whose split-K spreads A over many programs)."""
+def _fuse_pays(pairs: int, device: torch.device) -> bool:
+    """Fuse only when the (token, slice) programs cover every SM FUSE_MIN_WAVES times over: with fewer,
+    one program streams a whole A slice alone (down_proj, 1 token: 21 µs fused against 9 µs for
+    shrink + expand, whose K splits spread A over many programs; H200, docs/benchmarks.md)."""
     if device.type != "cuda":
         return True  # interpreter: the fused path is the one the CPU tests exercise
-    return pairs >= torch.cuda.get_device_properties(device).multi_processor_count
+    return pairs >= FUSE_MIN_WAVES * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _auto_cols_per_prog(programs: int, widest: int, block_n: int, device: torch.device) -> int:

@@ -26,13 +26,14 @@ import triton
 import triton.language as tl
 
 from kernels.platform import dot_upcast
+from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
 
 
-@triton.jit(do_not_specialize=["tiles_per_seg"])  # varies every step: no recompiles
+@triton.jit(do_not_specialize=["tiles_per_seg", "num_base"])  # vary every step: no recompiles
 def _lora_expand_kernel(
-    y_ptr,  # [T, OUT] base output, updated in place
-    h_ptr,  # [T, n*R] fp32 from lora_shrink
+    y_ptr,  # [T, OUT] base output, updated in place (WRITE: overwritten)
+    h_ptr,  # [P, T, n*R] fp32 from lora_shrink: P planes of partial sums (P = N_PARTS), summed here
     b_ptr,  # [S, OUT, R] B of every slot
     scale_ptr,  # [S] fp32 scale per slot (HAS_SCALE only)
     tok_ptr,  # [P] int32 token row per position (GATHER only)
@@ -40,25 +41,39 @@ def _lora_expand_kernel(
     seg_len_ptr,  # [G] int32
     seg_slot_ptr,  # [G] int32
     rank_ptr,  # [S] int32 true rank per slot
+    base_ptr,  # [num_base] int32 rows of base tokens (WRITE only: zeroed, ZERO_M rows a program)
     OUT, R, o1, o2,  # output width, max rank, first column of slices 1 and 2 (= OUT when absent)
     cols_per_prog,  # output columns of one program along grid axis 1
-    stride_yt, stride_yo, stride_ht, stride_hn, stride_bs, stride_bo, stride_br,
-    tiles_per_seg,
-    N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    stride_yt, stride_yo, stride_ht, stride_hn, stride_hp, stride_bs, stride_bo, stride_br,
+    tiles_per_seg, num_base,
+    N_SLICES: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, ZERO_M: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    WRITE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    seg = pid // tiles_per_seg
-    m0 = (pid % tiles_per_seg) * BLOCK_M
-    seg_len = tl.load(seg_len_ptr + seg)
-    if m0 >= seg_len:
-        return
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
-    if rank == 0:
-        return  # empty slot: nothing to add
     p_lo = tl.program_id(1) * cols_per_prog
     p_hi = tl.minimum(p_lo + cols_per_prog, OUT)
+    if WRITE:
+        n_seg_progs = tl.num_programs(0) - tl.cdiv(num_base, ZERO_M)
+        if pid >= n_seg_progs:
+            # The last cdiv(num_base, ZERO_M) programs zero the base tokens' rows, so the base GEMM
+            # can accumulate into all of y (no separate memset of the whole output).
+            offs_b = (pid - n_seg_progs) * ZERO_M + tl.arange(0, ZERO_M)
+            b_mask = offs_b < num_base
+            b_rows = tl.load(base_ptr + offs_b, mask=b_mask, other=0).to(tl.int64)
+            zeros = tl.zeros((ZERO_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+            for c0 in range(p_lo, p_hi, BLOCK_N):
+                offs_c = c0 + tl.arange(0, BLOCK_N)
+                tl.store(y_ptr + b_rows[:, None] * stride_yt + offs_c[None, :] * stride_yo, zeros,
+                         mask=b_mask[:, None] & (offs_c < p_hi)[None, :])
+            return
+    seg, m0, seg_len, slot, rank = segment_tile(pid, tiles_per_seg, seg_len_ptr, seg_slot_ptr, rank_ptr, BLOCK_M)
+    if m0 >= seg_len:
+        return
+    if not WRITE:
+        if rank == 0:
+            return  # empty slot: nothing to add (WRITE goes on: its rows must become 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
@@ -67,19 +82,9 @@ def _lora_expand_kernel(
     if HAS_SCALE:
         scale = tl.load(scale_ptr + slot)
     if BLOCK_M == 1:
-        pos = tl.load(seg_start_ptr + seg) + m0
-        if GATHER:
-            row = tl.load(tok_ptr + pos).to(tl.int64)
-        else:
-            row = pos.to(tl.int64)
+        row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     else:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < seg_len
-        pos = tl.load(seg_start_ptr + seg) + offs_m
-        if GATHER:
-            rows = tl.load(tok_ptr + pos, mask=m_mask, other=0).to(tl.int64)
-        else:
-            rows = pos.to(tl.int64)
+        rows, m_mask = segment_rows(seg_start_ptr, tok_ptr, seg, m0, seg_len, BLOCK_M, GATHER)
     for i in tl.static_range(N_SLICES):
         if i == 0:
             lo = 0
@@ -93,7 +98,10 @@ def _lora_expand_kernel(
         c_lo = tl.maximum(lo, p_lo)
         c_hi = tl.minimum(hi, p_hi)  # c_lo >= c_hi: this program holds no column of slice i
         if BLOCK_M == 1:
-            hv = tl.load(h_ptr + row * stride_ht + (i * R + offs_r) * stride_hn, mask=r_mask, other=0.0)
+            h_ptrs1 = h_ptr + row * stride_ht + (i * R + offs_r) * stride_hn
+            hv = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for p in tl.static_range(N_PARTS):  # K splits' partial sums, added in a fixed order
+                hv += tl.load(h_ptrs1 + p * stride_hp, mask=r_mask, other=0.0)
             hv = hv.to(b_ty).to(tl.float32)  # h rounded to the weights' dtype, as the torch twin does
             for c0 in range(c_lo, c_hi, BLOCK_N):
                 offs_c = c0 + tl.arange(0, BLOCK_N)
@@ -101,12 +109,17 @@ def _lora_expand_kernel(
                 bt = tl.load(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
                              mask=c_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
                 y_ptrs = y_ptr + row * stride_yt + offs_c * stride_yo
-                y = tl.load(y_ptrs, mask=c_mask, other=0.0)
-                acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
-                tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=c_mask)
+                acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1) * scale  # [BLOCK_N] fp32
+                if WRITE:
+                    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=c_mask)
+                else:
+                    y = tl.load(y_ptrs, mask=c_mask, other=0.0)
+                    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=c_mask)
         else:
-            ht = tl.load(h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn,
-                         mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+            h_ptrs = h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn
+            ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for p in tl.static_range(N_PARTS):
+                ht += tl.load(h_ptrs + p * stride_hp, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
             ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
             if UPCAST:
                 ht = ht.to(tl.float32)
@@ -117,35 +130,43 @@ def _lora_expand_kernel(
                              mask=c_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
                 y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_c[None, :] * stride_yo
                 y_mask = m_mask[:, None] & c_mask[None, :]
-                y = tl.load(y_ptrs, mask=y_mask, other=0.0)
                 if UPCAST:
                     bt = bt.to(tl.float32)
-                acc = tl.dot(ht, bt, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
-                tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y.dtype), mask=y_mask)
+                acc = tl.dot(ht, bt, input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
+                if WRITE:
+                    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+                else:
+                    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+                    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,
-                out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
+                out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *, write: bool = False,
                 block_m: Optional[int] = None, block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, cols_per_prog: Optional[int] = None,
                 num_stages: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i, :r] @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, every slice i, in place.
 
-    y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink;
-    B [S, out, R] in y's dtype; segs over the adapter tokens; slot_ranks [S] int32 (r above);
-    out_offsets [n + 1] host ints, 0 .. out, n <= 3; scalings [S] fp32 or None (= 1: the engine folds
-    each module's alpha/r into B, since rank_pattern/alpha_pattern make it per module, not per slot).
-    Returns y. Rows of tokens outside every segment are left exactly as they were.
+    y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink,
+    or [P, T, n, R] (its partials=True planes, summed here); B [S, out, R] in y's dtype; segs over the
+    adapter tokens; slot_ranks [S] int32 (r above); out_offsets [n + 1] host ints, 0 .. out, n <= 3;
+    scalings [S] fp32 or None (= 1: the engine folds each module's alpha/r into B, since
+    rank_pattern/alpha_pattern make it per module, not per slot). Returns y.
+    write=False: rows of tokens outside every segment are left exactly as they were.
+    write=True: y is only written, never read: y[t] = the delta for adapter tokens (0 for an empty
+    slot), y[t] = 0 for the base tokens listed in segs.base_rows; a base GEMM then accumulates into
+    it (kernels/lora_linear.py). Every row of y must be an adapter or a listed base token.
     block_m (1 = the GEMV body, else a power of two >= 16), block_n, num_warps, cols_per_prog (a
     multiple of block_n), num_stages: tile overrides for benchmarks (None = the launcher's choice).
     """
-    if y.dim() != 2 or h.dim() != 3 or B.dim() != 3:
-        raise ValueError(f"lora_expand: y must be [T, out], h [T, n, R], B [S, out, R]; got "
+    if y.dim() != 2 or h.dim() not in (3, 4) or B.dim() != 3:
+        raise ValueError(f"lora_expand: y must be [T, out], h [T, n, R] or [P, T, n, R], B [S, out, R]; got "
                          f"{tuple(y.shape)}, {tuple(h.shape)}, {tuple(B.shape)}")
     T, OUT = y.shape
     S, OUT_b, R = B.shape
-    n = h.shape[1]
-    if h.shape != (T, n, R) or OUT_b != OUT:
+    h4 = h if h.dim() == 4 else h.unsqueeze(0)
+    P, n = h4.shape[0], h4.shape[2]
+    if h4.shape != (P, T, n, R) or OUT_b != OUT or P < 1:
         raise ValueError(f"lora_expand: shapes disagree: y {tuple(y.shape)}, h {tuple(h.shape)}, B {tuple(B.shape)}")
     if h.dtype != torch.float32 or not h.is_contiguous():
         raise ValueError(f"lora_expand: h must be contiguous fp32 (lora_shrink's output), got {h.dtype}")
@@ -164,8 +185,16 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     if scalings is not None and (scalings.shape != (S,) or scalings.dtype != torch.float32
                                  or scalings.device != y.device):
         raise ValueError(f"lora_expand: scalings must be fp32 [{S}] on {y.device}")
+    num_base = 0
+    if write:
+        if segs.base_rows is None:
+            raise ValueError("lora_expand: write=True needs segs.base_rows (the builders in kernels/segments.py set it)")
+        num_base = segs.base_rows.shape[0]
+        if segs.num_rows + num_base != T:
+            raise ValueError(f"lora_expand: write=True must cover every row of y: {segs.num_rows} adapter + "
+                             f"{num_base} base rows != {T}")
     G = segs.num_segs
-    if G == 0 or T == 0:
+    if (G == 0 and num_base == 0) or T == 0:
         return y
     if block_m is None:
         # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
@@ -177,8 +206,9 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         check_tile(block_m=block_m)
     check_tile(block_n=block_n)
     block_r = max(16, triton.next_power_of_2(R))
-    tiles_per_seg = triton.cdiv(segs.max_len, block_m)
-    programs_m = G * tiles_per_seg
+    tiles_per_seg = triton.cdiv(segs.max_len, block_m) if G else 0
+    zero_m = max(16, block_m)  # rows per base-zeroing program (WRITE)
+    programs_m = G * tiles_per_seg + triton.cdiv(num_base, zero_m)
     if cols_per_prog is None:
         cols_per_prog = _auto_cols_per_prog(programs_m, OUT, block_n, block_m, y.device)
     if cols_per_prog % block_n:
@@ -190,14 +220,16 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     o1 = offs[1] if n > 1 else OUT
     o2 = offs[2] if n > 2 else OUT
     tok = segs.token_index if segs.token_index is not None else segs.starts
+    base = segs.base_rows if num_base else slot_ranks  # a valid int32 pointer; not read when num_base = 0
     grid = (programs_m, triton.cdiv(OUT, cols_per_prog))
     _lora_expand_kernel[grid](
-        y, h, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
+        y, h4, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots,
+        slot_ranks, base,
         OUT, R, o1, o2, cols_per_prog,
-        y.stride(0), y.stride(1), h.stride(0), h.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        tiles_per_seg,
-        N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
+        y.stride(0), y.stride(1), h4.stride(1), h4.stride(3), h4.stride(0), B.stride(0), B.stride(1), B.stride(2),
+        max(tiles_per_seg, 1), num_base,
+        N_SLICES=n, N_PARTS=P, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ZERO_M=zero_m,
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, WRITE=write,
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

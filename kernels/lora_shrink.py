@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 
 from kernels.platform import dot_upcast
+from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
+
+
+# Most K splits the partial-sum mode picks by itself: lora_expand adds the planes one by one, unrolled.
+MAX_PLANES = 16
 
 
 @triton.jit(do_not_specialize=["tiles_per_seg"])  # varies every step: no recompiles
@@ -41,19 +46,16 @@ def _lora_shrink_kernel(
     rank_ptr,  # [S] int32 true rank of each slot (0 = empty slot)
     K, N, R,  # in features, n*R, max rank
     stride_xt, stride_xk, stride_as, stride_an, stride_ak, stride_ht, stride_hn,
+    stride_hp,  # K split -> its plane of partial sums (0: one plane, stores or atomics)
     tiles_per_seg,  # cdiv(longest segment, BLOCK_M)
     k_per_split,  # K range of one program along grid axis 2 (a multiple of BLOCK_K)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    seg = pid // tiles_per_seg
-    m0 = (pid % tiles_per_seg) * BLOCK_M
-    seg_len = tl.load(seg_len_ptr + seg)
+    seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), tiles_per_seg, seg_len_ptr, seg_slot_ptr,
+                                                rank_ptr, BLOCK_M)
     if m0 >= seg_len:
         return  # this segment is shorter than the longest one
-    slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N) & ((offs_n % R) < rank)
@@ -62,14 +64,11 @@ def _lora_shrink_kernel(
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n * stride_an  # [BLOCK_N]
+    h_ptr += tl.program_id(2) * stride_hp  # partial-sum mode: this K split's own [T, N] plane
     if BLOCK_M == 1:
         # GEMV body (one-token segments): A tiles [BLOCK_N, BLOCK_K] in A's own layout (K
         # contiguous), products summed elementwise in fp32 and reduced over K once at the end.
-        pos = tl.load(seg_start_ptr + seg) + m0
-        if GATHER:
-            row = tl.load(tok_ptr + pos).to(tl.int64)
-        else:
-            row = pos.to(tl.int64)
+        row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -85,14 +84,8 @@ def _lora_shrink_kernel(
         else:
             tl.store(h_ptrs1, acc1, mask=n_mask)
     else:
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < seg_len
-        pos = tl.load(seg_start_ptr + seg) + offs_m
-        if GATHER:
-            rows = tl.load(tok_ptr + pos, mask=m_mask, other=0)
-        else:
-            rows = pos
-        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xt
+        rows, m_mask = segment_rows(seg_start_ptr, tok_ptr, seg, m0, seg_len, BLOCK_M, GATHER)
+        x_rows = x_ptr + rows[:, None] * stride_xt
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -104,7 +97,7 @@ def _lora_shrink_kernel(
                 xt = xt.to(tl.float32)
                 at = at.to(tl.float32)
             acc += tl.dot(xt, at, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], fp32
-        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_ht + offs_n[None, :] * stride_hn
+        h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_n[None, :] * stride_hn
         out_mask = m_mask[:, None] & n_mask[None, :]
         if ATOMIC:
             tl.atomic_add(h_ptrs, acc, mask=out_mask)
@@ -115,7 +108,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
                 out: Optional[torch.Tensor] = None, split_k: Optional[int] = None, *,
                 block_m: Optional[int] = None, block_k: Optional[int] = None,
                 num_warps: Optional[int] = None, block_n: Optional[int] = None,
-                num_stages: Optional[int] = None) -> torch.Tensor:
+                num_stages: Optional[int] = None, partials: bool = False) -> torch.Tensor:
     """h[t, i, :r] = x[t] @ A[slot(t), i, :r]ᵀ for every slice i, r = slot_ranks[slot(t)].
 
     x [T, in] fp32/bf16/fp16; A [S, n, R, in] same dtype, contiguous; segs: segments over the
@@ -125,6 +118,9 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     never reads them. split_k: programs along K (None = chosen from the grid size; >1 zeroes h).
     block_m (1 = the GEMV body, else a power of two >= 16), block_k, num_warps, block_n,
     num_stages: tile overrides for benchmarks (None = the launcher's choice).
+    partials: the K splits store their fp32 partial sums in planes of their own instead of adding
+    them atomically: out is [P, T, n, R] (P = split_k; sum over P = h), no zeroing, no atomics;
+    lora_expand sums the planes as it loads h. Every plane of an adapter token's h[:rank] is written.
     """
     if x.dim() != 2 or A.dim() != 4:
         raise ValueError(f"lora_shrink: x must be [T, in] and A [S, n, R, in], got {tuple(x.shape)}, {tuple(A.shape)}")
@@ -137,19 +133,21 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     if not A.is_contiguous():
         raise ValueError("lora_shrink: A must be contiguous (its [n, R] dims are read as one)")
     check_segments(segs, slot_ranks, S, x.device)
-    if out is None:
-        out = torch.empty(T, n, R, dtype=torch.float32, device=x.device)
-    elif out.shape != (T, n, R) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"lora_shrink: out must be a contiguous fp32 [{T}, {n}, {R}], got "
+    if partials and out is not None:
+        split_k = out.shape[0] if out.dim() == 4 else -1
+    want = (split_k, T, n, R) if partials else (T, n, R)
+    if out is not None and (out.shape != want or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"lora_shrink: out must be a contiguous fp32 {list(want)}, got "
                          f"{out.dtype} {tuple(out.shape)}")
     G = segs.num_segs
-    if G == 0 or T == 0:
-        return out
     N = n * R
     if block_m is None:
         # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
         ml = segs.max_len
-        block_m = 1 if ml == 1 else (16 if ml <= 16 else (32 if ml <= 32 else (64 if ml <= 64 else 128)))
+        # H200, docs/benchmarks.md: a 256-token segment of one adapter (decode merged by the triton
+        # strategy) is bound by its few programs: 32-row tiles 12.8 µs, 64-row 15.9, 128-row 21.5
+        # (down_proj). 128-row tiles (8 warps) for long prefills only.
+        block_m = 1 if ml == 1 else (16 if ml <= 16 else (32 if ml <= 256 else (64 if ml <= 512 else 128)))
     if block_n is None:
         # GEMV: one rank block per program (R contiguous rows of A, x re-read from L2 per block);
         # tensor-core tiles: one column tile covers every slice's rank rows (n*R = 48 for qkv at
@@ -162,12 +160,13 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         if block_m == 1:
             block_k = max(16, 8192 // block_n)  # [BLOCK_N, BLOCK_K] fp32 partial sums: 64 per thread
         else:
-            block_k = 128 if segs.max_len <= 16 else 64
+            # 128-wide K steps for 128-row prefill tiles: o_proj 16k tokens 39.6 against 44.5 µs
+            block_k = 128 if (segs.max_len <= 16 or block_m >= 128) else 64
         block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     if num_warps is None:
-        num_warps = 8 if block_m >= 128 else 4  # H200: 128-row prefill tiles, 8 warps, 4 stages
+        num_warps = 8 if block_m >= 128 else 4  # H200: 128-row prefill tiles, 8 warps
     if num_stages is None:
-        num_stages = 4 if block_m >= 128 else 3
+        num_stages = 3
     if block_m != 1:
         check_tile(block_m=block_m)
     check_tile(block_k=block_k, block_n=block_n)
@@ -175,11 +174,21 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     grid_mn = G * tiles_per_seg * triton.cdiv(N, block_n)
     if split_k is None:
         split_k = _auto_split_k(grid_mn, K, block_k, block_m, x.device)
+        if partials:
+            split_k = min(split_k, MAX_PLANES)
+    if split_k < 1:
+        raise ValueError(f"lora_shrink: split_k must be >= 1, got {split_k}")
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)
-    if split_k > 1:
+    if not partials:
+        split_k = triton.cdiv(K, k_per_split)  # planes past K would be all zero: none
+    if out is None:
+        shape = (split_k, T, n, R) if partials else (T, n, R)
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    if G == 0 or T == 0:
+        return out
+    if split_k > 1 and not partials:
         out.zero_()
-    h2 = out.view(T, N)
+    h2 = out.view(-1, N)  # [P*T, N]: plane p starts at row p*T
     a3 = A.view(S, N, K)
     tok = segs.token_index if segs.token_index is not None else segs.starts  # unused when not GATHER
     grid = (G * tiles_per_seg, triton.cdiv(N, block_n), split_k)
@@ -187,9 +196,9 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         x, a3, h2, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
         K, N, R,
         x.stride(0), x.stride(1), a3.stride(0), a3.stride(1), a3.stride(2), h2.stride(0), h2.stride(1),
-        tiles_per_seg, k_per_split,
+        T * N if partials else 0, tiles_per_seg, k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        GATHER=segs.token_index is not None, ATOMIC=split_k > 1,
+        GATHER=segs.token_index is not None, ATOMIC=split_k > 1 and not partials,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -34,13 +34,16 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, token_slots: torch.Tensor,
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
                 out_offsets: Sequence[int], slot_ranks: Optional[torch.Tensor] = None,
-                scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
+                scalings: Optional[torch.Tensor] = None, write: bool = False) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot[t]] * h[t, i, :r] @ B[slot[t], o_i:o_{i+1}, :r]ᵀ for every slice i,
-    in place; returns y.
+    in place; returns y. write=True: y is zeroed first (base tokens' rows end as 0, adapter rows as
+    the delta rounded to y's dtype), lora_expand's write mode.
 
     y [T, out], h [T, n, R], B [S, out, R], token_slots [T], out_offsets [n + 1],
     slot_ranks [S] (r above; None = R), scalings [S] (None = 1: the engine folds scales into B).
     """
+    if write:
+        y.zero_()
     acc = torch.promote_types(y.dtype, torch.float32)
     for slot in token_slots.unique().tolist():
         if slot < 0:
@@ -53,6 +56,21 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, token_slots: 
             delta = scale * (h[idx, i, :r].to(acc) @ B[slot, lo:hi, :r].to(acc).T)
             y[idx, lo:hi] = (y[idx, lo:hi].to(acc) + delta).to(y.dtype)
     return y
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                token_slots: torch.Tensor, out_offsets: Sequence[int], slot_ranks: Optional[torch.Tensor] = None,
+                scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ weightᵀ + the delta, kernels/lora_linear.py's order: the delta rounded to x's dtype
+    first, then the base product added to it in fp32 and rounded once.
+
+    x [T, in], weight [out, in], A, B, token_slots, out_offsets, slot_ranks, scalings as above.
+    """
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    lora_expand(y, lora_shrink(x, A, token_slots, slot_ranks), B, token_slots, out_offsets, slot_ranks,
+                scalings, write=True)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return (y.to(acc) + x.to(acc) @ weight.to(acc).T).to(x.dtype)
 
 
 def lora_apply_gathered(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -11,6 +11,9 @@ slot. Position p maps to token row p (SGMV) or to row token_index[p] (chunked SG
   concurrency (many decodes, few adapters) A and B are read once per chunk instead of once per
   sequence, and the tensor-core tiles are full instead of 1/16 used.
 
+Both also list the base tokens' rows (`base_rows`): lora_expand's write mode (kernels/lora_linear.py)
+zeroes exactly those rows of an output that is otherwise only written.
+
 Both are built on the host from Python lists the scheduler already has, with one host->device copy
 (from pinned memory on CUDA, non-blocking): no layer and no decode step waits on the device.
 """
@@ -30,6 +33,9 @@ class LoRASegments:
     slots: torch.Tensor  # [G] int32: slot of each segment (>= 0: base tokens have no segment)
     token_index: Optional[torch.Tensor]  # [P] int32: token row at each position; None = row = position
     max_len: int  # longest segment, kept on the host: it sizes the grid without a device sync
+    # [Tb] int32: rows of the base tokens, for lora_expand's write mode (it zeroes them); None = not built
+    base_rows: Optional[torch.Tensor] = None
+    num_rows: int = 0  # adapter tokens (positions) in all segments, on the host
 
     @property
     def num_segs(self) -> int:
@@ -41,9 +47,12 @@ def sgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], device: tor
     starts: list[int] = []
     lens: list[int] = []
     slots: list[int] = []
+    base: list[int] = []
     row = 0
     for n, s in zip(seg_lens, seg_slots):
-        if s >= 0 and n > 0:
+        if s < 0:
+            base.extend(range(row, row + n))
+        elif n > 0:
             if slots and slots[-1] == s and starts[-1] + lens[-1] == row:
                 lens[-1] += n  # same adapter right after: one segment, A/B read once
             else:
@@ -51,8 +60,8 @@ def sgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], device: tor
                 lens.append(n)
                 slots.append(s)
         row += n
-    starts_t, lens_t, slots_t = to_device([starts, lens, slots], device)
-    return LoRASegments(starts_t, lens_t, slots_t, None, max(lens, default=0))
+    starts_t, lens_t, slots_t, base_t = to_device([starts, lens, slots, base], device)
+    return LoRASegments(starts_t, lens_t, slots_t, None, max(lens, default=0), base_t, sum(lens))
 
 
 def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_size: int,
@@ -62,10 +71,13 @@ def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_
     if max_chunk_size < 1:
         raise ValueError(f"max_chunk_size must be >= 1, got {max_chunk_size}")
     rows_by_slot: dict[int, list[int]] = {}
+    base: list[int] = []
     row = 0
     for n, s in zip(seg_lens, seg_slots):
         if s >= 0:
             rows_by_slot.setdefault(s, []).extend(range(row, row + n))
+        else:
+            base.extend(range(row, row + n))
         row += n
     token_index: list[int] = []
     starts: list[int] = []
@@ -78,8 +90,8 @@ def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_
             lens.append(min(max_chunk_size, len(rows) - c))
             slots.append(s)
         token_index.extend(rows)
-    starts_t, lens_t, slots_t, index_t = to_device([starts, lens, slots, token_index], device)
-    return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0))
+    starts_t, lens_t, slots_t, index_t, base_t = to_device([starts, lens, slots, token_index, base], device)
+    return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0), base_t, len(token_index))
 
 
 def to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
@@ -101,8 +113,7 @@ def to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor
 def check_segments(segs: LoRASegments, slot_ranks: torch.Tensor, num_slots: int, device: torch.device) -> None:
     """The launchers' check of the metadata they are given (dtype, device, shape)."""
     tensors = [segs.starts, segs.lens, segs.slots, slot_ranks]
-    if segs.token_index is not None:
-        tensors.append(segs.token_index)
+    tensors += [t for t in (segs.token_index, segs.base_rows) if t is not None]
     for t in tensors:
         if t.dtype != torch.int32 or t.device != device or t.dim() != 1:
             raise ValueError(f"LoRA kernel metadata must be 1-D int32 on {device}, got {t.dtype} "

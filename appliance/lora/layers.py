@@ -57,15 +57,25 @@ class LoRALinear(nn.Module):
         if ctx.backend != "torch":
             # Imported here so the torch backend never needs triton (no wheel on some platforms).
             from kernels.lora_apply import lora_apply
+            from kernels.lora_linear import lora_linear, lora_linear_pays
 
             self._apply = lora_apply
+            self._linear, self._linear_pays = lora_linear, lora_linear_pays
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         info = self.ctx.info
+        segs = None if info is None else info.segments
+        # lora_linear computes x @ Wᵀ itself: only for a plain, unbiased linear (checked per call: a
+        # base swapped later for a module with its own forward, e.g. a sharded one, keeps the add after).
+        own_gemm = type(self.base).forward is nn.Linear.forward and self.base.bias is None
+        if segs is not None and own_gemm and x.dim() == 2 and self._linear_pays(x.shape[0], segs, x.device):
+            # Prefill-shaped step: the delta is written first and the base GEMM accumulates into it
+            # (kernels/lora_linear.py), so y crosses HBM once less than with the add after.
+            return self._linear(x, self.base.weight, self.A, self.B, segs, info.slot_ranks, self.out_offsets)
+        y = self.base(x)
         if info is None:
             return y
-        if info.segments is not None:
+        if segs is not None:
             # Kernels: y += (x @ Aᵀ) @ Bᵀ per slice, in place (one fused launch for one-token
             # segments, else lora_shrink's fp32 h then lora_expand); base rows untouched.
             self._apply(y, x, self.A, self.B, info.segments, info.slot_ranks, self.out_offsets)

@@ -21,6 +21,7 @@ import torch
 from kernels import reference as ref
 from kernels.lora_apply import lora_apply
 from kernels.lora_expand import lora_expand
+from kernels.lora_linear import lora_linear, lora_linear_pays
 from kernels.lora_shrink import lora_shrink
 from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments
 
@@ -60,9 +61,12 @@ def segments(strategy: str, seg_lens: list[int], seg_slots: list[int], chunk: in
 def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
                K: int, slices: list[int], R: int, chunk: int = 4, split_k: int = 1,
                with_scale: bool = False, seed: int = 0, shrink_kw: Optional[dict] = None,
-               expand_kw: Optional[dict] = None, apply_kw: Optional[dict] = None) -> None:
+               expand_kw: Optional[dict] = None, apply_kw: Optional[dict] = None, partials: bool = False,
+               write: bool = False) -> None:
     """apply_kw: check lora_apply (shrink + expand in one call, fused or not) with these arguments
-    instead of the two ops one after the other."""
+    instead of the two ops one after the other. partials: the shrink's K splits in planes of their own
+    (summed by the expand). write: the expand's write mode on a NaN-poisoned y (never read; base rows
+    must end as 0)."""
     g = torch.Generator().manual_seed(seed)
     S, n = len(ranks), len(slices)
     offs = [0]
@@ -83,7 +87,9 @@ def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots
     token_slots = torch.tensor([s for n_, s in zip(seg_lens, seg_slots) for _ in range(n_)], dtype=torch.long)
     scal = torch.rand(S, generator=g) + 0.5 if with_scale else None
     want_h = ref.lora_shrink(x, A, token_slots, ranks_t)
-    want_y = ref.lora_expand(y0.clone(), want_h, B, token_slots, offs, ranks_t, scal)
+    if write:
+        y0 = torch.full((T, OUT), float("nan"), dtype=dtype)
+    want_y = ref.lora_expand(y0.clone(), want_h, B, token_slots, offs, ranks_t, scal, write=write)
 
     segs = segments(strategy, seg_lens, seg_slots, chunk)
     r_dev = ranks_t.to(DEV)
@@ -98,10 +104,12 @@ def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots
         torch.testing.assert_close(y, want_y, atol=atol, rtol=rtol)
         assert torch.equal(y[base], y0[base]), "base tokens' rows changed"
         return
-    h = torch.full((T, n, R), float("nan"), device=DEV)
-    out = lora_shrink(x.to(DEV), A.to(DEV), segs, r_dev, out=h, split_k=split_k, **(shrink_kw or {}))
+    h = torch.full((split_k, T, n, R) if partials else (T, n, R), float("nan"), device=DEV)
+    out = lora_shrink(x.to(DEV), A.to(DEV), segs, r_dev, out=h, split_k=split_k, partials=partials,
+                      **(shrink_kw or {}))
     assert out is h
-    h = h.cpu()
+    planes = h.cpu()
+    h = planes.sum(0) if partials else planes
     for t in range(T):
         s = int(token_slots[t])
         if s >= 0:  # every element the expand will read was written, and is right
@@ -113,11 +121,14 @@ def check_case(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots
         elif split_k == 1:
             assert h[t].isnan().all(), f"h of base token {t} written"
     y = y0.clone().to(DEV)
-    lora_expand(y, h.to(DEV), B.to(DEV), segs, r_dev, offs, None if scal is None else scal.to(DEV),
-                **(expand_kw or {}))
+    lora_expand(y, (planes if partials else h).to(DEV), B.to(DEV), segs, r_dev, offs,
+                None if scal is None else scal.to(DEV), write=write, **(expand_kw or {}))
     y = y.cpu()
     torch.testing.assert_close(y, want_y, atol=atol, rtol=rtol)
-    assert torch.equal(y[base], y0[base]), "base tokens' rows changed"
+    if write:
+        assert (y[base] == 0).all(), "base tokens' rows not zeroed"
+    else:
+        assert torch.equal(y[base], y0[base]), "base tokens' rows changed"
 
 
 @pytest.mark.parametrize("strategy", ["triton", "csgmv"])
@@ -243,3 +254,88 @@ def test_launchers_refuse_bad_arguments() -> None:
         lora_expand(y[:, :20], h, B, segs, ranks, [0, 10, 20])
     with pytest.raises(ValueError, match="scalings"):
         lora_expand(y, h, B, segs, ranks, [0, 12, 24], scalings=torch.ones(3, device=DEV))
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("body", ["gemv", "dot"])
+def test_expand_write_mode(body: str, strategy: str) -> None:
+    # y poisoned with NaN is only written: adapter rows = the delta (0 for the empty slot 2), base
+    # rows in between (and first and last) zeroed; mixed ranks; 16-row zeroing programs with a short last one.
+    bm = 1 if body == "gemv" else 16
+    check_case(strategy, torch.float32, [2, 5, 1, 19, 3, 1, 2], [-1, 1, -1, 0, 2, -1, 1], ranks=[16, 3, 0], K=48,
+               slices=[40, 24, 24], R=16, chunk=4, write=True,
+               expand_kw=dict(block_m=bm, block_n=16, cols_per_prog=32))
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_shrink_partial_planes(dtype: torch.dtype, strategy: str) -> None:
+    # K = 576 in 4 planes of 160 (block_k 32): the last plane is short; decode rows (GEMV body)
+    # and a prefill segment (dot body) in one step; the expand sums the planes in write mode too.
+    for lens, bm in (([1, 1, 1, 1], 1), ([1, 6, 1], 16)):
+        check_case(strategy, dtype, lens, [1, -1, 0, 1][:len(lens)], ranks=[16, 5], K=576, slices=[40, 24],
+                   R=16, split_k=4, partials=True, write=bm == 16, shrink_kw=dict(block_m=bm, block_k=32))
+
+
+def test_partial_planes_past_k_are_zero() -> None:
+    # More planes than K blocks: the planes past K hold zeros for adapter rows, so their sum is h.
+    segs = sgmv_segments([2], [0], DEV)
+    ranks = torch.tensor([4], dtype=torch.int32, device=DEV)
+    x, A = torch.randn(2, 32, device=DEV), torch.randn(1, 1, 4, 32, device=DEV)
+    h = lora_shrink(x, A, segs, ranks, split_k=5, partials=True, block_k=16)
+    assert h.shape == (5, 2, 1, 4) and (h[2:] == 0).all()
+    torch.testing.assert_close(h.sum(0), ref.lora_shrink(x, A, torch.zeros(2, dtype=torch.long, device=DEV), ranks))
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_linear_against_reference(dtype: torch.dtype, strategy: str) -> None:
+    # The prefill path: delta written (base rows zeroed), then x @ Wᵀ accumulated into it, against
+    # the torch twin and against the add-after order (lora_apply on x @ Wᵀ) within the dtype's rounding.
+    g = torch.Generator().manual_seed(3)
+    lens, slots, ranks, K, slices, R = [3, 17, 2, 9, 1], [-1, 0, 2, 1, -1], [16, 4, 0], 40, [24, 8, 8], 16
+    S, T, OUT = len(ranks), sum(lens), sum(slices)
+    offs = [0, 24, 32, 40]
+    A = (torch.randn(S, 3, R, K, generator=g) / math.sqrt(K)).to(dtype)
+    B = (torch.randn(S, OUT, R, generator=g) / math.sqrt(R)).to(dtype)
+    for s, r in enumerate(ranks):
+        A[s, :, r:] = 1000.0
+        B[s, :, r:] = float("nan")
+    x = torch.randn(T, K, generator=g).to(dtype)
+    W = (torch.randn(OUT, K, generator=g) / math.sqrt(K)).to(dtype)
+    r_t = torch.tensor(ranks, dtype=torch.int32)
+    token_slots = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)])
+    want = ref.lora_linear(x, W, A, B, token_slots, offs, r_t)
+    segs = segments(strategy, lens, slots, 8)
+    assert lora_linear_pays(T, segs, torch.device("cpu"))
+    got = lora_linear(x.to(DEV), W.to(DEV), A.to(DEV), B.to(DEV), segs, r_t.to(DEV), offs).cpu()
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    base = token_slots < 0
+    torch.testing.assert_close(got[base], (x[base].float() @ W.float().T).to(dtype), atol=atol, rtol=rtol)
+    add_after = ref.lora_expand(x @ W.T, ref.lora_shrink(x, A, token_slots, r_t), B, token_slots, offs, r_t)
+    torch.testing.assert_close(got, add_after, atol=atol, rtol=rtol)
+
+
+def test_lora_linear_pays_only_for_prefill_shapes() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not lora_linear_pays(4, sgmv_segments([1, 1, 1, 1], [0, 1, -1, 0], cpu), cpu)  # decode
+    assert lora_linear_pays(6, sgmv_segments([5, 1], [0, -1], cpu), cpu)
+    long_ = sgmv_segments([2048], [0], cpu)
+    assert lora_linear_pays(2048, long_, cuda) and not lora_linear_pays(64, sgmv_segments([64], [0], cpu), cuda)
+
+
+def test_write_mode_refuses_segments_that_miss_rows() -> None:
+    segs = sgmv_segments([2, 1], [0, -1], DEV)
+    ranks = torch.tensor([4], dtype=torch.int32, device=DEV)
+    h, B = torch.zeros(4, 1, 4, device=DEV), torch.zeros(1, 8, 4, device=DEV)
+    y = torch.full((4, 8), 7.0, device=DEV)
+    with pytest.raises(ValueError, match="cover every row"):
+        lora_expand(y, h, B, segs, ranks, [0, 8], write=True)  # y has 4 rows, the step 3
+    assert (y == 7).all()
+    segs.base_rows = None
+    with pytest.raises(ValueError, match="base_rows"):
+        lora_expand(y[:3], h[:3], B, segs, ranks, [0, 8], write=True)
+    with pytest.raises(ValueError, match="out must be"):
+        lora_shrink(torch.zeros(3, 16, device=DEV), torch.zeros(1, 1, 4, 16, device=DEV), segs, ranks,
+                    out=torch.zeros(3, 1, 4, device=DEV), partials=True)

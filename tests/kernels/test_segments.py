@@ -38,3 +38,11 @@ def test_all_base_step_has_no_segment() -> None:
 def test_chunk_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_chunk_size"):
         csgmv_segments([1], [0], 0, CPU)
+
+
+def test_both_builders_list_the_base_rows() -> None:
+    # lora_expand's write mode zeroes exactly these rows; with the adapter rows they cover the step.
+    seg_lens, seg_slots = [3, 2, 1, 4, 1], [0, -1, 2, -1, 0]
+    for segs in (sgmv_segments(seg_lens, seg_slots, CPU), csgmv_segments(seg_lens, seg_slots, 2, CPU)):
+        assert segs.base_rows.tolist() == [3, 4, 6, 7, 8, 9]
+        assert segs.base_rows.dtype == torch.int32 and segs.num_rows == 5

@@ -1,0 +1,66 @@
+"""lora_linear: a whole LoRA-wrapped projection for prefill-shaped steps, the delta under the base GEMM.
+
+    y[t] = x[t] @ Wᵀ + scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ  (slices i)
+
+The add-after order (y = x @ Wᵀ, then lora_expand reads y, adds, writes it back) moves y through
+HBM twice more than the base GEMM does; for qkv_proj and o_proj at 16k tokens that alone is
+~12-13 % of the GEMM's time on an H200 (docs/benchmarks.md). Here the order is turned round:
+lora_shrink (h, fp32), then lora_expand in write mode (y = the delta, written once and never read;
+base tokens' rows zeroed), then cuBLAS accumulates the base product into y (beta = 1). A
+compute-bound GEMM reads C in its epilogue almost for free, so the delta's cost falls to one write
+of y plus the shrink's read of x.
+
+Rounding differs from the add-after order by one step: the delta is rounded to y's dtype when
+written, then cuBLAS adds the fp32 base product to it and rounds once (instead of rounding the base
+product, then base + delta).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import lora_shrink
+from kernels.segments import LoRASegments
+
+# Tokens in a step from which the write-then-accumulate order is used on CUDA. H200,
+# docs/benchmarks.md: it beat the add-after order from 256 tokens (the fewest measured) up; the
+# read of C cost cuBLAS 0-3 %. Below, the step stays with lora_apply after the GEMM.
+MIN_TOKENS_CUDA = 256
+
+
+def lora_linear_pays(num_tokens: int, segs: LoRASegments, device: torch.device) -> bool:
+    """Whether a step should run its wrapped projections through lora_linear (host ints only, no sync):
+    multi-token segments (prefill-shaped) and, on CUDA, enough tokens for the GEMM to be compute bound.
+    On CPU (Triton's interpreter) every prefill-shaped step does, so the CPU tests run this path."""
+    if segs.max_len <= 1 or segs.base_rows is None:
+        return False
+    return device.type != "cuda" or num_tokens >= MIN_TOKENS_CUDA
+
+
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
+                slot_ranks: torch.Tensor, out_offsets: Sequence[int],
+                scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ weightᵀ + the multi-LoRA delta of every slice (lora_apply's math), as a new [T, out] tensor.
+
+    x [T, in], weight [out, in] (no bias: the caller keeps the add-after order for biased linears),
+    A [S, n, R, in], B [S, out, R], all one dtype (fp32/bf16/fp16); segs from kernels/segments.py's
+    builders (they list the base tokens' rows); slot_ranks [S] int32; out_offsets [n + 1];
+    scalings [S] fp32 or None.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"lora_linear: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"lora_linear: weight and x must share a dtype, got {weight.dtype}, {x.dtype}")
+    if B.dim() != 3 or B.shape[1] != weight.shape[0]:
+        raise ValueError(f"lora_linear: B must be [S, {weight.shape[0]}, R], got {tuple(B.shape)}")
+    T, OUT = x.shape[0], weight.shape[0]
+    y = torch.empty(T, OUT, dtype=x.dtype, device=x.device)
+    # K split with fp32 atomics into a zeroed h, not planes of partial sums: every expand program
+    # would re-add all planes of its rows (gate_up_proj, 1k tokens: 16 planes, 65 against 60 µs).
+    h = lora_shrink(x, A, segs, slot_ranks)  # [T, n, R] fp32
+    lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings, write=True)
+    return y.addmm_(x, weight.t())  # beta = 1: cuBLAS reads the delta in its epilogue
