@@ -52,7 +52,8 @@ def _lora_fused_gemv_kernel(
         return  # this slice is narrower than the widest one
     c_hi = tl.minimum(c_lo + cols_per_prog, hi)
     slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
+    # slot -1: a padding segment of a static (CUDA-graph) decode batch, same as an empty slot
+    rank = tl.where(slot < 0, 0, tl.load(rank_ptr + tl.maximum(slot, 0)))
     if rank == 0:
         return  # empty slot: nothing to add
     pos = tl.load(seg_start_ptr + seg)

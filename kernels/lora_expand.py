@@ -54,7 +54,8 @@ def _lora_expand_kernel(
     if m0 >= seg_len:
         return
     slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
+    # slot -1: a padding segment of a static (CUDA-graph) decode batch, same as an empty slot
+    rank = tl.where(slot < 0, 0, tl.load(rank_ptr + tl.maximum(slot, 0)))
     if rank == 0:
         return  # empty slot: nothing to add
     p_lo = tl.program_id(1) * cols_per_prog

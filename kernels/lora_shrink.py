@@ -53,7 +53,8 @@ def _lora_shrink_kernel(
     if m0 >= seg_len:
         return  # this segment is shorter than the longest one
     slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)
+    # slot -1: a padding segment of a static (CUDA-graph) decode batch, same as an empty slot
+    rank = tl.where(slot < 0, 0, tl.load(rank_ptr + tl.maximum(slot, 0)))
     n0 = tl.program_id(1) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < N) & ((offs_n % R) < rank)
