@@ -3,7 +3,8 @@
 1. The Triton paged-attention decode kernel against its torch twin (kernels/reference.py) on the GPU:
    Llama-3.1-8B heads (32 q / 8 kv, head_dim 128) and SmolLM2 heads (9 / 3, 64), bf16/fp16/fp32,
    contexts that are not multiples of the block size, split-K 1 and auto.
-2. Attention alone, one layer of the 8B shape: the kernel vs the twin (gather + SDPA), CUDA events.
+2. Attention alone, one layer of the 8B shape: the kernel vs the twin (gather + SDPA), each
+   replayed from a CUDA graph (device time, no launch cost), CUDA events.
 3. The engine (SmolLM2-135M architecture, random weights): greedy tokens with CUDA graphs equal to
    the eager engine's (fp32), and the decode step time eager vs graphs (bf16, batch 1/8/64).
 
@@ -67,12 +68,18 @@ def kernels_section(res: dict) -> None:
 
 
 def time_cuda(fn, reps: int = 20) -> float:
+    """Device time of fn, replayed from a CUDA graph so the host's launch cost is not measured."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        fn()
+        g.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps  # ms

@@ -153,8 +153,8 @@ class ModelRunner:
         """Split-K parts of the Triton decode kernel: 1 when batch x KV heads programs fill the SMs,
         else enough parts of >= 512 tokens to fill them twice (host ints only: batch size and a bound)."""
         programs = batch * self.args.num_kv_heads
-        if self._sms == 0 or programs >= self._sms:
-            return 1
+        if self._sms == 0 or programs == 0 or programs >= self._sms:
+            return 1  # cpu, a step without decodes, or the SMs already full
         return max(1, min(-(-2 * self._sms // programs), -(-len_bound // 512)))
 
     # ------------------------------------------------------------------ one step
