@@ -87,11 +87,12 @@ def time_cuda(fn, reps: int = 20) -> float:
 
 def attention_bench(res: dict) -> None:
     rows = []
-    for b, ctx in ((64, 1024), (8, 1024), (1, 4096)):
+    bound = 8192  # as in a graph of the 8B shape (model.max_model_len 8192)
+    for b, ctx in ((64, 1024), (8, 1024), (1, 1024), (1, 4096)):
         q, kc, vc, bt, lens = kernel_case(32, 8, 128, [ctx] * b, torch.bfloat16)
-        splits = max(1, min(-(-2 * 132 // (b * 8)), -(-ctx // 512))) if b * 8 < 132 else 1
+        splits = max(1, min(64, -(-bound // 512))) if 4 * b * 8 <= 132 else 1  # ModelRunner.decode_splits
         t_k = time_cuda(lambda: paged_attention_decode(q, kc, vc, bt, lens, 0.088, num_splits=splits,
-                                                       max_len_bound=ctx))
+                                                       max_len_bound=bound))
         t_k1 = time_cuda(lambda: paged_attention_decode(q, kc, vc, bt, lens, 0.088))
         t_t = time_cuda(lambda: ref.paged_attention_decode(q, kc, vc, bt, lens, 0.088, max_len=ctx))
         kv_bytes = 2 * b * ctx * 8 * 128 * 2

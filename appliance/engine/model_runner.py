@@ -150,12 +150,15 @@ class ModelRunner:
         self.static_decode = StaticDecode(self, e.graph_batch_sizes(), capture=True)
 
     def decode_splits(self, batch: int, len_bound: int) -> int:
-        """Split-K parts of the Triton decode kernel: 1 when batch x KV heads programs fill the SMs,
-        else enough parts of >= 512 tokens to fill them twice (host ints only: batch size and a bound)."""
+        """Split-K parts of the Triton decode kernel: 1 unless batch x KV heads programs fill at most a
+        quarter of the SMs (H200, 8 KV heads, batch 8, 1k context: the combine made it 41 µs against 28
+        unsplit), else parts of 512 tokens of the length bound (at most 64). Parts past a context exit at
+        once, so a short context in a graph sized for max_model_len only pays the combine (H200: batch 1,
+        4k context, 39 µs per layer against 98 µs unsplit; docs/benchmarks.md). Host ints only."""
         programs = batch * self.args.num_kv_heads
-        if self._sms == 0 or programs == 0 or programs >= self._sms:
-            return 1  # cpu, a step without decodes, or the SMs already full
-        return max(1, min(-(-2 * self._sms // programs), -(-len_bound // 512)))
+        if self._sms == 0 or programs == 0 or 4 * programs > self._sms:
+            return 1  # cpu, a step without decodes, or enough programs already
+        return max(1, min(64, -(-len_bound // 512)))
 
     # ------------------------------------------------------------------ one step
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
