@@ -3,8 +3,8 @@
 A decode step of n sequences is padded to the smallest captured size b >= n. Everything the forward
 reads lives in buffers allocated once for the largest size: input ids, positions, slot mapping, block
 tables, context lengths, the LoRA segments (one per row, slot -1 = base or padding row) and the slot
-ranks; the logits come out in a buffer the graph owns. A step only copies its values into them (one
-pinned host->device copy per dtype), then replays; nothing inside the replayed step depends on a host
+ranks; the logits come out in a buffer the graph owns. A step only copies its values into them (from
+two pinned staging buffers, int64 and int32, queued without a host wait), then replays; nothing inside the replayed step depends on a host
 integer of this step, and nothing syncs with the host:
 
 - attention: the Triton decode kernel reads the lengths on the device; its split-K count is fixed per
@@ -12,7 +12,8 @@ integer of this step, and nothing syncs with the host:
 - LoRA (backends triton/csgmv): a fixed grid of one-token segments with max_len 1; rows without an
   adapter exit at once. The csgmv backend's sorted chunks have a data-dependent count, so under graphs
   its decode steps use this per-row layout too (A/B then read once per row, mostly from L2);
-- adapter slot loads only change the contents of the A/B slot tensors and of `slot_ranks`.
+- adapter slot loads only change the contents of the A/B slot tensors and of `slot_ranks` (a loader
+  that replaced those tensors instead of copying into them would invalidate the graphs).
 
 Padding rows write their K/V into a block reserved for them (ModelRunner.pad_block) and have context
 length 0 (attention output 0). With `capture=False` (CPU, tests) the same static-buffer step runs
