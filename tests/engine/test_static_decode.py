@@ -75,3 +75,17 @@ def test_graph_settings_are_checked() -> None:
     e = default_config("engine.max_num_seqs=48").engine
     assert e.graph_batch_sizes() == [1, 2, 4, 8, 16, 32, 48]
     assert default_config("engine.cuda_graph_batch_sizes=[8,2,8]").engine.graph_batch_sizes() == [2, 8]
+
+
+def test_split_k_and_graph_choice_on_a_given_sm_count(tiny_model_dir: Path) -> None:
+    eng = engine_for(tiny_model_dir, "torch")
+    r = eng.runner
+    assert r.decode_splits(64, 8192) == 1  # cpu: never split
+    assert "cpu" in r.graphs_off_reason(eng.cfg.engine)
+    r._sms = 132  # an H200's SM count; the tiny model has 2 KV heads
+    assert r.decode_splits(0, 8192) == 1  # a step without decodes
+    assert r.decode_splits(64, 8192) == 1  # 128 programs: no split
+    assert r.decode_splits(16, 2048) == 4  # 32 programs <= 132 / 4: parts of 512 tokens
+    assert r.decode_splits(1, 131072) == 64  # capped
+    e = default_config("engine.enforce_eager=true").engine
+    assert r.graphs_off_reason(e) == "engine.enforce_eager is true"
