@@ -2,8 +2,8 @@
 
 The device host cannot download weights and the working tree it receives is capped in size, so this
 uses the default model's architecture (SmolLM2-135M config.json) with random weights, and the
-default model's tokenizer files (small) from --tokenizer. Numbers are for the plain-torch engine of
-issue 2 (no CUDA graphs, no Triton attention yet: issue 7 brings those).
+default model's tokenizer files (small) from --tokenizer. On CUDA the engine runs its GPU path (Triton
+decode attention, CUDA graphs for decode steps); benchmarks/gpu_engine_check.py compares it with eager.
 
     python benchmarks/gpu_check.py --tokenizer DIR [--batches 1 8 32 64] [--new-tokens 64]
 """
@@ -162,12 +162,13 @@ def main() -> None:
         # 1. Parity in float32 on the GPU: greedy tokens of 4 prompts, batched, against transformers.
         eng = engine_for(d, "float32", 64)
         ours, _ = run(eng, prompts[:4], greedy)
+        ids_of = sorted(ours, key=lambda k: int(k.split("-")[0][1:]))  # run_keys names them k{i}-{t0}
         ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
         same = 0
         for i in range(4):
             ids = torch.tensor([prompts[i]], device="cuda")
             want = ref.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-            same += int(want[0, args.prompt_len:].tolist() == ours[str(i)])
+            same += int(want[0, args.prompt_len:].tolist() == ours[ids_of[i]])
         print(f"fp32 greedy parity with transformers on cuda: {same}/4 prompts identical (32 tokens)")
         del eng, ref
         torch.cuda.empty_cache()

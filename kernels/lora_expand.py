@@ -80,7 +80,7 @@ def _lora_expand_kernel(
     b_ty = b_ptr.dtype.element_ty
     scale = 1.0
     if HAS_SCALE:
-        scale = tl.load(scale_ptr + slot)
+        scale = tl.load(scale_ptr + tl.maximum(slot, 0))  # slot -1 (padding) has rank 0: any scale
     if BLOCK_M == 1:
         row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     else:

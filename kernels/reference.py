@@ -101,3 +101,46 @@ def lora_apply_grouped(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: tor
         parts = [h[:, i] @ B[slot, out_offsets[i]:out_offsets[i + 1]].T for i in range(len(out_offsets) - 1)]
         y.index_add_(0, idx, torch.cat(parts, dim=1))
     return y
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+              length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the first `length` positions of each sequence: [B, length, kvh, d].
+
+    k_cache, v_cache [num_blocks, BS, kvh, d]; block_tables [B, >= ceil(length / BS)] int.
+    """
+    bs = k_cache.shape[1]
+    nblk = (length + bs - 1) // bs
+    bt = block_tables[:, :nblk].long()
+    b = bt.shape[0]
+    kc = k_cache[bt].reshape(b, nblk * bs, *k_cache.shape[2:])[:, :length]
+    vc = v_cache[bt].reshape(b, nblk * bs, *v_cache.shape[2:])[:, :length]
+    return kc, vc
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           max_len: Optional[int] = None) -> torch.Tensor:
+    """out[b, h] = softmax(scale * q[b, h] · K[b, :L_b, h // G]ᵀ) @ V[b, :L_b, h // G], L_b = context_lens[b].
+
+    The twin of kernels/paged_attention.py and the `torch` attention backend's decode path: gathers
+    each sequence's K/V up to the longest context, masks, one batched SDPA. q [B, H, D]; caches
+    [num_blocks, BS, KVH, D]; block_tables [B, max_blocks]; context_lens [B] (0 = padding row -> 0);
+    max_len: max(context_lens) when the caller knows it on the host (else read from the device).
+    """
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    if max_len is None:
+        max_len = int(context_lens.max())
+    max_len = max(max_len, 1)
+    kc, vc = gather_kv(k_cache, v_cache, block_tables, max_len)
+    valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
+    valid[:, 0] |= context_lens == 0  # a padding row attends to something (its output is zeroed)
+    keep = valid[:, :, None, None]  # stale or foreign cache rows past a context must not leak (0 * NaN)
+    kc = torch.where(keep, kc, torch.zeros((), dtype=kc.dtype, device=kc.device))
+    vc = torch.where(keep, vc, torch.zeros((), dtype=vc.dtype, device=vc.device))
+    # [B, h, 1, d] x [B, kvh, L, d]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True).squeeze(2)
+    return torch.where((context_lens > 0)[:, None, None], o, torch.zeros_like(o))

@@ -2,7 +2,7 @@
 
 A program along grid axis 0 owns BLOCK_M positions of one segment (kernels/segments.py):
 
-    segment_tile(pid)  -> (seg, m0, seg_len, slot, rank)   pid = seg * tiles_per_seg + m0 / BLOCK_M
+    segment_tile(pid)  -> (seg, m0, seg_len, slot, rank)   slot -1 (padding) gives rank 0   pid = seg * tiles_per_seg + m0 / BLOCK_M
     segment_row(...)   -> the token row (int64 scalar) of position m0 (one-token bodies)
     segment_rows(...)  -> rows [BLOCK_M] int64 and mask [BLOCK_M] of positions m0 .. m0 + BLOCK_M
 
@@ -23,7 +23,8 @@ def segment_tile(pid, tiles_per_seg, seg_len_ptr, seg_slot_ptr, rank_ptr, BLOCK_
     m0 = (pid % tiles_per_seg) * BLOCK_M
     seg_len = tl.load(seg_len_ptr + seg)
     slot = tl.load(seg_slot_ptr + seg)
-    rank = tl.load(rank_ptr + slot)  # 0 = empty slot
+    # 0 = empty slot; slot -1 = a padding row of a static (CUDA-graph) decode batch: rank 0 as well
+    rank = tl.where(slot < 0, 0, tl.load(rank_ptr + tl.maximum(slot, 0)))
     return seg, m0, seg_len, slot, rank
 
 

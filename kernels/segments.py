@@ -30,7 +30,8 @@ import torch
 class LoRASegments:
     starts: torch.Tensor  # [G] int32: first position of each segment
     lens: torch.Tensor  # [G] int32: positions in each segment (>= 1)
-    slots: torch.Tensor  # [G] int32: slot of each segment (>= 0: base tokens have no segment)
+    slots: torch.Tensor  # [G] int32: slot of each segment (base tokens have no segment; -1 only in the
+    # static decode batch of engine/cuda_graph.py: one segment per row, base and padding rows at -1)
     token_index: Optional[torch.Tensor]  # [P] int32: token row at each position; None = row = position
     max_len: int  # longest segment, kept on the host: it sizes the grid without a device sync
     # [Tb] int32: rows of the base tokens, for lora_expand's write mode (it zeroes them); None = not built

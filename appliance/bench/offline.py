@@ -80,11 +80,13 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
-                steps: int, copy_bw: float, rank: int, targets: Sequence[str], progress: bool = False) -> dict:
+                steps: int, copy_bw: float, rank: int, targets: Sequence[str], progress: bool = False,
+                profile: bool = False) -> dict:
     """Prefill len(prompts) sequences, then time `steps` pure decode steps of all of them together.
 
     floor = bytes one decode step must read (weights except the embedding table, KV of every sequence,
-    the A/B of each distinct adapter) / copy bandwidth measured in the same run."""
+    the A/B of each distinct adapter) / copy bandwidth measured in the same run. profile: 2 more steps
+    under torch.profiler; the 12 kernels of most device time per step go to "top_kernels"."""
     from tqdm import tqdm
 
     dev = engine.runner.device
@@ -107,6 +109,7 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
             times.append(time.perf_counter() - t0)
             if len(outs) != len(ids):
                 raise RuntimeError(f"a decode step advanced {len(outs)} of {len(ids)} sequences")
+        top = _profile_steps(engine, 2) if profile else None
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -126,7 +129,26 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
             "weight_gb": round(weights * elt / 1e9, 3), "kv_gb": round(kv * elt / 1e9, 3),
             "adapter_gb": round(lora * elt / 1e9, 3), "adapter_bytes": int(lora * elt),
             "floor_ms": round(floor_s * 1e3, 4),
-            "x_floor": round(step_s / floor_s, 2)}
+            "x_floor": round(step_s / floor_s, 2), **({"top_kernels": top} if top is not None else {})}
+
+
+def _profile_steps(engine: LLMEngine, steps: int) -> list[dict]:
+    """Device time per step of the kernels that take most of it: [{name, us_per_step, calls_per_step}]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(engine.runner.device)
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if dev_us > 0:
+            rows.append({"name": e.key[:90], "us_per_step": round(dev_us / steps, 1),
+                         "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:12]
 
 
 def prefill(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],

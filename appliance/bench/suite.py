@@ -51,6 +51,7 @@ class BenchOptions:
     decode_context: int = 1024
     decode_steps: int = 16
     decode_adapters: int = 64
+    profile_decode: bool = False  # torch.profiler over 2 extra decode steps: top kernels into the JSON
     # Prefill tokens/s, base and with distinct adapters (0 requests = skip).
     prefill_requests: int = 32
     prefill_len: int = 512
@@ -260,7 +261,7 @@ class Bench:
                 keys = [None if d == 0 else names[r0][i % d] for i in range(o.decode_batch)]
                 self.res["decode_step"].append(decode_step(
                     eng, prompts, keys, o.decode_steps, self.res["ceilings"]["copy_gb_s"] * 1e9, r0, o.targets,
-                    progress=o.progress))
+                    progress=o.progress, profile=o.profile_decode))
 
         if o.decode_steps > 0:
             self._phase("decode_step", decode)

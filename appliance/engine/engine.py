@@ -92,6 +92,8 @@ class LLMEngine:
             log.warning("engine.fault_injection_token_id=%d: steps whose input holds it will fail (debug)",
                         cfg.engine.fault_injection_token_id)
             install_token_fault(self.runner.model, cfg.engine.fault_injection_token_id)
+        # Last: the graphs capture the model as wrapped (LoRA) and with its hooks (no graphs under faults).
+        self.runner.setup_decode_graphs(cfg.engine)
 
     def _load_configured_adapters(self, cfg: ApplianceConfig) -> None:
         """Load `adapters.*` at start; a bad one stops the start with its key path."""

@@ -1,9 +1,14 @@
-"""Attention over the paged KV cache, in plain torch (works on CPU and GPU).
+"""Attention over the paged KV cache.
 
 The step's tokens are flattened: first the prefill chunks of some sequences, then one decode token for
 each decoding sequence. `AttentionMetadata` (built once per step by the model runner) says where each
-token's K/V goes in the cache and which cache blocks each sequence reads. `paged_attention` is the one
-function a Triton decode kernel replaces on GPU later.
+token's K/V goes in the cache and which cache blocks each sequence reads.
+
+Decode tokens go through one batched call: the Triton kernel (kernels/paged_attention.py, backend
+`triton`: reads each K/V tile once for all query heads of its KV head, lengths read on the device) or
+its pure-torch twin (backend `torch`: gathers the KV up to the longest context). Prefill chunks use
+SDPA per sequence; a chunk that continues a cached context gets a lower-right causal bias instead of
+a materialised [q_len, total] mask.
 
 Cache layout per layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 """
@@ -14,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from kernels import reference as ref
 
 
 @dataclass
@@ -32,7 +40,13 @@ class AttentionMetadata:
     # Decode tokens are [num_prefill_tokens, T), one per sequence.
     decode_block_tables: torch.Tensor  # [D, max_blocks] long (padded with 0)
     decode_context_lens: torch.Tensor  # [D] long: cache length incl. this step's token
-    decode_max_len: int  # max of decode_context_lens (host int; sizes the gather)
+    decode_max_len: int  # max of decode_context_lens (host int; sizes the torch twin's gather only)
+    # engine.attention_backend resolved: "triton" = the decode kernel, "torch" = its twin.
+    attention_backend: str = "torch"
+    # Split-K parts of the Triton decode kernel and the length bound that sizes them (host ints fixed
+    # by the batch size and max_model_len, never by this step's lengths; see ModelRunner.decode_splits).
+    decode_splits: int = 1
+    decode_len_bound: int = 0
 
     @property
     def num_decodes(self) -> int:
@@ -60,36 +74,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             # Whole prompt (or first chunk) in this step: attend to the fresh K/V, plain causal.
             out[sl] = _sdpa(q[sl], k[sl], v[sl], None, causal=True, scale=scale)
         else:
+            # A chunk continuing a cached context: query i sits at position context_len + i, so the
+            # causal mask is aligned to the lower right of [q_len, total]; SDPA builds it, not us.
             total = p.context_len + p.q_len
-            kc, vc = _gather(k_cache, v_cache, p.block_table[None], total)
-            qpos = p.context_len + torch.arange(p.q_len, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]  # [q_len, total]
-            out[sl] = _sdpa(q[sl], kc[0], vc[0], mask, causal=False, scale=scale)
+            kc, vc = ref.gather_kv(k_cache, v_cache, p.block_table[None], total)
+            out[sl] = _sdpa(q[sl], kc[0], vc[0], causal_lower_right(p.q_len, total), causal=False, scale=scale)
     if meta.num_decodes:
         qd = q[meta.num_prefill_tokens:]  # [D, h, d]
-        kc, vc = _gather(k_cache, v_cache, meta.decode_block_tables, meta.decode_max_len)
-        valid = torch.arange(meta.decode_max_len, device=q.device)[None, :] < meta.decode_context_lens[:, None]
-        # [D, h, 1, d] x [D, kvh, L, d]
-        o = F.scaled_dot_product_attention(
-            qd.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
-            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
-        out[meta.num_prefill_tokens:] = o.squeeze(2)
+        if meta.attention_backend == "triton":
+            from kernels.paged_attention import paged_attention_decode  # needs triton: only when chosen
+
+            out[meta.num_prefill_tokens:] = paged_attention_decode(
+                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                num_splits=meta.decode_splits, max_len_bound=meta.decode_len_bound or None)
+        else:
+            out[meta.num_prefill_tokens:] = ref.paged_attention_decode(
+                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                max_len=meta.decode_max_len)
     return out
 
 
-def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V of the first `length` positions of each sequence: [B, length, kvh, d]."""
-    bs = k_cache.shape[1]
-    nblk = (length + bs - 1) // bs
-    bt = block_tables[:, :nblk]
-    b = bt.shape[0]
-    kc = k_cache[bt].reshape(b, nblk * bs, *k_cache.shape[2:])[:, :length]
-    vc = v_cache[bt].reshape(b, nblk * bs, *v_cache.shape[2:])[:, :length]
-    return kc, vc
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object,
           causal: bool, scale: float) -> torch.Tensor:
     """q [n, h, d], k/v [m, kvh, d] -> [n, h, d] for one sequence."""
     o = F.scaled_dot_product_attention(

@@ -257,3 +257,22 @@ def test_triton_backends_refused_on_cpu_without_interpreter(tiny_model_dir: Path
         with pytest.raises(ConfigError, match=r"lora\.backend: '" + backend + "' cannot run here: .*CUDA device"):
             lora_engine(tiny_model_dir, tmp_path, f"lora.backend={backend}", "model.device=cpu")
     assert lora_engine(tiny_model_dir, tmp_path, "lora.backend=torch", "model.device=cpu").lora is not None
+
+
+def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], oracle: dict,
+                                                     tiny_model_dir: Path) -> None:
+    """The CUDA-graph decode layout on CPU (engine/cuda_graph.py, not captured): one LoRA segment per
+    row, base and padding rows at slot -1, Triton attention; 6 requests padded to 8 rows."""
+    from appliance.engine.cuda_graph import StaticDecode
+
+    root = next(iter(adapters.values())).parent
+    engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=4", "lora.backend=triton",
+                         "engine.attention_backend=triton")
+    names = ["qv4", "all8rs", "pattern"]
+    for name in names:
+        engine.lora.load(name, str(adapters[name]))
+    engine.runner.static_decode = StaticDecode(engine.runner, [8], capture=False)
+    jobs = [(None, 0), ("qv4", 1), ("all8rs", 2), ("pattern", 3), ("all8rs", 0), (None, 3)]
+    got = run_mixed(engine, jobs)
+    for j, (name, p) in enumerate(jobs):
+        assert got[j] == oracle[name][0][p], f"{name} prompt {p}"

@@ -1,0 +1,212 @@
+"""StaticDecode: decode-only steps over static buffers, replayed as CUDA graphs (one per batch size).
+
+A decode step of n sequences is padded to the smallest captured size b >= n. Everything the forward
+reads lives in buffers allocated once for the largest size: input ids, positions, slot mapping, block
+tables, context lengths, the LoRA segments (one per row, slot -1 = base or padding row) and the slot
+ranks; the logits come out in a buffer the graph owns. A step only copies its values into them (from
+two pinned staging buffers, int64 and int32, queued without a host wait), then replays; nothing inside the replayed step depends on a host
+integer of this step, and nothing syncs with the host:
+
+- attention: the Triton decode kernel reads the lengths on the device; its split-K count is fixed per
+  size from max_model_len (ModelRunner.decode_splits);
+- LoRA (backends triton/csgmv): a fixed grid of one-token segments with max_len 1; rows without an
+  adapter exit at once. The csgmv backend's sorted chunks have a data-dependent count, so under graphs
+  its decode steps use this per-row layout too (A/B then read once per row, mostly from L2);
+- adapter slot loads only change the contents of the A/B slot tensors and of `slot_ranks` (a loader
+  that replaced those tensors instead of copying into them would invalidate the graphs).
+
+Padding rows write their K/V into a block reserved for them (ModelRunner.pad_block) and have context
+length 0 (attention output 0). With `capture=False` (CPU, tests) the same static-buffer step runs
+eagerly, so the CPU tests cover the buffer filling, the padding and the fixed LoRA layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from appliance.engine.scheduler import SchedulerOutput
+from appliance.lora.batch import LoRABatchInfo
+from appliance.models.attention import AttentionMetadata
+from kernels.segments import LoRASegments
+
+if TYPE_CHECKING:
+    from appliance.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeBuffers:
+    """Static device buffers for the largest batch size Bm; a size b uses the first b rows."""
+
+    input_ids: torch.Tensor  # [Bm] long
+    positions: torch.Tensor  # [Bm] long
+    slot_mapping: torch.Tensor  # [Bm] long: cache slot of each row's new K/V
+    context_lens: torch.Tensor  # [Bm] int32: tokens in the cache incl. this step's (0 = padding)
+    block_tables: torch.Tensor  # [Bm, max_blocks_per_seq] int32
+    lora_slots: torch.Tensor  # [Bm] int32: slot of each row, -1 = base or padding
+    seg_starts: torch.Tensor  # [Bm] int32 = arange: one LoRA segment per row
+    seg_lens: torch.Tensor  # [Bm] int32 = 1
+    slot_ranks: torch.Tensor  # [S] int32: rank of each LoRA slot (0 = empty)
+
+
+class StaticDecode:
+    def __init__(self, runner: "ModelRunner", sizes: list[int], capture: bool) -> None:
+        if not sizes or any(b < 1 for b in sizes):
+            raise ValueError(f"static decode batch sizes must be >= 1, got {sizes}")
+        self.runner = runner
+        self.sizes = sorted(set(sizes))
+        self.capture = capture
+        dev = runner.device
+        bm = self.sizes[-1]
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        num_slots = len(runner.lora.slot_ranks) if runner.lora is not None else 0
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.buf = DecodeBuffers(
+            input_ids=torch.zeros(bm, dtype=torch.long, device=dev),
+            positions=torch.zeros(bm, dtype=torch.long, device=dev),
+            slot_mapping=torch.zeros(bm, dtype=torch.long, device=dev),
+            context_lens=torch.zeros(bm, **i32),
+            block_tables=torch.zeros(bm, self.max_blocks, **i32),
+            lora_slots=torch.full((bm,), -1, **i32),
+            seg_starts=torch.arange(bm, **i32),
+            seg_lens=torch.ones(bm, **i32),
+            slot_ranks=torch.zeros(num_slots, **i32),
+        )
+        # Host staging, pinned on cuda so the copies are queued without blocking the host:
+        # long rows [ids | positions | slot mapping], int32 rows [context lens | lora slots | ranks | tables].
+        pin = dev.type == "cuda"
+        self._h64 = torch.zeros(3 * bm, dtype=torch.long, pin_memory=pin)
+        self._h32 = torch.zeros(2 * bm + num_slots + bm * self.max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._copied: Optional[torch.cuda.Event] = None  # the last copy out of the staging buffers
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # size -> [b, vocab] float32, written by its graph
+        if capture:
+            self._capture_all()
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def size_for(self, n: int) -> Optional[int]:
+        """The padded size of a decode step of n sequences; None = too large, run it eagerly."""
+        for b in self.sizes:
+            if b >= n:
+                return b
+        return None
+
+    # ------------------------------------------------------------------ one step
+    def run(self, plan: SchedulerOutput) -> torch.Tensor:
+        """Logits [n, vocab] float32 of a decode-only plan of n <= max_size sequences."""
+        n = len(plan.decodes)
+        b = self.size_for(n)
+        if plan.prefills or b is None:
+            raise ValueError(f"static decode takes decode-only steps of at most {self.max_size} sequences")
+        max_len = self._fill(plan, b)
+        if self.capture:
+            self.graphs[b].replay()
+            return self.logits[b][:n]
+        return self._forward(b, max_len)[:n]
+
+    def _fill(self, plan: SchedulerOutput, b: int) -> int:
+        """Copy the step into the first b rows of the buffers; padding rows go to the pad block."""
+        r = self.runner
+        bs = r.block_size
+        pad_slot = r.pad_block * bs
+        ids, pos, slots, ctx, tables = [], [], [], [], []
+        lora_slots: list[int] = []
+        for s in plan.decodes:
+            seq = s.seq
+            p = seq.num_computed_tokens
+            ids.append(seq.token_at(p))
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+            tables.append(seq.block_table)
+            if r.lora is not None:
+                slot = -1 if seq.adapter is None else r.lora.pool.lookup(seq.adapter)
+                if slot is None:
+                    raise RuntimeError("a scheduled adapter has no slot")
+                lora_slots.append(slot)
+        n = len(ids)
+        pad = b - n
+        ncols = max(len(t) for t in tables)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have left the staging buffers
+        h64, h32 = self._h64, self._h32
+        h64[:3 * b] = torch.tensor(ids + [0] * pad + pos + [0] * pad + slots + [pad_slot] * pad, dtype=torch.long)
+        ranks = r.lora.slot_ranks if r.lora is not None else []
+        head = ctx + [0] * pad + (lora_slots + [-1] * pad if r.lora is not None else [-1] * b) + list(ranks)
+        h32[:len(head)] = torch.tensor(head, dtype=torch.int32)
+        flat = [v for t in tables for v in t + [0] * (ncols - len(t))]
+        h32[len(head):len(head) + n * ncols] = torch.tensor(flat, dtype=torch.int32)
+        d = self.buf
+        nb = len(head)
+        d.input_ids[:b].copy_(h64[:b], non_blocking=True)
+        d.positions[:b].copy_(h64[b:2 * b], non_blocking=True)
+        d.slot_mapping[:b].copy_(h64[2 * b:3 * b], non_blocking=True)
+        d.context_lens[:b].copy_(h32[:b], non_blocking=True)
+        d.lora_slots[:b].copy_(h32[b:2 * b], non_blocking=True)
+        d.slot_ranks.copy_(h32[2 * b:nb], non_blocking=True)
+        d.block_tables[:n, :ncols].copy_(h32[nb:nb + n * ncols].view(n, ncols), non_blocking=True)
+        if r.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return max(ctx)
+
+    def _meta(self, b: int, max_len: int) -> AttentionMetadata:
+        r = self.runner
+        d = self.buf
+        return AttentionMetadata(
+            slot_mapping=d.slot_mapping[:b], prefills=[], num_prefill_tokens=0,
+            decode_block_tables=d.block_tables[:b], decode_context_lens=d.context_lens[:b],
+            decode_max_len=max_len, attention_backend=r.attention_backend,
+            decode_splits=r.decode_splits(b, r.max_model_len), decode_len_bound=r.max_model_len)
+
+    def _lora_info(self, b: int) -> Optional[LoRABatchInfo]:
+        if self.runner.lora is None:
+            return None
+        d = self.buf
+        empty = torch.empty(0, dtype=torch.long, device=self.runner.device)
+        segs = LoRASegments(d.seg_starts[:b], d.seg_lens[:b], d.lora_slots[:b], None, 1)
+        return LoRABatchInfo(seg_indptr=empty, seg_slots=d.lora_slots[:b], slot_ranks=d.slot_ranks,
+                             token_slots=empty, groups=[], segments=segs)
+
+    def _forward(self, b: int, max_len: int) -> torch.Tensor:
+        """The step over the first b rows: float32 logits [b, vocab]."""
+        r = self.runner
+        if r.lora is not None:
+            r.lora.ctx.info = self._lora_info(b)
+        d = self.buf
+        hidden = r.model(d.input_ids[:b], d.positions[:b], r.kv_cache, self._meta(b, max_len))
+        return r.model.compute_logits(hidden)
+
+    # ------------------------------------------------------------------ capture
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        r = self.runner
+        d = self.buf
+        # Capture inputs: every row a padding row (context 0, pad block, no adapter).
+        d.slot_mapping.fill_(r.pad_block * r.block_size)
+        d.context_lens.zero_()
+        d.lora_slots.fill_(-1)
+        pool = None
+        for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles the Triton kernels of this size outside the capture
+                    self._forward(b, 1)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.logits[b] = self._forward(b, 1)
+            if pool is None:
+                pool = g.pool()
+            self.graphs[b] = g
+        torch.cuda.synchronize()
+        log.info("decode CUDA graphs captured for batch sizes %s", self.sizes)
