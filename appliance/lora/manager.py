@@ -8,6 +8,15 @@ pool and the CPU tier once its last request is done.
 
 Control decisions (which slot, which victim) are made by the pure-Python pool; this class only wires
 them to tensors. It runs on the engine thread; the HTTP layer reaches it through the async engine.
+
+Overlap loading (lora.overlap_loading): the scheduler asks `adapter_ready(key)` before it gives a
+request a slot. A key missing from the CPU tier starts a background read (lora/reader.py) and its
+requests wait (reason "load") while everything else keeps running; `poll_loads`, at the start of each
+step, puts finished reads into the CPU tier or reports the failed ones (the engine fails only their
+requests). On CUDA the CPU tier holds pinned tensors and a key in host memory is given a slot ahead of
+its requests (`SlotPool.reserve`) and copied in on a side stream (lora/copier.py); its requests join
+the batch once the copy has completed. Keys make this safe across unloads and reloads: a read carries
+the key it was started for, and the outcome of a key dropped meanwhile is discarded.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from functools import partial
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
@@ -27,6 +37,7 @@ from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.cache import HostCache
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
 from appliance.lora.pool import SlotPool
+from appliance.lora.reader import BackgroundReader
 from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry
 from appliance.models.llama import LlamaModel
 
@@ -70,6 +81,17 @@ class LoRAManager:
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, cfg.backend)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
+        # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).
+        self.reader: Optional[BackgroundReader[Weights]] = None
+        self.copier = None
+        if cfg.overlap_loading:
+            self.reader = BackgroundReader(cfg.loader_threads)
+            if device.type == "cuda":
+                from appliance.lora.copier import SlotCopier
+
+                self.copier = SlotCopier(device)
+        # Pinned host memory makes the side-stream copies truly asynchronous (pageable ones stage).
+        self._pin_host = self.copier is not None
 
     # ------------------------------------------------------------------ admin operations
     def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False) -> AdapterEntry:
@@ -89,7 +111,8 @@ class LoRAManager:
         spec = inspect_adapter(resolved, self.cfg, self.args)
         t0 = time.perf_counter()
         # A corrupt file fails here, before any change (counted as a failed disk -> cpu load).
-        weights = self._timed("cpu", lambda: load_adapter_weights(spec, self.dtype), record_ok=False)
+        weights = self._timed("cpu", lambda: self._pinned(load_adapter_weights(spec, self.dtype)),
+                              record_ok=False)
         read_s = time.perf_counter() - t0
         old_key = self.current[name] if old is not None else None
         key = f"{name}@{next(self._key_numbers)}"
@@ -184,6 +207,65 @@ class LoRAManager:
         if st.retired and st.in_flight == 0:
             self._drop(key)
 
+    # ------------------------------------------------------------------ overlap loading
+    def adapter_ready(self, key: str) -> bool:
+        """The scheduler's gate with overlap loading: may a request of `key` take a slot now?
+
+        True when its weights are in a slot (copy completed) or in the CPU tier with no slot to take
+        ahead. False while they are being read (a read is started if none is in flight) or copied
+        into a slot reserved for them: the request waits, reason "load"."""
+        slot = self.pool.lookup(key)
+        if slot is not None:
+            return self.copier is None or self.copier.done(slot)
+        if key not in self.host:
+            if self.reader is None:
+                return True  # no overlap: the slot fill reads it inline
+            self.reader.start(key, partial(self._read_cold, self.keys[key].spec))
+            return False
+        if self.copier is None:
+            return True  # CPU: the slot fill copies synchronously (the copier's CPU twin)
+        got = self.pool.reserve(key)
+        if got is None:
+            return True  # no slot free or evictable: the request waits for a slot as usual
+        self._fill_slot(got.slot, key, self.keys[key].spec, self.host.get(key))
+        return self.copier.done(got.slot)
+
+    def poll_loads(self) -> dict[str, str]:
+        """Collect the background reads finished since the last call (engine thread, start of a step):
+        weights go into the CPU tier, failures come back as key -> why (the engine fails the waiting
+        requests of those keys; their next request reads the files again). Also records the device
+        durations of completed side-stream copies."""
+        failed: dict[str, str] = {}
+        if self.copier is not None:
+            for d in self.copier.finished_durations():
+                self.stats.load("gpu", True, d)
+        if self.reader is None:
+            return failed
+        for o in self.reader.poll():
+            self.stats.load("cpu", o.ok, o.duration_s)
+            if o.key not in self.keys:
+                continue  # unloaded or replaced, and its requests are gone: nobody needs these weights
+            if not o.ok:
+                failed[o.key] = str(o.result)
+                log.error("adapter %r: background read failed: %s", self.name_of(o.key), o.result)
+            elif o.key not in self.host:  # (a pin may have read it inline meanwhile)
+                self.host.put(o.key, o.result)  # type: ignore[arg-type]
+        return failed
+
+    def loads_in_flight(self) -> tuple[int, int]:
+        """(background reads not yet polled, side-stream copies not yet completed)."""
+        return (self.reader.in_flight if self.reader is not None else 0,
+                self.copier.in_flight if self.copier is not None else 0)
+
+    def set_load_listener(self, fn: Optional[Callable[[], None]]) -> None:
+        """`fn()` is called on a reader thread whenever a background read ends (wakes an idle loop)."""
+        if self.reader is not None:
+            self.reader.on_done = fn
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.shutdown()
+
     # ------------------------------------------------------------------ per step
     def ensure_loaded(self, loads: list[tuple[int, str]]) -> dict[str, str]:
         """Copy each (slot, key) the scheduler just assigned into the slot buffers. Returns the keys
@@ -209,6 +291,15 @@ class LoRAManager:
             self.slot_ranks[slot] = 0
 
     def _fill_slot(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
+        if self.copier is not None:
+            # Enqueued on the side stream; the duration is recorded once its events completed
+            # (poll_loads), a failure to enqueue right here.
+            copier = self.copier
+            self._timed("gpu", lambda: copier.copy(slot, partial(load_adapter_into_slot, self.ctx, slot, weights),
+                                                    keep=weights), record_ok=False)
+            self.slot_ranks[slot] = spec.rank
+            return
+
         def copy() -> None:
             load_adapter_into_slot(self.ctx, slot, weights)
             if self.device.type == "cuda":
@@ -221,21 +312,34 @@ class LoRAManager:
         slots = [-1 if k is None else self.pool.lookup(k) for k in seg_keys]
         if any(s is None for s in slots):
             raise RuntimeError("a scheduled adapter has no slot")
+        if self.copier is not None:
+            self.copier.wait([s for s in slots if s != -1])  # device-side wait on copies still running
         self.ctx.info = None if all(s == -1 for s in slots) else LoRABatchInfo.build(
             seg_lens, slots, self.slot_ranks, self.device,  # type: ignore[arg-type]
             self.cfg.backend, self.cfg.max_chunk_size)
 
     # ------------------------------------------------------------------ internals
+    def _read_cold(self, spec: AdapterSpec) -> Weights:
+        """A cold read: the path is confined again (the dir or its files may have been replaced by
+        symlinks leading out of lora.adapter_roots since the adapter was registered), then the files
+        are read, checked against the registered checksum and, on CUDA with overlap, pinned. Touches
+        no engine state: with overlap loading it runs on a reader thread."""
+        resolve_adapter_path(str(spec.path), self.cfg.adapter_roots)
+        if self.cfg.fault_injection_read_delay_s > 0:
+            from appliance.engine.faults import slow_read
+
+            slow_read(self.cfg.fault_injection_read_delay_s)
+        return self._pinned(load_adapter_weights(spec, self.dtype))
+
+    def _pinned(self, weights: Weights) -> Weights:
+        if not self._pin_host:
+            return weights
+        return {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in weights.items()}
+
     def _read_weights(self, key: str) -> Weights:
-        """A cold read (CPU tier miss). The path is confined again: the dir or its files may have been
-        replaced by symlinks leading out of lora.adapter_roots since the adapter was registered."""
-        st = self.keys[key]
-
-        def read() -> Weights:
-            resolve_adapter_path(str(st.spec.path), self.cfg.adapter_roots)
-            return load_adapter_weights(st.spec, self.dtype)
-
-        return self._timed("cpu", read)
+        """A cold read on the engine thread (CPU tier miss without overlap loading, or an admin pin)."""
+        spec = self.keys[key].spec
+        return self._timed("cpu", lambda: self._read_cold(spec))
 
     def _timed(self, tier: LoadTier, fn: Callable[[], T], record_ok: bool = True) -> T:
         """Run a load of `tier`; record it (failures always, successes when `record_ok`) and re-raise."""

@@ -163,6 +163,15 @@ class SlotPool:
         self._res[name].pinned = True
         return got
 
+    def reserve(self, name: str) -> Acquired | None:
+        """Give non-resident `name` a slot ahead of its requests (overlap loading copies its weights
+        in while the batch runs), by the same rule as `acquire` but with no running request: until one
+        acquires it, the slot stays evictable like any idle one. None: no slot free or evictable, or
+        `name` is resident already; nothing changed."""
+        if name in self._res:
+            return None
+        return self._place(name)
+
     def unpin(self, name: str) -> None:
         """The adapter stays resident and becomes evictable once it has no running request."""
         r = self._res.get(name)
