@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 from functools import partial
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
@@ -45,6 +46,19 @@ log = logging.getLogger(__name__)
 
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PreparedLoad:
+    """An adapter dir resolved, inspected and read off the engine thread (`LoRAManager.prepare`), for
+    `load` to commit; or why that failed, reported by `load` after its name checks, as an inline read."""
+
+    resolved: Optional[Path] = None
+    spec: Optional[AdapterSpec] = None
+    weights: Optional[Weights] = None
+    read_s: float = 0.0  # reading the weights (the disk -> cpu load's duration)
+    error: Optional[AdapterError] = None
+    read_failed: bool = False  # the error came from reading the weights (counted as a failed cpu load)
 
 
 @dataclass
@@ -94,8 +108,26 @@ class LoRAManager:
         self._pin_host = self.copier is not None
 
     # ------------------------------------------------------------------ admin operations
-    def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False) -> AdapterEntry:
-        """Register (or with `inplace`, replace) an adapter.
+    def prepare(self, path: str) -> PreparedLoad:
+        """Resolve, inspect and read the adapter at `path` without touching engine state, so it may run
+        on any thread (the admin API does, with overlap loading: the batch keeps running meanwhile).
+        Never raises AdapterError: a refusal is handed to `load`, which reports it after its own checks."""
+        try:
+            resolved = resolve_adapter_path(path, self.cfg.adapter_roots)
+            spec = inspect_adapter(resolved, self.cfg, self.args)
+        except AdapterError as e:
+            return PreparedLoad(error=e)
+        t0 = time.perf_counter()
+        try:
+            weights = self._pinned(load_adapter_weights(spec, self.dtype))
+        except AdapterError as e:
+            return PreparedLoad(error=e, read_failed=True, read_s=time.perf_counter() - t0)
+        return PreparedLoad(resolved, spec, weights, time.perf_counter() - t0)
+
+    def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False,
+             prepared: Optional[PreparedLoad] = None) -> AdapterEntry:
+        """Register (or with `inplace`, replace) an adapter; `prepared`: its files already read by
+        `prepare` (else they are read here, on the engine thread).
 
         Every check comes before the first change (names, then files, then the pin), so a refused
         load raises AdapterError / LoRAStateError and leaves registry, slots and CPU tier as they were.
@@ -107,13 +139,15 @@ class LoRAManager:
             raise LoRAStateError(f"adapter {name!r} is already loaded (use load_inplace to replace it)", 409)
         if name == self.base_name:
             raise LoRAStateError(f"adapter name {name!r} is the base model's name", 400)
-        resolved = resolve_adapter_path(path, self.cfg.adapter_roots)
-        spec = inspect_adapter(resolved, self.cfg, self.args)
-        t0 = time.perf_counter()
-        # A corrupt file fails here, before any change (counted as a failed disk -> cpu load).
-        weights = self._timed("cpu", lambda: self._pinned(load_adapter_weights(spec, self.dtype)),
-                              record_ok=False)
-        read_s = time.perf_counter() - t0
+        if prepared is None:
+            prepared = self.prepare(path)
+        if prepared.error is not None:
+            # A corrupt file fails here, before any change (counted as a failed disk -> cpu load).
+            if prepared.read_failed:
+                self.stats.load("cpu", False, prepared.read_s)
+            raise prepared.error
+        assert prepared.resolved is not None and prepared.spec is not None and prepared.weights is not None
+        resolved, spec, weights, read_s = prepared.resolved, prepared.spec, prepared.weights, prepared.read_s
         old_key = self.current[name] if old is not None else None
         key = f"{name}@{next(self._key_numbers)}"
         if pinned:
@@ -204,6 +238,9 @@ class LoRAManager:
     def request_done(self, key: str) -> None:
         st = self.keys[key]
         st.in_flight -= 1
+        if st.in_flight == 0:
+            self.host.release(key)  # read for requests that were all aborted or failed
+            self.pool.unreserve(key)
         if st.retired and st.in_flight == 0:
             self._drop(key)
 
@@ -248,8 +285,10 @@ class LoRAManager:
             if not o.ok:
                 failed[o.key] = str(o.result)
                 log.error("adapter %r: background read failed: %s", self.name_of(o.key), o.result)
-            elif o.key not in self.host:  # (a pin may have read it inline meanwhile)
-                self.host.put(o.key, o.result)  # type: ignore[arg-type]
+            else:
+                if o.key not in self.host:  # (a pin may have read it inline meanwhile)
+                    self.host.put(o.key, o.result)  # type: ignore[arg-type]
+                self.host.hold(o.key)  # until its weights reach a slot (CPU tier docstring)
         return failed
 
     def loads_in_flight(self) -> tuple[int, int]:
@@ -291,6 +330,7 @@ class LoRAManager:
             self.slot_ranks[slot] = 0
 
     def _fill_slot(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
+        self.host.release(key)  # read for its requests, now on its way to their slot
         if self.copier is not None:
             # Enqueued on the side stream; the duration is recorded once its events completed
             # (poll_loads), a failure to enqueue right here.

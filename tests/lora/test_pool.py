@@ -259,3 +259,14 @@ def test_reserve_places_without_a_running_request_and_stays_evictable() -> None:
     p.acquire("c")
     assert p.reserve("d") is None  # both slots busy: refused, nothing changed
     assert [r.name for r in p.residents()] == ["a", "c"]
+
+
+def test_a_reservation_is_not_evicted_by_another_reservation() -> None:
+    p = SlotPool(1, "lru")
+    assert p.reserve("a") is not None
+    assert p.reserve("b") is None  # a's copy is not thrown away for b's
+    assert p.acquire("b") == Acquired(0, needs_load=True, evicted="a")  # a request may still take it
+    p.release("b")
+    p.reserve("c")
+    p.unreserve("c")  # c's requests went away: an ordinary idle resident again
+    assert p.reserve("d") == Acquired(0, needs_load=True, evicted="c")
