@@ -372,9 +372,23 @@ class LoRAManager:
         return self._pinned(load_adapter_weights(spec, self.dtype))
 
     def _pinned(self, weights: Weights) -> Weights:
+        """The same tensors in one pinned host buffer per adapter (one page-locked allocation, not one
+        per tensor: pinning is costly per call). The views keep the buffer alive."""
         if not self._pin_host:
             return weights
-        return {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in weights.items()}
+        flat = torch.empty(sum(a.numel() + b.numel() for a, b in weights.values()), dtype=self.dtype,
+                           pin_memory=True)
+        out: Weights = {}
+        off = 0
+        for k, ab in weights.items():
+            views = []
+            for t in ab:
+                v = flat[off:off + t.numel()].view(t.shape)
+                v.copy_(t)
+                views.append(v)
+                off += t.numel()
+            out[k] = (views[0], views[1])
+        return out
 
     def _read_weights(self, key: str) -> Weights:
         """A cold read on the engine thread (CPU tier miss without overlap loading, or an admin pin)."""
