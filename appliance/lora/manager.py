@@ -24,9 +24,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 import torch
