@@ -143,6 +143,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     a("--online-rate", type=float, default=d.online_rate, help="Poisson arrival rate, requests/s")
     a("--online-adapters", type=int, default=d.online_adapters, help="adapters the Zipf popularity spans")
     a("--zipf", type=float, default=d.zipf, help="Zipf exponent of adapter popularity")
+    a("--online-overlap", choices=["config", "off", "on", "both", "on-off"], default=d.online_overlap,
+      help="online: lora.overlap_loading as configured, off, on, or one run each: both (off first), "
+           "on-off (on first)")
     a("--adapter-dir", default=None, help="write the synthetic adapters here and keep them (default: temp dir)")
     a("--seed", type=int, default=d.seed)
     a("--budget-s", type=float, default=None, help="skip phases not started after this many seconds")

@@ -125,6 +125,10 @@ class Metrics:
         self.lora_load_duration = Histogram("appliance_lora_load_duration_seconds", "Duration of adapter "
                                             "weight loads (tier cpu: disk to host, gpu: host to slot).",
                                             ["tier"], buckets=LOAD_BUCKETS, registry=r)
+        self.lora_loads_in_flight = Gauge("appliance_lora_loads_in_flight", "lora.overlap_loading: adapter "
+                                          "loads under way beside the running batch: tier cpu (disk reads "
+                                          "queued or running), gpu (host-to-slot copies not yet completed).",
+                                          ["tier"], registry=r)
         self.lora_slot_wait = Histogram("appliance_lora_slot_wait_seconds", "Time an adapter request "
                                         "waited for its adapter's GPU slot, per admission (0 = it had one).",
                                         buckets=QUEUE_BUCKETS, registry=r)
@@ -143,7 +147,8 @@ class Metrics:
         self.running = Gauge("appliance_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("appliance_requests_waiting", "Waiting requests by what holds them: slot "
                              "(their adapter's GPU slot), kv (KV cache blocks), budget (the step's token "
-                             "or sequence budget).", ["reason"], registry=r)
+                             "or sequence budget), load (their adapter's weights are being read or copied, "
+                             "lora.overlap_loading).", ["reason"], registry=r)
         self.kv_usage = Gauge("appliance_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).",
                               registry=r)
         self.prompt_tokens = Counter("appliance_prompt_tokens", "Prompt tokens of requests that produced "
@@ -186,6 +191,7 @@ class Metrics:
             self.lora_evictions.labels("cpu", "lru")
             for tier in ("cpu", "gpu"):
                 self.lora_load_duration.labels(tier)
+                self.lora_loads_in_flight.labels(tier)
                 for result in ("success", "error"):
                     self.lora_loads.labels(tier, result)
         for reason in FINISH_REASONS:
@@ -236,6 +242,9 @@ class Metrics:
         self.lora_adapters.labels("gpu").set(lora.adapters_gpu if lora else 0)
         self.lora_adapters.labels("cpu").set(lora.adapters_cpu if lora else 0)
         self.lora_adapters.labels("registered").set(lora.adapters_registered if lora else 0)
+        if lora is not None:
+            self.lora_loads_in_flight.labels("cpu").set(lora.reads_in_flight)
+            self.lora_loads_in_flight.labels("gpu").set(lora.copies_in_flight)
 
     # ------------------------------------------------------------------ reconciler API
     def record_reconcile(self, result: str, duration_s: float,

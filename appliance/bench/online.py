@@ -5,7 +5,8 @@ adapter set, so a few are hot and the long tail churns through the GPU slots (an
 lora.max_loaded_loras is below the set). We drive `AsyncEngine.generate` directly rather than HTTP on
 loopback: the figures are then the engine's scheduling, slot churn and step times, without JSON and
 HTTP costs, and it needs no tokenizer (a shape-only model works on token ids). The HTTP path is what
-benchmarks/bench_cpu.py measures.
+benchmarks/bench_cpu.py measures. Adapter loads during the measured run are counted from the engine's
+own stats events: cold reads (disk -> CPU tier) and slot loads (CPU tier -> GPU slot), with durations.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from appliance.bench.offline import greedy
 from appliance.bench.workload import percentile
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import LLMEngine
+from appliance.engine.stats import EngineEvents
 
 
 @dataclass
@@ -78,13 +80,25 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
                arrivals: Sequence[float], new_tokens: int, progress: bool = False) -> dict:
     """Drive the load; return the summary (latencies in ms) and the raw TTFTs for the CDF plot."""
     aeng = AsyncEngine(engine)
+    loads: dict[str, list[float]] = {"cpu": [], "gpu": [], "cpu_failed": [], "gpu_failed": []}
+
+    def sink(ev: EngineEvents) -> None:  # engine thread
+        for ld in ev.loads:
+            loads[ld.tier if ld.ok else f"{ld.tier}_failed"].append(ld.duration_s)
+
+    aeng.set_stats_sink(sink)
     aeng.start()
     pool = engine.lora.pool if engine.lora is not None else None
-    ev0 = pool.evictions if pool is not None else 0
     try:
-        # Warm-up, not counted: first-step allocations and kernel compilation.
-        asyncio.run(_drive(aeng, prompts[:1], adapters[:1], [0.0], 2, False))
+        # Warm-up, not counted: first-step allocations and kernel compilation (a few batch layouts).
+        k = min(8, len(prompts))
+        asyncio.run(_drive(aeng, prompts[:k], adapters[:k], [0.0] * k, 2, False))
+        asyncio.run(aeng.stats())  # hands the warm-up's events (and the startup loads) to the sink
+        for v in loads.values():
+            v.clear()
+        ev0 = pool.evictions if pool is not None else 0
         st, wall = asyncio.run(_drive(aeng, prompts, adapters, arrivals, new_tokens, progress))
+        asyncio.run(aeng.stats())
     finally:
         aeng.shutdown()
     ms = lambda xs, p: round(percentile(xs, p) * 1e3, 2)  # noqa: E731
@@ -96,5 +110,10 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
         "itl_p50_ms": ms(st.itl_s, 50), "itl_p99_ms": ms(st.itl_s, 99),
         "e2e_p50_ms": ms(st.e2e_s, 50), "e2e_p99_ms": ms(st.e2e_s, 99),
         "slot_evictions": (pool.evictions - ev0) if pool is not None else 0,
+        "overlap_loading": bool(engine.lora is not None and engine.cfg.lora.overlap_loading),
+        "cold_reads": len(loads["cpu"]), "cold_read_p50_ms": ms(loads["cpu"], 50),
+        "cold_read_max_ms": round(max(loads["cpu"], default=float("nan")) * 1e3, 2),
+        "slot_loads": len(loads["gpu"]), "slot_load_p50_ms": ms(loads["gpu"], 50),
+        "load_failures": len(loads["cpu_failed"]) + len(loads["gpu_failed"]),
         "ttft_ms_all": [round(x * 1e3, 3) for x in st.ttft_s],
     }

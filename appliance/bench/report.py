@@ -56,9 +56,11 @@ def render(res: dict) -> str:
          ["label", "adapters", "requests", "prompt_len", "wall_s", "prefill_tok_s"]),
         ("Same workload: appliance vs transformers / peft", (res.get("baselines") or {}).get("rows"),
          ["impl", "adapters", "batch", "new_tokens", "tokens", "wall_s", "tok_s"]),
-        ("Online (Poisson arrivals, Zipf adapters)", [res["online"]] if res.get("online", {}).get("requests") else None,
-         ["requests", "failures", "distinct_adapters_used", "offered_rate_rps", "req_s", "out_tok_s", "ttft_p50_ms",
-          "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "slot_evictions"]),
+        ("Online (Poisson arrivals, Zipf adapters)",
+         res.get("online_runs") or ([res["online"]] if res.get("online", {}).get("requests") else None),
+         ["overlap_loading", "requests", "failures", "distinct_adapters_used", "offered_rate_rps", "req_s",
+          "out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "slot_evictions", "cold_reads",
+          "cold_read_p50_ms", "slot_loads", "load_failures"]),
         ("Targets (issue 7)", res.get("targets"), ["target", "value", "limit", "met"]),
     ]
     for title, rows, cols in sections:
@@ -115,10 +117,15 @@ def plots(res: dict, out_dir: Path) -> list[str]:
         fig.savefig(out_dir / "throughput_vs_adapters.png", dpi=110)
         plt.close(fig)
         written.append(str(out_dir / "throughput_vs_adapters.png"))
-    ttft = sorted((res.get("online") or {}).get("ttft_ms_all") or [])
-    if ttft:
+    runs = [r for r in (res.get("online_runs") or [res.get("online") or {}]) if r.get("ttft_ms_all")]
+    if runs:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post")
+        for r in runs:
+            ttft = sorted(r["ttft_ms_all"])
+            label = f"overlap loading {'on' if r.get('overlap_loading') else 'off'}"
+            ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=label)
+        if len(runs) > 1:
+            ax.legend(fontsize=8)
         ax.set_xscale("log")
         ax.set_xlabel("time to first token (ms)")
         ax.set_ylabel("fraction of requests")

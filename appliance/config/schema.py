@@ -195,8 +195,18 @@ class LoRAConfig:
     backend: str = "torch"
     # csgmv: most tokens of one adapter per chunk (one kernel program's rows).
     max_chunk_size: int = 16
-    # GPU: copy adapters host->device on a side stream while the batch runs.
+    # true: a cold adapter (not in the CPU tier) is read from disk by a background thread while the
+    # batch keeps running; its requests wait (reason "load") until the weights are in host memory. On
+    # CUDA the CPU tier is pinned and host->slot copies run on a side stream (the step that first uses
+    # the slot waits on the copy's event on the device). false: reads and copies run on the engine
+    # thread between steps, pausing every running request. Off by default: results are identical either
+    # way, and the CPU demo's few adapters never leave host memory (lora=gpu turns it on).
     overlap_loading: bool = False
+    # overlap_loading: threads that read cold adapters at once (more are queued).
+    loader_threads: int = 2
+    # Debug only: every cold read (disk -> CPU tier) sleeps this long first, as a slow disk would, to
+    # exercise overlap loading end to end. 0 = off; never set it on a server that serves users.
+    fault_injection_read_delay_s: float = 0.0
     # > 0: once a request waited this long for a slot, stop admitting new requests of one resident
     # unpinned adapter so its slot frees.
     drain_wait_threshold_s: float = 0.0
@@ -224,10 +234,11 @@ class LoRAConfig:
             raise ConfigError(f"lora.backend: {self.backend!r} is not one of {', '.join(LORA_BACKENDS)}")
         if not 1 <= self.max_chunk_size <= 4096:
             raise ConfigError(f"lora.max_chunk_size: must be in 1..4096, got {self.max_chunk_size}")
-        if self.overlap_loading:
-            # Refused rather than silently ignored: adapters load synchronously between steps for now.
-            raise ConfigError("lora.overlap_loading: not implemented yet (adapters load between steps); "
-                              "set it to false")
+        if not 1 <= self.loader_threads <= 64:
+            raise ConfigError(f"lora.loader_threads: must be in 1..64, got {self.loader_threads}")
+        if self.fault_injection_read_delay_s < 0:
+            raise ConfigError(f"lora.fault_injection_read_delay_s: must be >= 0 (0 = off), got "
+                              f"{self.fault_injection_read_delay_s}")
         if self.drain_wait_threshold_s < 0:
             raise ConfigError(f"lora.drain_wait_threshold_s: must be >= 0, got {self.drain_wait_threshold_s}")
 

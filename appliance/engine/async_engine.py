@@ -50,6 +50,14 @@ class AsyncEngine:
         # Receives the engine's stats events after every loop iteration, on the engine thread
         # (appliance/metrics.py); None = they are dropped, so they never pile up.
         self._stats_sink: Optional[Callable[[EngineEvents], None]] = None
+        # Overlap loading: when every waiting request waits for a background read and nothing runs,
+        # the loop sleeps instead of spinning (`_idle`); each finished read bumps `_reads_done` and
+        # wakes it. The counter closes the race of a read ending while the step that saw it in
+        # flight was still running.
+        self._idle = False
+        self._reads_done = 0
+        if engine.lora is not None:
+            engine.lora.set_load_listener(self._read_finished)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ----------------------------------------------------------------- lifecycle
@@ -100,6 +108,8 @@ class AsyncEngine:
             self._wakeup.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        if self.engine.lora is not None:
+            self.engine.lora.set_load_listener(None)  # the engine may be driven again (benchmarks)
 
     # ----------------------------------------------------------------- requests
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -169,10 +179,12 @@ class AsyncEngine:
             while True:
                 with self._lock:
                     while not (self._stop or self._to_add or self._to_abort or self._calls
-                               or self.engine.has_unfinished()):
+                               or (self.engine.has_unfinished() and not self._idle)):
                         self._wakeup.wait()
                     if self._stop:
                         break
+                    self._idle = False
+                    reads_seen = self._reads_done
                     to_add, self._to_add = self._to_add, []
                     to_abort, self._to_abort = self._to_abort, []
                     calls, self._calls = self._calls, []
@@ -195,6 +207,9 @@ class AsyncEngine:
                         self._fail(rid, e)
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
+                    blocked = self.engine.blocked_on_loads()
+                    with self._lock:
+                        self._idle = blocked and self._reads_done == reads_seen
                 self._flush_stats()
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
             log.exception("engine loop died")
@@ -209,6 +224,13 @@ class AsyncEngine:
                 _put(loop, queue, err)
             for _, loop, fut in calls:
                 _resolve(loop, fut, error=err)
+
+    def _read_finished(self) -> None:
+        """A background adapter read ended (called on its reader thread): wake the loop."""
+        with self._lock:
+            self._reads_done += 1
+            self._idle = False
+            self._wakeup.notify_all()
 
     def _flush_stats(self) -> None:
         events = self.engine.stats.take()

@@ -132,6 +132,9 @@ class StaticDecode:
                 if slot is None:
                     raise RuntimeError("a scheduled adapter has no slot")
                 lora_slots.append(slot)
+        if r.lora is not None and r.lora.copier is not None:
+            # Side-stream slot copies (overlap loading) still running: a device-side wait, as begin_step does.
+            r.lora.copier.wait([s for s in lora_slots if s != -1])
         n = len(ids)
         pad = b - n
         ncols = max(len(t) for t in tables)

@@ -7,7 +7,9 @@ given a GPU slot (file deleted, truncated or changed on disk since it was regist
 requests of that adapter scheduled in the step; the rest of the step runs. When the model forward of
 a step fails, each of its requests is run again alone: those that fail by themselves finish with the
 exception's message, the others go on as if nothing happened. An exception in the sampler fails the
-whole step (it has advanced). Either way the engine goes on with the next step. The engine never stops itself over
+whole step (it has advanced). Either way the engine goes on with the next step. With
+lora.overlap_loading, a cold adapter is read in the background while steps go on; a read that fails
+fails the waiting requests of that adapter, at the start of the next step. The engine never stops itself over
 failed steps: a request that triggers a failure could otherwise be sent a few times to take the server
 down; a broken device shows as every request failing with its message (logged with the traceback).
 """
@@ -79,8 +81,10 @@ class LLMEngine:
                                 self.runner.device, stats=self.stats)
             self.runner.lora = self.lora
             self._load_configured_adapters(cfg)
+        overlap = self.lora is not None and cfg.lora.overlap_loading
         self.scheduler = Scheduler(cfg.engine, self.block_manager, self.lora.pool if self.lora else None,
-                                   drain_wait_threshold_s=cfg.lora.drain_wait_threshold_s, stats=self.stats)
+                                   drain_wait_threshold_s=cfg.lora.drain_wait_threshold_s, stats=self.stats,
+                                   adapter_ready=self.lora.adapter_ready if overlap else None)  # type: ignore[union-attr]
         self.seqs: dict[str, Sequence] = {}
         # Requests without a seed draw from generators seeded by this one (model.seed), so a restarted
         # server replays the same sequence of unseeded samples.
@@ -198,10 +202,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        outputs = self._take_loads()
         plan = self.scheduler.schedule()
         if plan.empty:
-            return []
-        outputs = self._load_adapters(plan)
+            return outputs
+        outputs += self._load_adapters(plan)
         if plan.empty:
             return outputs
         try:
@@ -256,6 +261,32 @@ class LLMEngine:
         for key in failed:
             self.lora.load_failed(key)  # its requests released the slot above; free it for anyone
         return outputs
+
+    def _take_loads(self) -> list[RequestOutput]:
+        """Overlap loading: take in the background reads finished since the last step; a failed read
+        fails the waiting requests of its adapter (as a failed inline read does), nothing else."""
+        if self.lora is None:
+            return []
+        failed = self.lora.poll_loads()
+        if not failed:
+            return []
+        outputs, now = [], time.monotonic()
+        for seq in [q for q in self.scheduler.waiting if q.adapter in failed]:
+            name = self.lora.name_of(seq.adapter)  # type: ignore[arg-type]
+            log.error("request %s: adapter %r failed to load: %s", seq.request_id, name, failed[seq.adapter])  # type: ignore[index]
+            outputs.append(self._finish(seq, "error", now,
+                                        f"adapter {name!r} could not be loaded: {failed[seq.adapter]}"))  # type: ignore[index]
+        return outputs
+
+    def blocked_on_loads(self) -> bool:
+        """Nothing runs and waiting requests can only be waiting for background reads: the async
+        engine may sleep until a read ends (LoRAManager.set_load_listener) or new work arrives."""
+        if self.lora is None or self.scheduler.running:
+            return False
+        if any(q.wait_reason != "load" for q in self.scheduler.waiting):
+            return False  # e.g. held back by a step that has just finished: the next step admits it
+        reads, copies = self.lora.loads_in_flight()
+        return reads > 0 and copies == 0
 
     def _fail_step(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
         seqs = [s.seq for s in plan.prefills + plan.decodes]
@@ -357,8 +388,10 @@ class LLMEngine:
         if self.lora is not None:
             pool = self.lora.pool.stats()
             tiers = self.lora.tier_counts()
+            reads, copies = self.lora.loads_in_flight()
             lora = LoRASnapshot(slots=pool.slots, slots_used=pool.used, slots_pinned=pool.pinned,
                                 adapters_gpu=tiers["gpu"], adapters_cpu=tiers["cpu"],
-                                adapters_registered=sum(tiers.values()))
+                                adapters_registered=sum(tiers.values()), reads_in_flight=reads,
+                                copies_in_flight=copies)
         return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
                               kv_usage=bm.num_used / bm.num_blocks, lora=lora)

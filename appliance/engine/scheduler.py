@@ -7,6 +7,9 @@ last. When a running sequence needs a block and none is free, the newest running
 its blocks are freed and it goes back to the front of the queue, to be recomputed later (its generated
 tokens are kept and re-prefilled with the prompt). Nothing is ever dropped.
 
+With overlap loading, `adapter_ready` gates admission before the slot: a request whose adapter's
+weights are still being read or copied stays waiting (reason "load") and the scan goes on.
+
 Pure Python, no torch: tested in milliseconds.
 """
 
@@ -20,7 +23,7 @@ from typing import Callable, Mapping, Optional, Protocol
 from appliance.config.schema import EngineConfig
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.sequence import Sequence, SeqStatus
-from appliance.engine.stats import StatsRecorder, WaitReason
+from appliance.engine.stats import WAIT_REASONS, StatsRecorder, WaitReason
 
 
 @dataclass
@@ -67,8 +70,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cfg: EngineConfig, block_manager: BlockManager, slots: Optional[Slots] = None,
                  drain_wait_threshold_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 stats: Optional[StatsRecorder] = None) -> None:
+                 stats: Optional[StatsRecorder] = None,
+                 adapter_ready: Optional[Callable[[str], bool]] = None) -> None:
         self.cfg = cfg
+        # lora.overlap_loading: LoRAManager.adapter_ready (may start a background read; False = wait).
+        self.adapter_ready = adapter_ready
         # Queue times, slot waits and preemptions are recorded here (the engine passes its recorder).
         self.stats = stats if stats is not None else StatsRecorder()
         self.bm = block_manager
@@ -102,7 +108,7 @@ class Scheduler:
     def waiting_by_reason(self) -> dict[str, int]:
         """Waiting requests by why the last schedule left them waiting (stats.WAIT_REASONS); a request
         added since then counts as "budget" (it waits for the next step)."""
-        out = {"slot": 0, "kv": 0, "budget": 0}
+        out = {r: 0 for r in WAIT_REASONS}
         for seq in self.waiting:
             out[seq.wait_reason or "budget"] += 1
         return out
@@ -153,6 +159,10 @@ class Scheduler:
             if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
                 stopped_by = "kv"
                 break  # FIFO for KV blocks: a later, smaller request must not starve this one
+            if seq.adapter is not None and self.adapter_ready is not None and not self.adapter_ready(seq.adapter):
+                seq.wait_reason = "load"  # its weights are on their way; base and ready requests go on
+                j += 1
+                continue
             if seq.adapter is not None and self.slots is not None:
                 got = None if seq.adapter == self.draining else self.slots.acquire(seq.adapter)
                 if got is None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-# Why a waiting request is not running: its adapter has no GPU slot, the KV cache is full, or the
-# step's token/sequence budget (engine.max_num_batched_tokens, engine.max_num_seqs) is spent.
-WaitReason = Literal["slot", "kv", "budget"]
-WAIT_REASONS: tuple[WaitReason, ...] = ("slot", "kv", "budget")
+# Why a waiting request is not running: its adapter has no GPU slot, the KV cache is full, the
+# step's token/sequence budget (engine.max_num_batched_tokens, engine.max_num_seqs) is spent, or
+# (lora.overlap_loading) its adapter's weights are still being read from disk or copied to the GPU.
+WaitReason = Literal["slot", "kv", "budget", "load"]
+WAIT_REASONS: tuple[WaitReason, ...] = ("slot", "kv", "budget", "load")
 # LoRA tiers: "cpu" = disk -> host memory, "gpu" = host memory -> a GPU slot.
 LoadTier = Literal["cpu", "gpu"]
 
@@ -87,6 +88,9 @@ class LoRASnapshot:
     adapters_gpu: int
     adapters_cpu: int
     adapters_registered: int
+    # lora.overlap_loading: background disk reads not yet taken in, side-stream copies not yet done.
+    reads_in_flight: int = 0
+    copies_in_flight: int = 0
 
 
 @dataclass(frozen=True)

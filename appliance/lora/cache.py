@@ -41,6 +41,7 @@ class HostCache(Generic[T]):
         self._loader = loader
         self._items: OrderedDict[str, T] = OrderedDict()  # oldest use first
         self._pinned: set[str] = set()
+        self._held: set[str] = set()  # see `hold`
         self.loads = 0
         self.evictions = 0
         # Called with the key of every entry evicted for capacity (not for `drop`): metrics count them.
@@ -75,6 +76,20 @@ class HostCache(Generic[T]):
         self._pinned.add(key)
         return value
 
+    def hold(self, key: str) -> None:
+        """Keep `key` from eviction until `release` (or `drop`): weights read in the background for
+        requests that have not reached a GPU slot yet. Without it, reads finishing together could evict
+        each other before use and be read again, over and over, when more adapters wait than fit."""
+        if key not in self._items:
+            raise KeyError(f"hold({key!r}): not cached")
+        self._held.add(key)
+
+    def release(self, key: str) -> None:
+        """End a `hold` (no-op without one); the entry becomes evictable again."""
+        if key in self._held:
+            self._held.discard(key)
+            self._evict_over_capacity(keep=None)
+
     def unpin(self, key: str) -> None:
         if key not in self._pinned:
             raise LoRAStateError(f"unpin({key!r}): not pinned in the CPU cache", 409)
@@ -85,6 +100,7 @@ class HostCache(Generic[T]):
         """Forget `key` (unload, or the old generation after a reload), pinned or not. Returns whether
         it was cached: an LRU eviction may already have removed it, which is not an error."""
         self._pinned.discard(key)
+        self._held.discard(key)
         if key not in self._items:
             return False
         del self._items[key]
@@ -101,14 +117,14 @@ class HostCache(Generic[T]):
                           loads=self.loads, evictions=self.evictions)
 
     def _evict_over_capacity(self, keep: str | None) -> None:
-        # Capacity is a soft bound: pinned entries are never evicted, and neither is `keep`, the entry a
+        # Capacity is a soft bound: pinned and held entries are never evicted, and neither is `keep`, the entry a
         # `get` is returning right now (dropping it would make every following `get` re-read the disk).
         # If those alone exceed capacity the cache stays over it rather than break a pin; the config
         # keeps this rare (pinned adapters <= max_loras_per_batch - 1 < max_loaded_loras).
         for key in list(self._items):
             if len(self._items) <= self.capacity:
                 break
-            if key in self._pinned or key == keep:
+            if key in self._pinned or key in self._held or key == keep:
                 continue
             del self._items[key]
             self.evictions += 1

@@ -8,6 +8,15 @@ pool and the CPU tier once its last request is done.
 
 Control decisions (which slot, which victim) are made by the pure-Python pool; this class only wires
 them to tensors. It runs on the engine thread; the HTTP layer reaches it through the async engine.
+
+Overlap loading (lora.overlap_loading): the scheduler asks `adapter_ready(key)` before it gives a
+request a slot. A key missing from the CPU tier starts a background read (lora/reader.py) and its
+requests wait (reason "load") while everything else keeps running; `poll_loads`, at the start of each
+step, puts finished reads into the CPU tier or reports the failed ones (the engine fails only their
+requests). On CUDA the CPU tier holds pinned tensors and a key in host memory is given a slot ahead of
+its requests (`SlotPool.reserve`) and copied in on a side stream (lora/copier.py); its requests join
+the batch once the copy has completed. Keys make this safe across unloads and reloads: a read carries
+the key it was started for, and the outcome of a key dropped meanwhile is discarded.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -27,6 +38,7 @@ from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.cache import HostCache
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
 from appliance.lora.pool import SlotPool
+from appliance.lora.reader import BackgroundReader
 from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry
 from appliance.models.llama import LlamaModel
 
@@ -34,6 +46,19 @@ log = logging.getLogger(__name__)
 
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PreparedLoad:
+    """An adapter dir resolved, inspected and read off the engine thread (`LoRAManager.prepare`), for
+    `load` to commit; or why that failed, reported by `load` after its name checks, as an inline read."""
+
+    resolved: Optional[Path] = None
+    spec: Optional[AdapterSpec] = None
+    weights: Optional[Weights] = None
+    read_s: float = 0.0  # reading the weights (the disk -> cpu load's duration)
+    error: Optional[AdapterError] = None
+    read_failed: bool = False  # the error came from reading the weights (counted as a failed cpu load)
 
 
 @dataclass
@@ -70,10 +95,39 @@ class LoRAManager:
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, cfg.backend)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
+        # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).
+        self.reader: Optional[BackgroundReader[Weights]] = None
+        self.copier = None
+        if cfg.overlap_loading:
+            self.reader = BackgroundReader(cfg.loader_threads)
+            if device.type == "cuda":
+                from appliance.lora.copier import SlotCopier
+
+                self.copier = SlotCopier(device)
+        # Pinned host memory makes the side-stream copies truly asynchronous (pageable ones stage).
+        self._pin_host = self.copier is not None
 
     # ------------------------------------------------------------------ admin operations
-    def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False) -> AdapterEntry:
-        """Register (or with `inplace`, replace) an adapter.
+    def prepare(self, path: str) -> PreparedLoad:
+        """Resolve, inspect and read the adapter at `path` without touching engine state, so it may run
+        on any thread (the admin API does, with overlap loading: the batch keeps running meanwhile).
+        Never raises AdapterError: a refusal is handed to `load`, which reports it after its own checks."""
+        try:
+            resolved = resolve_adapter_path(path, self.cfg.adapter_roots)
+            spec = inspect_adapter(resolved, self.cfg, self.args)
+        except AdapterError as e:
+            return PreparedLoad(error=e)
+        t0 = time.perf_counter()
+        try:
+            weights = self._pinned(load_adapter_weights(spec, self.dtype))
+        except AdapterError as e:
+            return PreparedLoad(error=e, read_failed=True, read_s=time.perf_counter() - t0)
+        return PreparedLoad(resolved, spec, weights, time.perf_counter() - t0)
+
+    def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False,
+             prepared: Optional[PreparedLoad] = None) -> AdapterEntry:
+        """Register (or with `inplace`, replace) an adapter; `prepared`: its files already read by
+        `prepare` (else they are read here, on the engine thread).
 
         Every check comes before the first change (names, then files, then the pin), so a refused
         load raises AdapterError / LoRAStateError and leaves registry, slots and CPU tier as they were.
@@ -85,12 +139,15 @@ class LoRAManager:
             raise LoRAStateError(f"adapter {name!r} is already loaded (use load_inplace to replace it)", 409)
         if name == self.base_name:
             raise LoRAStateError(f"adapter name {name!r} is the base model's name", 400)
-        resolved = resolve_adapter_path(path, self.cfg.adapter_roots)
-        spec = inspect_adapter(resolved, self.cfg, self.args)
-        t0 = time.perf_counter()
-        # A corrupt file fails here, before any change (counted as a failed disk -> cpu load).
-        weights = self._timed("cpu", lambda: load_adapter_weights(spec, self.dtype), record_ok=False)
-        read_s = time.perf_counter() - t0
+        if prepared is None:
+            prepared = self.prepare(path)
+        if prepared.error is not None:
+            # A corrupt file fails here, before any change (counted as a failed disk -> cpu load).
+            if prepared.read_failed:
+                self.stats.load("cpu", False, prepared.read_s)
+            raise prepared.error
+        assert prepared.resolved is not None and prepared.spec is not None and prepared.weights is not None
+        resolved, spec, weights, read_s = prepared.resolved, prepared.spec, prepared.weights, prepared.read_s
         old_key = self.current[name] if old is not None else None
         key = f"{name}@{next(self._key_numbers)}"
         if pinned:
@@ -181,8 +238,72 @@ class LoRAManager:
     def request_done(self, key: str) -> None:
         st = self.keys[key]
         st.in_flight -= 1
+        if st.in_flight == 0:
+            self.host.release(key)  # read for requests that were all aborted or failed
+            self.pool.unreserve(key)
         if st.retired and st.in_flight == 0:
             self._drop(key)
+
+    # ------------------------------------------------------------------ overlap loading
+    def adapter_ready(self, key: str) -> bool:
+        """The scheduler's gate with overlap loading: may a request of `key` take a slot now?
+
+        True when its weights are in a slot (copy completed) or in the CPU tier with no slot to take
+        ahead. False while they are being read (a read is started if none is in flight) or copied
+        into a slot reserved for them: the request waits, reason "load"."""
+        slot = self.pool.lookup(key)
+        if slot is not None:
+            return self.copier is None or self.copier.done(slot)
+        if key not in self.host:
+            if self.reader is None:
+                return True  # no overlap: the slot fill reads it inline
+            self.reader.start(key, partial(self._read_cold, self.keys[key].spec))
+            return False
+        if self.copier is None:
+            return True  # CPU: the slot fill copies synchronously (the copier's CPU twin)
+        got = self.pool.reserve(key)
+        if got is None:
+            return True  # no slot free or evictable: the request waits for a slot as usual
+        self._fill_slot(got.slot, key, self.keys[key].spec, self.host.get(key))
+        return self.copier.done(got.slot)
+
+    def poll_loads(self) -> dict[str, str]:
+        """Collect the background reads finished since the last call (engine thread, start of a step):
+        weights go into the CPU tier, failures come back as key -> why (the engine fails the waiting
+        requests of those keys; their next request reads the files again). Also records the device
+        durations of completed side-stream copies."""
+        failed: dict[str, str] = {}
+        if self.copier is not None:
+            for d in self.copier.finished_durations():
+                self.stats.load("gpu", True, d)
+        if self.reader is None:
+            return failed
+        for o in self.reader.poll():
+            self.stats.load("cpu", o.ok, o.duration_s)
+            if o.key not in self.keys:
+                continue  # unloaded or replaced, and its requests are gone: nobody needs these weights
+            if not o.ok:
+                failed[o.key] = str(o.result)
+                log.error("adapter %r: background read failed: %s", self.name_of(o.key), o.result)
+            else:
+                if o.key not in self.host:  # (a pin may have read it inline meanwhile)
+                    self.host.put(o.key, o.result)  # type: ignore[arg-type]
+                self.host.hold(o.key)  # until its weights reach a slot (CPU tier docstring)
+        return failed
+
+    def loads_in_flight(self) -> tuple[int, int]:
+        """(background reads not yet polled, side-stream copies not yet completed)."""
+        return (self.reader.in_flight if self.reader is not None else 0,
+                self.copier.in_flight if self.copier is not None else 0)
+
+    def set_load_listener(self, fn: Optional[Callable[[], None]]) -> None:
+        """`fn()` is called on a reader thread whenever a background read ends (wakes an idle loop)."""
+        if self.reader is not None:
+            self.reader.on_done = fn
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.shutdown()
 
     # ------------------------------------------------------------------ per step
     def ensure_loaded(self, loads: list[tuple[int, str]]) -> dict[str, str]:
@@ -209,6 +330,16 @@ class LoRAManager:
             self.slot_ranks[slot] = 0
 
     def _fill_slot(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
+        self.host.release(key)  # read for its requests, now on its way to their slot
+        if self.copier is not None:
+            # Enqueued on the side stream; the duration is recorded once its events completed
+            # (poll_loads), a failure to enqueue right here.
+            copier = self.copier
+            self._timed("gpu", lambda: copier.copy(slot, partial(load_adapter_into_slot, self.ctx, slot, weights),
+                                                    keep=weights), record_ok=False)
+            self.slot_ranks[slot] = spec.rank
+            return
+
         def copy() -> None:
             load_adapter_into_slot(self.ctx, slot, weights)
             if self.device.type == "cuda":
@@ -221,21 +352,48 @@ class LoRAManager:
         slots = [-1 if k is None else self.pool.lookup(k) for k in seg_keys]
         if any(s is None for s in slots):
             raise RuntimeError("a scheduled adapter has no slot")
+        if self.copier is not None:
+            self.copier.wait([s for s in slots if s != -1])  # device-side wait on copies still running
         self.ctx.info = None if all(s == -1 for s in slots) else LoRABatchInfo.build(
             seg_lens, slots, self.slot_ranks, self.device,  # type: ignore[arg-type]
             self.cfg.backend, self.cfg.max_chunk_size)
 
     # ------------------------------------------------------------------ internals
+    def _read_cold(self, spec: AdapterSpec) -> Weights:
+        """A cold read: the path is confined again (the dir or its files may have been replaced by
+        symlinks leading out of lora.adapter_roots since the adapter was registered), then the files
+        are read, checked against the registered checksum and, on CUDA with overlap, pinned. Touches
+        no engine state: with overlap loading it runs on a reader thread."""
+        resolve_adapter_path(str(spec.path), self.cfg.adapter_roots)
+        if self.cfg.fault_injection_read_delay_s > 0:
+            from appliance.engine.faults import slow_read
+
+            slow_read(self.cfg.fault_injection_read_delay_s)
+        return self._pinned(load_adapter_weights(spec, self.dtype))
+
+    def _pinned(self, weights: Weights) -> Weights:
+        """The same tensors in one pinned host buffer per adapter (one page-locked allocation, not one
+        per tensor: pinning is costly per call). The views keep the buffer alive."""
+        if not self._pin_host:
+            return weights
+        flat = torch.empty(sum(a.numel() + b.numel() for a, b in weights.values()), dtype=self.dtype,
+                           pin_memory=True)
+        out: Weights = {}
+        off = 0
+        for k, ab in weights.items():
+            views = []
+            for t in ab:
+                v = flat[off:off + t.numel()].view(t.shape)
+                v.copy_(t)
+                views.append(v)
+                off += t.numel()
+            out[k] = (views[0], views[1])
+        return out
+
     def _read_weights(self, key: str) -> Weights:
-        """A cold read (CPU tier miss). The path is confined again: the dir or its files may have been
-        replaced by symlinks leading out of lora.adapter_roots since the adapter was registered."""
-        st = self.keys[key]
-
-        def read() -> Weights:
-            resolve_adapter_path(str(st.spec.path), self.cfg.adapter_roots)
-            return load_adapter_weights(st.spec, self.dtype)
-
-        return self._timed("cpu", read)
+        """A cold read on the engine thread (CPU tier miss without overlap loading, or an admin pin)."""
+        spec = self.keys[key].spec
+        return self._timed("cpu", lambda: self._read_cold(spec))
 
     def _timed(self, tier: LoadTier, fn: Callable[[], T], record_ok: bool = True) -> T:
         """Run a load of `tier`; record it (failures always, successes when `record_ok`) and re-raise."""

@@ -64,6 +64,7 @@ class _Resident:
     last_used: int
     pinned: bool = False
     running: int = 0
+    reserved: bool = False  # placed by `reserve`, no request has acquired it yet
 
 
 class SlotPool:
@@ -118,6 +119,7 @@ class SlotPool:
         r = self._res.get(name)
         if r is not None:
             r.running += 1
+            r.reserved = False
             r.last_used = self._tick()
             return Acquired(r.slot, needs_load=False, evicted=None)
         got = self._place(name)
@@ -163,6 +165,25 @@ class SlotPool:
         self._res[name].pinned = True
         return got
 
+    def reserve(self, name: str) -> Acquired | None:
+        """Give non-resident `name` a slot ahead of its requests (overlap loading copies its weights
+        in while the batch runs), by the same rule as `acquire` but with no running request. Until a
+        request acquires it (or `unreserve`), no other reservation evicts it, so adapters waiting in
+        more numbers than slots cannot keep evicting each other's fresh copies; `acquire` and `pin`
+        still may. None: no slot free or evictable, or `name` is resident already; nothing changed."""
+        if name in self._res:
+            return None
+        got = self._place(name, for_reservation=True)
+        if got is not None:
+            self._res[name].reserved = True
+        return got
+
+    def unreserve(self, name: str) -> None:
+        """Its requests are gone before acquiring the reserved slot: an ordinary idle resident again."""
+        r = self._res.get(name)
+        if r is not None:
+            r.reserved = False
+
     def unpin(self, name: str) -> None:
         """The adapter stays resident and becomes evictable once it has no running request."""
         r = self._res.get(name)
@@ -197,13 +218,13 @@ class SlotPool:
         self._clock += 1
         return self._clock
 
-    def _place(self, name: str) -> Acquired | None:
+    def _place(self, name: str, for_reservation: bool = False) -> Acquired | None:
         """Give non-resident `name` a free slot, else evict a victim's. Resident with running 0."""
         evicted: str | None = None
         if None in self._slots:
             slot = self._slots.index(None)  # lowest free slot: deterministic
         else:
-            victim = self._victim()
+            victim = self._victim(spare_reserved=for_reservation)
             if victim is None:
                 return None
             slot = self._res.pop(victim).slot
@@ -216,8 +237,9 @@ class SlotPool:
         self._res[name] = _Resident(slot=slot, loaded_at=t, last_used=t)
         return Acquired(slot, needs_load=True, evicted=evicted)
 
-    def _victim(self) -> str | None:
-        candidates = [(n, r) for n, r in self._res.items() if r.running == 0 and not r.pinned]
+    def _victim(self, spare_reserved: bool = False) -> str | None:
+        candidates = [(n, r) for n, r in self._res.items()
+                      if r.running == 0 and not r.pinned and not (spare_reserved and r.reserved)]
         if not candidates:
             return None
         key = (lambda nr: nr[1].last_used) if self.policy == "lru" else (lambda nr: nr[1].loaded_at)

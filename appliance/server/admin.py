@@ -68,8 +68,11 @@ class AdapterAdmin:
 
     async def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False) -> dict[str, Any]:
         lora = self.enabled()
+        # With overlap loading the files are read and checked on a worker thread while the batch runs;
+        # only the commit (names, pin, registry) takes the engine thread. Without, all of it runs there.
+        prepared = await asyncio.to_thread(lora.prepare, path) if lora.reader is not None else None
         view = await run_on_engine(self.engine, lambda: adapter_view(
-            lora, lora.load(name, path, pinned=pinned, inplace=inplace)))
+            lora, lora.load(name, path, pinned=pinned, inplace=inplace, prepared=prepared)))
         self.created.setdefault(view["id"], int(time.time()))  # an in-place reload keeps its card's date
         return view
 

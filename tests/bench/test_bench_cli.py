@@ -26,7 +26,7 @@ def test_bench_all_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
                "--ranks", "8", "--decode-batch", "6", "--decode-context", "16", "--decode-steps", "3",
                "--decode-adapters", "4", "--prefill-requests", "4", "--prefill-len", "16", "--prefill-adapters", "2",
                "--baseline-batch", "4", "--baseline-adapters", "2", "--online-requests", "12",
-               "--online-rate", "50", "--online-adapters", "6",
+               "--online-rate", "50", "--online-adapters", "6", "--online-overlap", "both",
                f"model.path={shape}", "model.init=random", "model.source=null", "model.name=tiny",
                "model.dtype=float32", "model.device=cpu", "model.max_model_len=128",
                "lora.max_loras_per_batch=2", "lora.max_loaded_loras=3",
@@ -60,6 +60,14 @@ def test_bench_all_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert on["requests"] == 12 and on["ok"] == 12 and on["failures"] == 0 and len(on["ttft_ms_all"]) == 12
     assert 0 < on["ttft_p50_ms"] <= on["ttft_p99_ms"] and 0 < on["itl_p50_ms"] <= on["itl_p99_ms"]
     assert on["slots"] == 2 and on["slot_evictions"] > 0  # 6 adapters through 2 slots: churn
+    # --online-overlap both: the same workload without, then with overlap loading; a CPU tier of 3 for
+    # 6 adapters means cold reads in both, inline in the first, in the background in the second.
+    runs = res["online_runs"]
+    assert [r["overlap_loading"] for r in runs] == [False, True] and runs[1] == on
+    for r in runs:
+        assert r["ok"] == 12 and r["failures"] == 0 and r["load_failures"] == 0
+        assert r["cold_reads"] > 0 and r["slot_loads"] > 0 and r["cold_read_p50_ms"] > 0
+    assert "| False | 12 |" in printed and "| True | 12 |" in printed
     assert {t["target"].split(",")[0] for t in res["targets"]} >= {"decode step / floor", "prefill tok/s"}
     try:
         import matplotlib  # noqa: F401

@@ -134,6 +134,34 @@ def test_adapter_without_slot_waits_without_blocking_others() -> None:
     assert [q.request_id for q in s.waiting] == ["b1"]
 
 
+def test_adapter_not_ready_waits_for_load_without_blocking_or_taking_a_slot() -> None:
+    """Overlap loading's gate: a request whose adapter is still being read waits (reason "load"),
+    holds no slot, and base requests and ready adapters behind it run."""
+    from appliance.lora.pool import SlotPool
+
+    ready = {"a"}
+    asked: list[str] = []
+
+    def gate(key: str) -> bool:
+        asked.append(key)
+        return key in ready
+
+    pool = SlotPool(2, "lru")
+    s = Scheduler(EngineConfig(), BlockManager(100, 4), pool, adapter_ready=gate)
+    add_lora(s, "c1", "cold")
+    add(s, "base", 3)
+    add_lora(s, "a1", "a")
+    out = s.schedule()
+    assert ids(out) == {"base", "a1"} and out.slot_loads == [(0, "a")]
+    assert [q.request_id for q in s.waiting] == ["c1"] and s.waiting[0].wait_reason == "load"
+    assert pool.lookup("cold") is None and s.waiting_by_reason()["load"] == 1
+    assert asked == ["cold", "a"]
+    ready.add("cold")  # the read ended
+    out = s.schedule()
+    assert ids(out) == {"c1", "base", "a1"} and out.slot_loads == [(1, "cold")]
+    assert not s.waiting
+
+
 @pytest.mark.parametrize("threshold", [0.0, 1.0])
 def test_drain_rule_stops_admitting_the_resident_adapter(threshold: float) -> None:
     from appliance.lora.pool import SlotPool
@@ -168,13 +196,13 @@ def test_waiting_reasons_kv_and_budget_and_queue_times() -> None:
     a = add(s, "a", 8)  # takes 2 of 3 blocks and the whole token budget
     b = add(s, "b", 8)
     s.schedule()
-    assert s.waiting_by_reason() == {"slot": 0, "kv": 0, "budget": 1} and b.wait_reason == "budget"
+    assert s.waiting_by_reason() == {"slot": 0, "kv": 0, "budget": 1, "load": 0} and b.wait_reason == "budget"
     assert s.stats.events.queue_times == [(None, a.first_scheduled_time - a.arrival_time)]
     s2 = Scheduler(EngineConfig(max_num_batched_tokens=64), BlockManager(3, 4))
     add(s2, "a", 8)
     c = add(s2, "c", 8)  # needs 2 blocks, 1 left
     s2.schedule()
-    assert s2.waiting_by_reason() == {"slot": 0, "kv": 1, "budget": 0} and c.wait_reason == "kv"
+    assert s2.waiting_by_reason() == {"slot": 0, "kv": 1, "budget": 0, "load": 0} and c.wait_reason == "kv"
 
 
 def test_slot_waits_and_preemptions_are_recorded() -> None:

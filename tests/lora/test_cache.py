@@ -117,3 +117,18 @@ def test_put_inserts_without_loading():
     c.put("c", "also")
     assert c.get("b") == "read-by-caller" and ld.calls == ["a"]
     assert "a" not in c and c.stats().loads == 3 and c.stats().evictions == 1
+
+
+def test_held_entries_are_not_evicted_until_released() -> None:
+    c = HostCache(1, lambda k: k.upper())
+    c.put("a", "A")
+    c.hold("a")
+    c.put("b", "B")  # over capacity, but a is held (read for requests not yet in a slot)
+    assert "a" in c and "b" in c
+    c.release("a")  # a reached its slot: evictable again, and the tier shrinks back to capacity
+    assert "a" not in c and "b" in c
+    c.release("zzz")  # no hold: no-op
+    with pytest.raises(KeyError, match="not cached"):
+        c.hold("a")
+    c.hold("b")
+    assert c.drop("b") and "b" not in c

@@ -245,3 +245,28 @@ def test_pool_drain_victim():
     pool.release("a")  # drained: x can take a's slot now
     assert pool.drain_victim({"x": 0.0}, now=10.0, threshold_s=1.0) is None
     assert pool.acquire("x") == Acquired(1, needs_load=True, evicted="a")
+
+
+def test_reserve_places_without_a_running_request_and_stays_evictable() -> None:
+    p = SlotPool(2, "lru")
+    assert p.acquire("a") is not None
+    got = p.reserve("b")
+    assert got == Acquired(1, needs_load=True, evicted=None) and p.running("b") == 0
+    assert p.reserve("b") is None  # resident already: nothing changes
+    assert p.acquire("b") == Acquired(1, needs_load=False, evicted=None)  # its request finds the weights
+    p.release("b")
+    assert p.reserve("c") == Acquired(1, needs_load=True, evicted="b")  # idle b leaves; busy a stays
+    p.acquire("c")
+    assert p.reserve("d") is None  # both slots busy: refused, nothing changed
+    assert [r.name for r in p.residents()] == ["a", "c"]
+
+
+def test_a_reservation_is_not_evicted_by_another_reservation() -> None:
+    p = SlotPool(1, "lru")
+    assert p.reserve("a") is not None
+    assert p.reserve("b") is None  # a's copy is not thrown away for b's
+    assert p.acquire("b") == Acquired(0, needs_load=True, evicted="a")  # a request may still take it
+    p.release("b")
+    p.reserve("c")
+    p.unreserve("c")  # c's requests went away: an ordinary idle resident again
+    assert p.reserve("d") == Acquired(0, needs_load=True, evicted="c")

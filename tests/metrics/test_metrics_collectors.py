@@ -55,11 +55,15 @@ def test_events_map_onto_collectors_with_bounded_labels() -> None:
 
 def test_snapshot_sets_gauges_and_lora_off_reads_zero() -> None:
     m = make()
-    m.record_snapshot(EngineSnapshot(running=3, waiting={"slot": 2, "kv": 1, "budget": 0}, kv_usage=0.25,
-                                     lora=LoRASnapshot(4, 3, 1, 3, 2, 6)))
+    m.record_snapshot(EngineSnapshot(running=3, waiting={"slot": 2, "kv": 1, "budget": 0, "load": 4},
+                                     kv_usage=0.25, lora=LoRASnapshot(4, 3, 1, 3, 2, 6, reads_in_flight=5,
+                                                                      copies_in_flight=1)))
     s = page(m)
     assert s.get("appliance_requests_running") == 3
     assert s.get("appliance_requests_waiting", reason="slot") == 2
+    assert s.get("appliance_requests_waiting", reason="load") == 4
+    assert (s.get("appliance_lora_loads_in_flight", tier="cpu"),
+            s.get("appliance_lora_loads_in_flight", tier="gpu")) == (5, 1)
     assert s.get("appliance_kv_cache_usage_ratio") == 0.25
     assert (s.get("appliance_lora_slots"), s.get("appliance_lora_slots_used"),
             s.get("appliance_lora_slots_pinned")) == (4, 3, 1)

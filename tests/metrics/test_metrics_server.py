@@ -53,7 +53,7 @@ def test_k_requests_for_an_adapter_count_k(srv: ServerThread) -> None:
     assert ("appliance_e2e_request_latency_seconds_count", frozenset({("adapter", "mlp6")})) not in s.samples
     assert s.get("appliance_e2e_request_latency_seconds_sum", adapter="qv4") > 0
     assert s.get("appliance_requests_running") == 0
-    assert sum(s.get("appliance_requests_waiting", reason=r) for r in ("slot", "kv", "budget")) == 0
+    assert sum(s.get("appliance_requests_waiting", reason=r) for r in ("slot", "kv", "budget", "load")) == 0
 
 
 def test_slot_gauges_and_evictions_follow_the_pool(srv: ServerThread, adapter_dirs: dict[str, Path]) -> None:
