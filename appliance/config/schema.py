@@ -247,8 +247,11 @@ class AdapterConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor-parallel layout (engine-level: restart to change)."""
+    """Tensor-parallel layout (engine-level: restart to change). appliance/parallel/ implements it."""
 
+    # Ranks the model is split over: rank 0 is the server process, ranks 1.. are worker processes it
+    # starts on this host (cuda:r each, or CPU processes with gloo). Must divide the model's query heads,
+    # intermediate size and vocabulary, and its KV heads (or be a multiple of them); checked at start.
     tp_size: int = 1
     # torch.distributed backend: auto = nccl on cuda, gloo on cpu.
     backend: str = "auto"
@@ -259,10 +262,6 @@ class ParallelConfig:
     def check(self) -> None:
         if self.tp_size < 1:
             raise ConfigError(f"parallel.tp_size: must be >= 1, got {self.tp_size}")
-        if self.tp_size > 1:
-            # Refused rather than ignored: serving one rank while the config says several would be a lie.
-            raise ConfigError(f"parallel.tp_size: {self.tp_size} is not available yet (tensor parallelism "
-                              "is not implemented); set parallel.tp_size=1")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"parallel.backend: {self.backend!r} is not one of auto, nccl, gloo")
         if not 0 < self.master_port <= 65535:
