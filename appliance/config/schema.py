@@ -255,13 +255,29 @@ class ParallelConfig:
     tp_size: int = 1
     # torch.distributed backend: auto = nccl on cuda, gloo on cpu.
     backend: str = "auto"
-    # Rendezvous of the worker processes (torch.distributed's MASTER_ADDR / MASTER_PORT).
+    # Rendezvous of the ranks (torch.distributed's MASTER_ADDR / MASTER_PORT): rank 0's TCP store. On
+    # several hosts, an address of host 0 that the others reach.
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # Hosts the ranks span (torch.distributed's NNODES), tp_size / nnodes ranks (GPUs) on each, and which
+    # of them this is (NODE_RANK): 0 runs `appliance serve` (rank 0), each other host runs
+    # `appliance worker parallel.node_rank=K` with the same config.
+    nnodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     def check(self) -> None:
         if self.tp_size < 1:
             raise ConfigError(f"parallel.tp_size: must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ConfigError(f"parallel.nnodes: must be >= 1 and divide parallel.tp_size ({self.tp_size}), "
+                              f"got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"parallel.node_rank: must be in 0..parallel.nnodes-1 ({self.nnodes - 1}), "
+                              f"got {self.node_rank}")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"parallel.backend: {self.backend!r} is not one of auto, nccl, gloo")
         if not 0 < self.master_port <= 65535:

@@ -100,8 +100,11 @@ class AsyncEngine:
             self._wakeup.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
-        # Tensor-parallel ranks stop with the engine (a stuck step thread: they are killed instead).
-        self.engine.close(graceful=not self._thread.is_alive())
+
+    @property
+    def stepping(self) -> bool:
+        """The engine thread still runs (after `shutdown`: stuck in a step)."""
+        return self._thread.is_alive()
 
     # ----------------------------------------------------------------- requests
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,

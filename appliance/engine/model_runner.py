@@ -204,14 +204,14 @@ class ModelRunner:
         if self.lora is not None:
             steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in
             batch.lora = self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
-        if self.broadcast_step is not None:
-            self.broadcast_step(batch)
         if self.tp is None:
             return self.forward(batch)  # type: ignore[return-value]
         try:
+            if self.broadcast_step is not None:
+                self.broadcast_step(batch)
             logits = self.forward(batch)
         except Exception as e:  # noqa: BLE001 - the ranks' collectives are out of step: cannot go on
-            self.tp.fail(f"the forward on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
+            self.tp.fail(f"the step on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
                          "cannot resynchronise")
         assert logits is not None
         return logits

@@ -82,7 +82,8 @@ class TPGroup:
 
 
 def rank_device(model_device: str, rank: int) -> torch.device:
-    """The device of `rank`: cuda:rank on CUDA (model.device auto or cuda), cpu otherwise."""
+    """The device of `rank` (its index among the ranks of its host): cuda:rank on CUDA (model.device
+    auto or cuda), cpu otherwise."""
     if model_device == "cpu" or (model_device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if model_device.startswith("cuda:"):
@@ -91,8 +92,8 @@ def rank_device(model_device: str, rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise ConfigError(f"model.device: {model_device!r} asked for, but torch sees no CUDA device")
     if rank >= torch.cuda.device_count():
-        raise ConfigError(f"parallel.tp_size: rank {rank} needs cuda:{rank} but torch sees "
-                          f"{torch.cuda.device_count()} GPU(s)")
+        raise ConfigError(f"parallel.tp_size: local rank {rank} needs cuda:{rank} but torch sees "
+                          f"{torch.cuda.device_count()} GPU(s) on this host")
     return torch.device("cuda", rank)
 
 

@@ -1,9 +1,11 @@
 """Rank 0's side of tensor parallelism: start the worker processes, watch them, stop them.
 
 `start_ranks` (called by LLMEngine when parallel.tp_size > 1) checks that tp_size divides the model
-before anything starts, spawns ranks 1..tp_size-1 as `python -m appliance.parallel.worker` processes on
-this host (cuda:r each, or the CPU with gloo), and joins the process group as rank 0; the server
-process stays rank 0 and runs the scheduler, the LoRA manager and HTTP.
+before anything starts, spawns this host's other ranks (1..tp_size/nnodes - 1) as
+`python -m appliance.parallel.worker` processes (cuda:r each, or the CPU with gloo), and joins the
+process group as rank 0; the server process stays rank 0 and runs the scheduler, the LoRA manager and
+HTTP. On further hosts (parallel.nnodes > 1), `appliance worker parallel.node_rank=K` runs `run_node`,
+which starts that host's ranks the same way and waits for them.
 
 Failure is loud and total: a worker that exits while the engine runs (killed, crashed, out of memory)
 leaves rank 0's collectives waiting for ever, so a watcher thread ends the server process at once
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import appliance
-from appliance.config.schema import ApplianceConfig
+from appliance.config.schema import ApplianceConfig, ConfigError
 from appliance.models.llama import ModelArgs
 from appliance.models.weights import read_hf_config
 from appliance.parallel.group import TPGroup, init_group, rank_device
@@ -39,17 +41,20 @@ _KILL_WAIT_S = 5.0
 
 
 class Workers:
-    """The worker processes of ranks 1..tp_size-1 and the thread that watches them."""
+    """Worker processes of `ranks` and the thread that watches them. A worker that exits ends this
+    process (after the others are killed), except an exit 0 when `clean_exit_ok` (a node of a
+    multi-host layout: its workers exit 0 when rank 0 sends Stop)."""
 
-    def __init__(self, cfg: ApplianceConfig) -> None:
-        self.size = cfg.parallel.tp_size
+    def __init__(self, cfg: ApplianceConfig, ranks: range, clean_exit_ok: bool = False) -> None:
+        self.ranks = ranks
+        self.clean_exit_ok = clean_exit_ok
         self._stopping = threading.Event()
         # The workers import the same appliance package as this process, wherever it lives.
         src = str(Path(appliance.__file__).resolve().parents[1])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
         self.procs: list[subprocess.Popen] = []
         try:
-            for rank in range(1, self.size):
+            for rank in ranks:
                 p = subprocess.Popen([sys.executable, "-m", "appliance.parallel.worker"], stdin=subprocess.PIPE,
                                      env=env)
                 assert p.stdin is not None
@@ -60,15 +65,15 @@ class Workers:
             self.kill()
             raise
         log.info("started tensor-parallel workers: %s",
-                 ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.procs, 1)))
+                 ", ".join(f"rank {r} pid {p.pid}" for r, p in zip(ranks, self.procs)))
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
 
     def _watch(self) -> None:
         while not self._stopping.wait(0.2):
-            for rank, p in enumerate(self.procs, 1):
+            for rank, p in zip(self.ranks, self.procs):
                 code = p.poll()
-                if code is not None and not self._stopping.is_set():
+                if code is not None and not self._stopping.is_set() and not (code == 0 and self.clean_exit_ok):
                     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
                     self.fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited ({how})")
 
@@ -129,11 +134,15 @@ class TPLeader:
 
 
 def start_ranks(cfg: ApplianceConfig, model_path: str) -> TPLeader:
-    """Check the layout against the model, start ranks 1.., join the group as rank 0."""
+    """Check the layout against the model, start this host's ranks 1.., join the group as rank 0."""
+    p = cfg.parallel
+    if p.node_rank != 0:
+        raise ConfigError(f"parallel.node_rank: {p.node_rank}: `appliance serve` runs rank 0 on node 0; "
+                          "start the other nodes with `appliance worker parallel.node_rank=K`")
     args = ModelArgs.from_hf_config(read_hf_config(model_path))
-    TPLayout.check(args, cfg.parallel.tp_size)  # refused before any process starts
+    TPLayout.check(args, p.tp_size)  # refused before any process starts
     device = rank_device(cfg.model.device, 0)
-    workers = Workers(cfg)
+    workers = Workers(cfg, range(1, p.ranks_per_node))
     try:
         group = init_group(cfg.parallel, 0, device)
     except BaseException:
@@ -141,3 +150,20 @@ def start_ranks(cfg: ApplianceConfig, model_path: str) -> TPLeader:
         raise
     group.on_failure = workers.fail
     return TPLeader(group, workers, TPLayout(args, 0, cfg.parallel.tp_size))
+
+
+def run_node(cfg: ApplianceConfig) -> int:
+    """`appliance worker`: run node parallel.node_rank's ranks until they exit (0 once rank 0 stopped
+    them; a failing rank ends the node with 1 after killing its other ranks)."""
+    p = cfg.parallel
+    if p.node_rank == 0:
+        raise ConfigError("parallel.node_rank: 0 is the server's node (`appliance serve`); a worker node "
+                          f"has node_rank 1..{p.nnodes - 1} (parallel.nnodes={p.nnodes})")
+    TPLayout.check(ModelArgs.from_hf_config(read_hf_config(Path(cfg.model.path).expanduser())), p.tp_size)
+    first = p.node_rank * p.ranks_per_node
+    workers = Workers(cfg, range(first, first + p.ranks_per_node), clean_exit_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: (workers.kill(), os._exit(0)))
+    for proc in workers.procs:
+        proc.wait()
+    workers.kill()
+    return 0

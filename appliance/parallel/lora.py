@@ -61,11 +61,17 @@ class AdapterSync:
         self._answered(FillSlot(slot, key), key)
 
     def drop(self, key: str) -> None:
-        self.group.broadcast(DropAdapter(key))
+        try:
+            self.group.broadcast(DropAdapter(key))
+        except RuntimeError as e:
+            self.group.fail(f"dropping adapter {key!r} failed between ranks: {e}")
 
     def _answered(self, msg: object, key: str) -> None:
-        self.group.broadcast(msg)
-        answers = self.group.gather(None)
+        try:
+            self.group.broadcast(msg)
+            answers = self.group.gather(None)
+        except RuntimeError as e:  # a rank is gone (torch.distributed's errors are RuntimeErrors)
+            self.group.fail(f"adapter operation on {key!r} failed between ranks: {e}")
         assert answers is not None
         errors = [(r, e) for r, e in enumerate(answers) if e is not None]
         if errors:

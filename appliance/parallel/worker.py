@@ -1,10 +1,12 @@
-"""A tensor-parallel worker: ranks 1..tp_size-1, started by parallel/launcher.py on rank 0's host.
+"""A tensor-parallel worker: ranks 1..tp_size-1, started by parallel/launcher.py (on rank 0's host by
+the server, on the other hosts by `appliance worker`).
 
 `python -m appliance.parallel.worker` reads (config, rank) pickled on stdin, joins the process group,
 builds its shard of the model (the same ModelRunner as rank 0, with `tp`), then follows rank 0: each
 message rank 0 broadcasts is a step to run or an adapter operation (parallel/messages.py). It has no
 scheduler, registry or HTTP server. It exits 0 on `Stop`, and 1 (at once) when rank 0's process is
-gone or a collective fails, so it never outlives the server.
+gone (the process that started it, or rank 0's connection) or a collective fails, so it never outlives
+the server.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ log = logging.getLogger("appliance.parallel.worker")
 
 
 def run_worker(cfg: ApplianceConfig, rank: int) -> None:
-    device = rank_device(cfg.model.device, rank)
+    device = rank_device(cfg.model.device, rank % cfg.parallel.ranks_per_node)
     if device.type == "cpu":
         # tp_size processes share the host's cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.tp_size))

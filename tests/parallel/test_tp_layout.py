@@ -74,3 +74,15 @@ def test_lora_shards_reassemble_the_full_delta() -> None:
             parts = [TPLayout(args, k, size).proj_range(proj) for k in range(size)]
             got = sum(x[:, lo:hi] @ s[name][0].T @ s[name][1].T for (lo, hi), s in zip(parts, shards))
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("group, size", [("tp1", 1), ("tp2", 2), ("tp4", 4), ("tp8", 8)])
+def test_tp_layout_groups_compose_and_a_change_requires_restart(group: str, size: int) -> None:
+    from appliance.config.restart import restart_diff, restart_settings
+    from tests.conftest import default_config
+
+    live, wanted = default_config(), default_config(f"parallel={group}")
+    assert wanted.parallel.tp_size == size and wanted.parallel.backend == "auto"
+    changes = restart_diff(restart_settings(live), restart_settings(wanted))
+    assert [c.key for c in changes] == ([] if size == 1 else ["parallel.tp_size"])
+    assert all("requires restart" in c.render() for c in changes)
