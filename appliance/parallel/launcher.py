@@ -82,7 +82,8 @@ class Workers:
         self._stopping.set()
         msg = f"appliance: {reason}; stopping the server and the other ranks"
         log.critical(msg)
-        print(msg, file=sys.stderr, flush=True)  # also when logging is not set up (embedding, tests)
+        if not logging.getLogger().hasHandlers():
+            print(msg, file=sys.stderr, flush=True)  # logging not set up (embedding, tests): still say why
         self.kill()
         os._exit(1)
 

@@ -29,7 +29,7 @@ GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 class TPServe:
     """`appliance.server.run.serve` in a subprocess with parallel.tp_size=`tp` (output kept for asserts)."""
 
-    def __init__(self, model: Path, tp: int, *extra: str) -> None:
+    def __init__(self, model: Path, tp: int, log_dir: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [f"model.path={model}", "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
@@ -37,7 +37,7 @@ class TPServe:
                 "server.admin_key=tp-admin", f"parallel.tp_size={tp}", f"parallel.master_port={free_port()}", *extra]
         code = ("from tests.conftest import default_config\nfrom appliance.server.run import serve\n"
                 f"serve(default_config(*{args!r}))\n")
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tp-serve-{self.port}.log", "w+")
+        self.log = open(log_dir / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)},
                                      stdout=self.log, stderr=subprocess.STDOUT, text=True)
@@ -97,7 +97,7 @@ def test_tp2_server_admin_api_and_sigterm(tmp_path: Path, tiny_model_dir: Path, 
     ids = [Tokenizer(tiny_model_dir).encode(p) for p in PROMPTS[:2]]
     want = peft_greedy(tiny_model_dir, pattern, ids)[0]
     base = peft_greedy(tiny_model_dir, None, ids)[0]
-    srv = TPServe(tiny_model_dir, 2, "lora.enabled=true", "lora.max_lora_rank=8", "lora.max_loras_per_batch=2",
+    srv = TPServe(tiny_model_dir, 2, tmp_path, "lora.enabled=true", "lora.max_lora_rank=8", "lora.max_loras_per_batch=2",
                   f"lora.adapter_roots=[{root}]", "reconcile.watch=false", "reconcile.resync_s=0")
     procs.append(srv)
     srv.wait_healthy()
@@ -132,7 +132,7 @@ def test_tp_killed_worker_ends_the_server_with_a_clear_error(tmp_path: Path, def
                                                              procs: list[TPServe]) -> None:
     model = make_tiny_model(tmp_path / "tiny3", default_model_dir, hidden_size=96, num_attention_heads=6,
                             num_key_value_heads=3, intermediate_size=192)
-    srv = TPServe(model, 3)
+    srv = TPServe(model, 3, tmp_path)
     procs.append(srv)
     srv.wait_healthy()
     workers = children(srv.proc.pid)
@@ -147,3 +147,17 @@ def test_tp_killed_worker_ends_the_server_with_a_clear_error(tmp_path: Path, def
     while alive(other) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(other), "a worker outlived the server"
+
+
+def test_tp_worker_exits_when_the_server_is_killed(tmp_path: Path, tiny_model_dir: Path,
+                                                   procs: list[TPServe]) -> None:
+    srv = TPServe(tiny_model_dir, 2, tmp_path)
+    procs.append(srv)
+    srv.wait_healthy()
+    (worker,) = children(srv.proc.pid)
+    srv.proc.kill()  # SIGKILL: no shutdown code runs in rank 0
+    srv.proc.wait()
+    deadline = time.monotonic() + 30
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(worker), "the worker outlived rank 0"
