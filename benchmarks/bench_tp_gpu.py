@@ -69,9 +69,11 @@ def engine(model_dir: Path, tp: int, dtype: str, device: str, root: Path, blocks
     return LLMEngine(cfg)
 
 
-def release(e: Optional[LLMEngine]) -> None:
-    if e is not None:
-        e.close()
+def release(box: list[LLMEngine]) -> None:
+    """Stop the engine's other ranks and give its memory back before the next engine is built (the
+    engine lives only in `box`, so no frame keeps it alive)."""
+    while box:
+        box.pop().close()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -99,13 +101,13 @@ def parity(name: str, model_dir: Path, tp: int, device: str, root: Path, new: in
     runs = {}
     for size in (1, tp):
         t0 = time.perf_counter()
-        e = engine(model_dir, size, "float32", device, root / name, 256, 8)
+        box = [engine(model_dir, size, "float32", device, root / name, 256, 8)]
         try:
             for n, path in names:
-                e.lora.load(n, str(path))
-            runs[size] = generate(e, prompts, adapters, new)
+                box[0].lora.load(n, str(path))
+            runs[size] = generate(box[0], prompts, adapters, new)
         finally:
-            release(e)
+            release(box)
         print(f"  parity {name}: tp={size} done in {time.perf_counter() - t0:.1f} s", flush=True)
     first_diff = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(runs[1], runs[tp])]
     same = sum(d is None for d in first_diff)
@@ -123,19 +125,19 @@ def decode(name: str, model_dir: Path, tp: int, device: str, dtype: str, root: P
     g = torch.Generator().manual_seed(1)
     rows = []
     blocks = max(batches) * ((64 + steps + max(batches) + 8) // 16 + 2)
-    e = engine(model_dir, tp, dtype, device, root / f"{name}-r16", blocks, 16)
+    box = [engine(model_dir, tp, dtype, device, root / f"{name}-r16", blocks, 16)]
     try:
         for n, path in adapters.items():
-            e.lora.load(n, str(path))
+            box[0].lora.load(n, str(path))
         names = list(adapters)
         for b in batches:
             prompts = [torch.randint(3, args.vocab_size, (64,), generator=g).tolist() for _ in range(b)]
-            row = decode_step(e, prompts, [names[i % len(names)] for i in range(b)], steps, bw, 16, targets)
+            row = decode_step(box[0], prompts, [names[i % len(names)] for i in range(b)], steps, bw, 16, targets)
             row.update(model=name, tp=tp, tok_s=round(b / (row["step_ms"] / 1e3), 1))
             rows.append(row)
             print(f"  decode {name} tp={tp} batch={b}: {row['step_ms']} ms/step, {row['tok_s']} tok/s", flush=True)
     finally:
-        release(e)
+        release(box)
     return rows
 
 
