@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,13 @@ def test_tp_refused_adapter_load_changes_nothing_on_any_rank(tiny_model_dir: Pat
         with pytest.raises(AdapterError):
             engine.lora.load("bad", str(root / "missing"))
         assert [e.name for e in engine.lora.registry.entries()] == ["qv4"]
+        # A file only rank 0 can read (another host's disk): rank 1's read fails, the load is refused
+        # with rank 1's error, and rank 1 keeps nothing of it (its later fill finds no such key).
+        spec = engine.lora.keys[engine.lora.current["qv4"]].spec
+        with pytest.raises(AdapterError, match=r"tensor-parallel rank 1: .*missing"):
+            engine.lora.tp.read("ghost@99", replace(spec, path=root / "missing"))
+        with pytest.raises(AdapterError, match=r"tensor-parallel rank 1: adapter 'ghost@99' was never read"):
+            engine.lora.tp.fill(1, "ghost@99")
         assert generate(engine, [("qv4", p) for p in range(len(PROMPTS))]) == oracle["qv4"]
     finally:
         engine.close()

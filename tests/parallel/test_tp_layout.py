@@ -86,3 +86,13 @@ def test_tp_layout_groups_compose_and_a_change_requires_restart(group: str, size
     changes = restart_diff(restart_settings(live), restart_settings(wanted))
     assert [c.key for c in changes] == ([] if size == 1 else ["parallel.tp_size"])
     assert all("requires restart" in c.render() for c in changes)
+
+
+def test_validate_refuses_a_tp_size_that_does_not_divide_the_model(default_model_dir) -> None:
+    from appliance.config.validate import validate
+    from tests.conftest import REPO
+
+    _, problems = validate(REPO / "configs", [f"model.path={default_model_dir}", "parallel.tp_size=2"])
+    assert any(p.startswith("parallel.tp_size: 2 does not divide the model's query heads") for p in problems), problems
+    _, ok = validate(REPO / "configs", [f"model.path={default_model_dir}", "parallel.tp_size=3"])
+    assert not any("parallel.tp_size" in p for p in ok), ok
