@@ -31,12 +31,13 @@ class TPServe:
 
     def __init__(self, model: Path, tp: int, log_dir: Path, *extra: str) -> None:
         self.port = free_port()
+        self.master_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [f"model.path={model}", "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
+        self.args = [f"model.path={model}", "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
                 "engine.num_kv_blocks=64", "server.host=127.0.0.1", f"server.port={self.port}",
-                "server.admin_key=tp-admin", f"parallel.tp_size={tp}", f"parallel.master_port={free_port()}", *extra]
+                "server.admin_key=tp-admin", f"parallel.tp_size={tp}", f"parallel.master_port={self.master_port}", *extra]
         code = ("from tests.conftest import default_config\nfrom appliance.server.run import serve\n"
-                f"serve(default_config(*{args!r}))\n")
+                f"serve(default_config(*{self.args!r}))\n")
         self.log = open(log_dir / f"serve-{self.port}.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -161,3 +162,30 @@ def test_tp_worker_exits_when_the_server_is_killed(tmp_path: Path, tiny_model_di
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(worker), "the worker outlived rank 0"
+
+
+def test_tp_two_nodes_server_and_appliance_worker(tmp_path: Path, tiny_model_dir: Path, procs: list[TPServe]) -> None:
+    """parallel.nnodes=2 on one host: `serve` is node 0 (rank 0 only), `appliance worker
+    parallel.node_rank=1` runs rank 1; answers match tp_size 1's, SIGTERM stops both with status 0."""
+    from appliance.engine.tokenizer import Tokenizer
+
+    ids = Tokenizer(tiny_model_dir).encode(PROMPTS[0])
+    want = peft_greedy(tiny_model_dir, None, [ids])[0][0]
+    srv = TPServe(tiny_model_dir, 2, tmp_path, "parallel.nnodes=2")
+    procs.append(srv)
+    node = subprocess.Popen([sys.executable, "-m", "appliance", "worker", *srv.args,
+                             "adapters=[]", "lora.enabled=false", "parallel.node_rank=1"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        srv.wait_healthy()
+        assert children(srv.proc.pid) == []  # node 0 holds rank 0 only
+        r = srv.post("/generate", {"input_ids": ids, "sampling_params": GREEDY})
+        assert r.status_code == 200 and r.json()["output_ids"] == want, r.text
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(120) == 0, srv.output()
+        assert node.wait(60) == 0, node.stdout.read()
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
