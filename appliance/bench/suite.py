@@ -292,6 +292,7 @@ class Bench:
         if o.baseline_batch > 0:
             self._phase("baselines (engine side)", engine_side)
         holder.clear()
+        eng.close()  # its other tensor-parallel ranks, if any (the next engine makes its own)
         eng = None  # the last reference: free the engine before the baselines load their models
         self._free()
 
@@ -312,6 +313,7 @@ class Bench:
                        cpu_tier=eng.cfg.lora.max_loaded_loras, prompt_len=o.prompt_len, new_tokens=o.new_tokens)
             self.res["online"] = res
         finally:
+            eng.close()
             del eng
             self._free()
 
