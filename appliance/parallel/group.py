@@ -51,11 +51,13 @@ class TPGroup:
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """x [N, V/size] on every rank -> [N, V] on rank 0 (ranks in order), None elsewhere."""
+        """x [N, V/size] on every rank -> [N, V] on rank 0 (ranks in order), None elsewhere.
+        all_gather rather than gather: every backend has it (older NCCL builds lack gather), and the
+        extra copies are logits-sized, small next to a step."""
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.device_group)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.device_group)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
     def min_int(self, n: int) -> int:
         """The smallest of every rank's `n` (KV block count: each rank may have different free memory)."""
