@@ -92,9 +92,6 @@ class _Full:
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
 
-    def get_shape(self) -> list[int]:
-        return list(self.t.shape)
-
     def __getitem__(self, idx: object) -> torch.Tensor:
         return self.t[idx]
 
@@ -113,8 +110,7 @@ def _copy_shard(key: str, sl: object, params: dict[str, nn.Parameter], layout: T
     if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and a.tie_word_embeddings):
         return
     name = key[len("model."):] if key.startswith("model.") else key
-    part = None  # rows (out) or columns (in) of this rank
-    slice_name = None
+    slice_name = None  # q|k|v or gate|up: where in our fused parameter this rank's rows go
     if name in ("embed_tokens.weight", "lm_head.weight"):
         lo, hi = layout.vocab_range()
         t = sl[lo:hi]  # type: ignore[index]
