@@ -55,8 +55,10 @@ class Workers:
         self.procs: list[subprocess.Popen] = []
         try:
             for rank in ranks:
+                # Own session: Ctrl-C in a terminal reaches the server (which drains, then stops the
+                # ranks), not the workers, which would die first and end the server with an error.
                 p = subprocess.Popen([sys.executable, "-m", "appliance.parallel.worker"], stdin=subprocess.PIPE,
-                                     env=env)
+                                     env=env, start_new_session=True)
                 assert p.stdin is not None
                 p.stdin.write(pickle.dumps((cfg, rank)))
                 p.stdin.close()

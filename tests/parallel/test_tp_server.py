@@ -39,9 +39,10 @@ class TPServe:
         code = ("from tests.conftest import default_config\nfrom appliance.server.run import serve\n"
                 f"serve(default_config(*{self.args!r}))\n")
         self.log = open(log_dir / f"serve-{self.port}.log", "w+")
+        # Own session, like a shell job: a test may signal its whole process group (Ctrl-C).
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)},
-                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def output(self) -> str:
         self.log.flush()
@@ -189,3 +190,17 @@ def test_tp_two_nodes_server_and_appliance_worker(tmp_path: Path, tiny_model_dir
         if node.poll() is None:
             node.kill()
             node.wait()
+
+
+def test_tp_ctrl_c_to_the_process_group_drains_and_exits_0(tmp_path: Path, tiny_model_dir: Path,
+                                                           procs: list[TPServe]) -> None:
+    """Ctrl-C in a terminal sends SIGINT to the server's process group: the workers (own session) do
+    not get it and die first; the server drains, stops them, exits 0."""
+    srv = TPServe(tiny_model_dir, 2, tmp_path)
+    procs.append(srv)
+    srv.wait_healthy()
+    (worker,) = children(srv.proc.pid)
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    assert srv.proc.wait(120) == 0, srv.output()
+    assert "exited (" not in srv.output()
+    assert not alive(worker)
