@@ -16,6 +16,7 @@ import pytest
 
 from appliance.config.schema import ConfigError
 from appliance.engine.engine import LLMEngine
+from appliance.engine.request import AdapterNotFoundError
 from appliance.lora.adapter import AdapterError
 from appliance.lora.registry import LoRAStateError
 from tests.conftest import REPO, default_config, make_tiny_model
@@ -88,7 +89,7 @@ def test_tp2_tiny_mixed_adapters_match_tp1_and_peft(tiny_model_dir: Path, tiny_a
         assert got == [oracle[name][p] for name, p in jobs]
         # Admin operations go through every rank: unload, reload in place under a new key, pin.
         engine.lora.unload("qv4")
-        with pytest.raises(Exception):
+        with pytest.raises(AdapterNotFoundError):
             engine.add_request("x", [1, 2, 3], GREEDY, adapter="qv4")
         engine.lora.load("down2", str(tiny_adapters["all8rs"]), inplace=True)  # down2 now serves all8rs
         engine.lora.set_pinned("pattern", True)
