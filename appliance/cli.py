@@ -1,6 +1,7 @@
 """`appliance` command line: parse, compose the config, hand it to the library. No work happens here.
 
     appliance serve [--config-dir DIR] [overrides...]
+    appliance worker [--config-dir DIR] parallel.node_rank=K [overrides...]   (multi-host tensor parallelism)
     appliance model prepare [--config-dir DIR] [--force] [overrides...]
     appliance config show [--config-dir DIR] [overrides...]
     appliance validate [--config-dir DIR] [overrides...]
@@ -59,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="compose the config and run the HTTP server")
     _config_args(serve)
     serve.set_defaults(func=_serve)
+
+    worker = sub.add_parser("worker", help="run this host's tensor-parallel ranks of a multi-host layout "
+                                           "(parallel.nnodes > 1, parallel.node_rank >= 1)")
+    _config_args(worker)
+    worker.set_defaults(func=_worker)
 
     model = sub.add_parser("model", help="model files").add_subparsers(dest="action", required=True,
                                                                        metavar="ACTION")
@@ -295,6 +301,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     serve(cfg, ConfigSource(resolve_config_dir(args.config_dir), tuple(args.overrides)))
     return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from appliance.parallel.launcher import run_node  # lazy: pulls in torch
+
+    return run_node(_compose(args))
 
 
 def _bench(args: argparse.Namespace) -> int:

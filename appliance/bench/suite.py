@@ -305,6 +305,7 @@ class Bench:
         if o.baseline_batch > 0:
             self._phase("baselines (engine side)", engine_side)
         holder.clear()
+        eng.close()  # its other tensor-parallel ranks, if any (the next engine makes its own)
         eng = None  # the last reference: free the engine before the baselines load their models
         self._free()
 
@@ -335,6 +336,7 @@ class Bench:
                 self.res["online"] = res
                 report.write_json(self.res, self.out / "bench.json")
             finally:
+                eng.close()
                 del eng
                 self._free()
 

@@ -287,22 +287,37 @@ class AdapterConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor-parallel layout (engine-level: restart to change)."""
+    """Tensor-parallel layout (engine-level: restart to change). appliance/parallel/ implements it."""
 
+    # Ranks the model is split over: rank 0 is the server process, ranks 1.. are worker processes it
+    # starts on this host (cuda:r each, or CPU processes with gloo). Must divide the model's query heads,
+    # intermediate size and vocabulary, and its KV heads (or be a multiple of them); checked at start.
     tp_size: int = 1
     # torch.distributed backend: auto = nccl on cuda, gloo on cpu.
     backend: str = "auto"
-    # Rendezvous of the worker processes (torch.distributed's MASTER_ADDR / MASTER_PORT).
+    # Rendezvous of the ranks (torch.distributed's MASTER_ADDR / MASTER_PORT): rank 0's TCP store. On
+    # several hosts, an address of host 0 that the others reach.
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # Hosts the ranks span (torch.distributed's NNODES), tp_size / nnodes ranks (GPUs) on each, and which
+    # of them this is (NODE_RANK): 0 runs `appliance serve` (rank 0), each other host runs
+    # `appliance worker parallel.node_rank=K` with the same config.
+    nnodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     def check(self) -> None:
         if self.tp_size < 1:
             raise ConfigError(f"parallel.tp_size: must be >= 1, got {self.tp_size}")
-        if self.tp_size > 1:
-            # Refused rather than ignored: serving one rank while the config says several would be a lie.
-            raise ConfigError(f"parallel.tp_size: {self.tp_size} is not available yet (tensor parallelism "
-                              "is not implemented); set parallel.tp_size=1")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ConfigError(f"parallel.nnodes: must be >= 1 and divide parallel.tp_size ({self.tp_size}), "
+                              f"got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"parallel.node_rank: must be in 0..parallel.nnodes-1 ({self.nnodes - 1}), "
+                              f"got {self.node_rank}")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"parallel.backend: {self.backend!r} is not one of auto, nccl, gloo")
         if not 0 < self.master_port <= 65535:
@@ -352,6 +367,11 @@ class ApplianceConfig:
             raise ConfigError("metrics.require_key: true needs server.api_keys (the keys /metrics accepts); "
                               "set them or set metrics.require_key to false")
         self.parallel.check()
+        if self.parallel.tp_size > 1 and self.lora.enabled and self.lora.overlap_loading:
+            # Refused, not ignored: overlap's side-stream copies fill whole (unsharded) slots on rank 0
+            # only; the ranks' slot fills go through rank 0's collective fill instead.
+            raise ConfigError("lora.overlap_loading: not available with parallel.tp_size > 1 yet; "
+                              "set lora.overlap_loading=false")
         self.reconcile.check()
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")

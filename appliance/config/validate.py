@@ -1,7 +1,7 @@
 """`appliance validate`: everything that can be checked about a config without starting a server.
 
-Schema (types, unknown keys, invariants) comes from compose; then the model directory's config.json,
-then every adapter listed under `adapters:`: path inside lora.adapter_roots, a PEFT dir we accept
+Schema (types, unknown keys, invariants) comes from compose; then the model directory's config.json
+(and that parallel.tp_size divides it), then every adapter listed under `adapters:`: path inside lora.adapter_roots, a PEFT dir we accept
 (read from its config and safetensors header only, no weights), rank and targets within the engine's
 LoRA settings, and the expectations written in the YAML. All problems are collected, one line each,
 starting with the inventory file that defines the adapter (`adapters/team_a.yaml: adapters.x.rank: ...`).
@@ -36,6 +36,13 @@ def validate(config_dir: str | os.PathLike | None, overrides: Sequence[str]) -> 
     except ConfigError as e:
         hint = " (run `appliance model prepare`)" if cfg.model.source and not model_dir.exists() else ""
         problems.append(f"model.path: {e}{hint}")
+    if args is not None:
+        from appliance.parallel.layout import TPLayout
+
+        try:
+            TPLayout.check(args, cfg.parallel.tp_size)  # the tensor-parallel split must divide the model
+        except ConfigError as e:
+            problems.append(str(e))
     for name, a in cfg.adapters.items():
         try:
             resolved = resolve_adapter_path(a.path, cfg.lora.adapter_roots)

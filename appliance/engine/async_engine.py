@@ -111,6 +111,11 @@ class AsyncEngine:
         if self.engine.lora is not None:
             self.engine.lora.set_load_listener(None)  # the engine may be driven again (benchmarks)
 
+    @property
+    def stepping(self) -> bool:
+        """The engine thread still runs (after `shutdown`: stuck in a step)."""
+        return self._thread.is_alive()
+
     # ----------------------------------------------------------------- requests
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: Optional[str] = None,

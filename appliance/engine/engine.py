@@ -43,6 +43,7 @@ from appliance.engine.tokenizer import (
 
 if TYPE_CHECKING:
     from appliance.lora.manager import LoRAManager
+    from appliance.parallel.launcher import TPLeader
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,23 @@ class LLMEngine:
         self.cfg = cfg
         self.config = cfg.engine
         self.model_name = cfg.model.name
-        self.runner = ModelRunner(cfg, str(model_path))
+        # parallel.tp_size > 1: this process is rank 0 and starts the other ranks (appliance/parallel/).
+        self.tp: Optional["TPLeader"] = None
+        if cfg.parallel.tp_size > 1:
+            from appliance.parallel.launcher import start_ranks
+
+            self.tp = start_ranks(cfg, str(model_path))
+        try:
+            self._build(cfg, model_path)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.kill()  # a worker may be inside a collective rank 0 never joins: no graceful stop
+            raise
+
+    def _build(self, cfg: ApplianceConfig, model_path: Path) -> None:
+        self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group)
+        if self.tp is not None:
+            self.runner.broadcast_step = self.tp.broadcast_step
         self.tokenizer: Tokenizer | IdsOnlyTokenizer
         if cfg.model.init == "random" and not has_tokenizer(model_path):
             eos = read_hf_config(model_path).get("eos_token_id")
@@ -77,8 +94,13 @@ class LLMEngine:
             # Imported here so a base-only engine never loads the LoRA modules.
             from appliance.lora.manager import LoRAManager as Manager
 
+            sync = None
+            if self.tp is not None:
+                from appliance.parallel.lora import AdapterSync
+
+                sync = AdapterSync(self.tp.group, self.tp.layout)
             self.lora = Manager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
-                                self.runner.device, stats=self.stats)
+                                self.runner.device, stats=self.stats, args=self.runner.args, tp=sync)
             self.runner.lora = self.lora
             self._load_configured_adapters(cfg)
         overlap = self.lora is not None and cfg.lora.overlap_loading
@@ -117,6 +139,13 @@ class LLMEngine:
     @classmethod
     def from_config(cls, cfg: ApplianceConfig) -> "LLMEngine":
         return cls(cfg)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at tp_size 1). Call it when no step runs;
+        `graceful=False` kills them instead (a step may be stuck in a collective)."""
+        if self.tp is not None:
+            tp, self.tp = self.tp, None
+            tp.stop() if graceful else tp.kill()
 
     # ------------------------------------------------------------------ requests
     @property

@@ -1,16 +1,18 @@
 """The only place that builds device tensors: loads the model, owns the KV cache, runs a step.
 
-Per step it turns the scheduler's plan into flattened input ids, positions and AttentionMetadata
-(built once, passed down), runs the model and returns float32 logits for the sequences that sample.
-Decode-only steps go through StaticDecode (engine/cuda_graph.py) when it is set up: static buffers,
-replayed as CUDA graphs on cuda.
+Per step it turns the scheduler's plan into a `StepBatch` of host lists, then into flattened input ids,
+positions and AttentionMetadata (built once, passed down), runs the model and returns float32 logits for
+the sequences that sample. Decode-only steps go through StaticDecode (engine/cuda_graph.py) when it is
+set up: static buffers, replayed as CUDA graphs on cuda. Under tensor parallelism (`tp`,
+appliance/parallel/) the model is this rank's shard, rank 0 broadcasts each StepBatch and the other ranks
+run `forward` on it (parallel/worker.py); decode graphs are off there (the other ranks would not replay).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -22,7 +24,9 @@ from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, random_model, read_hf_config
 
 if TYPE_CHECKING:
+    from appliance.lora.batch import LoRAStepLayout
     from appliance.lora.manager import LoRAManager
+    from appliance.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
+class StepBatch:
+    """One step as host lists: what `inputs` turns into tensors, and what TP rank 0 broadcasts."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]: KV cache slot of each token
+    prefills: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, context_len, block table)
+    num_prefill_tokens: int
+    decode_tables: list[list[int]]  # [D, max_blocks], padded with 0
+    decode_context_lens: list[int]  # [D]
+    logits_indices: list[int]  # [N]
+    lora: Optional["LoRAStepLayout"] = None  # the adapters' segments; None = no adapter token
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -69,8 +88,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ApplianceConfig, model_path: str) -> None:
-        self.device = resolve_device(cfg.model.device)
+    def __init__(self, cfg: ApplianceConfig, model_path: str, tp: Optional["TPGroup"] = None) -> None:
+        # tp: this rank's tensor-parallel group (None: tp_size 1, no process group, no collectives).
+        self.tp = tp
+        self.device = resolve_device(cfg.model.device) if tp is None else tp.device
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         hf_cfg = read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(hf_cfg)
@@ -84,14 +105,23 @@ class ModelRunner:
                               f"attention is not implemented, so set model.max_model_len <= {sw}")
         self.max_model_len = want
         self.block_size = cfg.engine.kv_block_size
-        if cfg.model.init == "random":
+        if tp is not None:
+            from appliance.parallel.layout import TPLayout
+            from appliance.parallel.shard import load_shard
+
+            TPLayout.check(self.args, tp.size)
+            self.model = load_shard(model_path, TPLayout(self.args, tp.rank, tp.size), tp, self.dtype, self.device,
+                                    self.max_model_len, cfg.model.init, cfg.model.seed)
+        elif cfg.model.init == "random":
             self.model: LlamaModel = random_model(model_path, self.dtype, self.device, self.max_model_len,
                                                   cfg.model.seed)
         else:
             self.model = load_model(model_path, self.dtype, self.device, self.max_model_len)
         self.attention_backend = resolve_attention_backend(cfg.engine.attention_backend, self.device)
         self.num_blocks = self._num_kv_blocks(cfg)
-        a = self.args
+        if tp is not None:
+            self.num_blocks = tp.min_int(self.num_blocks)  # block ids mean the same on every rank
+        a = self.model.args  # this rank's heads (all of them without TP)
         # One tensor for the whole cache: [layers, k|v, blocks + 1, block_size, kv_heads, head_dim]. The
         # last block is nobody's: the padding rows of a static decode batch write their K/V there.
         self.pad_block = self.num_blocks
@@ -103,11 +133,13 @@ class ModelRunner:
         self.static_decode: Optional[StaticDecode] = None
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 0)
+        # TP rank 0: sends each step's batch to the other ranks (set by the engine, parallel/launcher.py).
+        self.broadcast_step: Optional[Callable[[StepBatch], None]] = None
         log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
                  self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
 
     def bytes_per_block(self) -> int:
-        a = self.args
+        a = self.model.args
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _num_kv_blocks(self, cfg: ApplianceConfig) -> int:
@@ -139,6 +171,8 @@ class ModelRunner:
             return "lora.backend torch groups tokens on the host per step"
         if e.fault_injection_token_id is not None:
             return "engine.fault_injection_token_id checks the inputs on the host"
+        if self.tp is not None:
+            return "tensor parallelism (the other ranks would not replay the step)"
         return None
 
     def setup_decode_graphs(self, e: EngineConfig) -> None:
@@ -155,21 +189,23 @@ class ModelRunner:
         unsplit), else parts of 512 tokens of the length bound (at most 64). Parts past a context exit at
         once, so a short context in a graph sized for max_model_len only pays the combine (H200: batch 1,
         4k context, 39 µs per layer against 98 µs unsplit; docs/benchmarks.md). Host ints only."""
-        programs = batch * self.args.num_kv_heads
+        programs = batch * self.model.args.num_kv_heads  # this rank's KV heads
         if self._sms == 0 or programs == 0 or 4 * programs > self._sms:
             return 1  # cpu, a step without decodes, or enough programs already
         return max(1, min(64, -(-len_bound // 512)))
 
     # ------------------------------------------------------------------ one step
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
+        return self.inputs(self.host_batch(plan))
+
+    def host_batch(self, plan: SchedulerOutput) -> StepBatch:
         """Flatten the plan: prefill chunks first, then one token per decoding sequence."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         logits_idx: list[int] = []
-        prefills: list[PrefillSeq] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []
         bs = self.block_size
-        dev = self.device
         for s in plan.prefills:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
@@ -177,8 +213,7 @@ class ModelRunner:
             ids.extend(seq.token_slice(start, end))
             pos.extend(range(start, end))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            prefills.append(PrefillSeq(q_start, s.num_new_tokens, start,
-                                       torch.tensor(seq.block_table, dtype=torch.long, device=dev)))
+            prefills.append((q_start, s.num_new_tokens, start, list(seq.block_table)))
             if s.samples:
                 logits_idx.append(len(ids) - 1)
         num_prefill_tokens = len(ids)
@@ -194,22 +229,30 @@ class ModelRunner:
             tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
             ctx_lens.append(p + 1)
             logits_idx.append(len(ids) - 1)
+        return StepBatch(ids, pos, slots, prefills, num_prefill_tokens, tables, ctx_lens, logits_idx)
+
+    def inputs(self, b: StepBatch) -> StepInputs:
+        """The step's device tensors, built once."""
+        dev = self.device
+        max_blocks = len(b.decode_tables[0]) if b.decode_tables else 0
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=prefills,
-            num_prefill_tokens=num_prefill_tokens,
-            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=dev).view(len(tables), max_blocks),
-            decode_context_lens=torch.tensor(ctx_lens, dtype=torch.long, device=dev),
-            decode_max_len=max(ctx_lens, default=0),
+            slot_mapping=torch.tensor(b.slot_mapping, dtype=torch.long, device=dev),
+            prefills=[PrefillSeq(q0, n, ctx, torch.tensor(table, dtype=torch.long, device=dev))
+                      for q0, n, ctx, table in b.prefills],
+            num_prefill_tokens=b.num_prefill_tokens,
+            decode_block_tables=torch.tensor(b.decode_tables, dtype=torch.long,
+                                             device=dev).view(len(b.decode_tables), max_blocks),
+            decode_context_lens=torch.tensor(b.decode_context_lens, dtype=torch.long, device=dev),
+            decode_max_len=max(b.decode_context_lens, default=0),
             attention_backend=self.attention_backend,
-            decode_splits=self.decode_splits(len(ctx_lens), max(ctx_lens, default=0)),
-            decode_len_bound=max(ctx_lens, default=0),
+            decode_splits=self.decode_splits(len(b.decode_context_lens), max(b.decode_context_lens, default=0)),
+            decode_len_bound=max(b.decode_context_lens, default=0),
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            input_ids=torch.tensor(b.input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(b.positions, dtype=torch.long, device=dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(b.logits_indices, dtype=torch.long, device=dev),
         )
 
     @torch.inference_mode()
@@ -225,9 +268,27 @@ class ModelRunner:
         sd = self.static_decode
         if sd is not None and not plan.prefills and sd.size_for(len(plan.decodes)) is not None:
             return sd.run(plan)  # fills the LoRA info itself (fixed per-row layout)
+        batch = self.host_batch(plan)
         if self.lora is not None:
-            steps = plan.prefills + plan.decodes  # the order prepare() flattens them in
-            self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
-        x = self.prepare(plan)
+            steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in
+            batch.lora = self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
+        if self.tp is None:
+            return self.forward(batch)  # type: ignore[return-value]
+        try:
+            if self.broadcast_step is not None:
+                self.broadcast_step(batch)
+            logits = self.forward(batch)
+        except Exception as e:  # noqa: BLE001 - the ranks' collectives are out of step: cannot go on
+            self.tp.fail(f"the step on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
+                         "cannot resynchronise")
+        assert logits is not None
+        return logits
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> Optional[torch.Tensor]:
+        """The model over one step: float32 logits [N, vocab] (None on TP ranks other than 0, which
+        only take part in the collectives)."""
+        x = self.inputs(batch)
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
-        return self.model.compute_logits(hidden[x.logits_indices])
+        logits = self.model.compute_logits(hidden[x.logits_indices])
+        return logits if self.tp is None else self.tp.gather_last_dim(logits)

@@ -24,6 +24,16 @@ GATHER_MAX_TOKENS = 64
 
 
 @dataclass
+class LoRAStepLayout:
+    """The step's adapter layout as plain lists, decided once (rank 0 under tensor parallelism, where
+    it is broadcast so that every rank builds the same LoRABatchInfo)."""
+
+    seg_lens: list[int]  # tokens of each sequence, in step order
+    seg_slots: list[int]  # slot of each sequence, -1 = base
+    slot_ranks: list[int]  # [S] rank of the adapter in each slot (0 = empty)
+
+
+@dataclass
 class LoRABatchInfo:
     seg_indptr: torch.Tensor  # [num_segs + 1] int32: token offsets of the segments
     seg_slots: torch.Tensor  # [num_segs] int32: slot of each segment, -1 = base (no adapter)
@@ -58,6 +68,11 @@ class LoRABatchInfo:
             groups=groups,
             gather=len(groups) > 1 and len(token_slots) <= GATHER_MAX_TOKENS,
         )
+
+    @classmethod
+    def from_layout(cls, layout: LoRAStepLayout, device: torch.device, backend: str = "torch",
+                    max_chunk_size: int = 16) -> "LoRABatchInfo":
+        return cls.build(layout.seg_lens, layout.seg_slots, layout.slot_ranks, device, backend, max_chunk_size)
 
     @classmethod
     def build_for_kernels(cls, seg_lens: list[int], seg_slots: list[int], slot_ranks: list[int],

@@ -27,20 +27,23 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import torch
 
 from appliance.config.schema import ConfigError, LoRAConfig
 from appliance.engine.stats import LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, inspect_adapter, load_adapter_weights, resolve_adapter_path
-from appliance.lora.batch import LoRABatchInfo
+from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.cache import HostCache
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
 from appliance.lora.pool import SlotPool
 from appliance.lora.reader import BackgroundReader
 from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry
-from appliance.models.llama import LlamaModel
+from appliance.models.llama import LlamaModel, ModelArgs
+
+if TYPE_CHECKING:
+    from appliance.parallel.lora import AdapterSync
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +73,15 @@ class KeyState:
 
 class LoRAManager:
     def __init__(self, cfg: LoRAConfig, model: LlamaModel, base_name: str, dtype: torch.dtype,
-                 device: torch.device, stats: Optional[StatsRecorder] = None) -> None:
+                 device: torch.device, stats: Optional[StatsRecorder] = None,
+                 args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None) -> None:
         self.cfg = cfg
         # Loads (disk -> cpu, cpu -> gpu) and evictions of both tiers, for metrics.
         self.stats = stats if stats is not None else StatsRecorder()
-        self.args = model.args
+        # The full model's shapes (adapters are checked against them); under tensor parallelism
+        # `model` is rank 0's shard and `tp` mirrors every load, fill and drop on the other ranks.
+        self.args = args if args is not None else model.args
+        self.tp = tp
         self.base_name = base_name
         self.dtype = dtype
         self.device = device
@@ -150,21 +157,14 @@ class LoRAManager:
         resolved, spec, weights, read_s = prepared.resolved, prepared.spec, prepared.weights, prepared.read_s
         old_key = self.current[name] if old is not None else None
         key = f"{name}@{next(self._key_numbers)}"
-        if pinned:
-            # A pinned adapter reloaded in place hands its pin to the new weights: unpin the old
-            # generation first so the swap does not count twice against the pin limit.
-            if old_key is not None and old.pinned:
-                self.pool.unpin(old_key)
-            try:
-                acquired = self.pool.pin(key)
-            except LoRAStateError:
-                if old_key is not None and old.pinned:
-                    self.pool.pin(old_key)  # give the pin back: it was ours a moment ago
-                raise
-            if acquired.needs_load:
-                self._fill_slot(acquired.slot, key, spec, weights)
-        elif old_key is not None and old.pinned:
-            self.pool.unpin(old_key)  # reloaded without pinned=true: the new weights are not pinned
+        if self.tp is not None:
+            self.tp.read(key, spec)  # every other rank reads its shard; any failure: none keeps it
+        try:
+            self._claim_pin(key, spec, weights, pinned, old, old_key)
+        except Exception:
+            if self.tp is not None:
+                self.tp.drop(key)  # refused: the other ranks forget the shard they read
+            raise
         fields = dict(path=str(resolved), pinned=pinned, checksum=spec.checksum, rank=spec.rank,
                       target_modules=spec.target_modules, base_model_name=spec.base_model_name)
         entry = self.registry.replace(name, **fields) if old is not None else self.registry.add(name, **fields)
@@ -178,6 +178,31 @@ class LoRAManager:
             self._retire(old_key)
         self.stats.load("cpu", True, read_s)  # counted once the load is committed, not when refused
         return entry
+
+    def _claim_pin(self, key: str, spec: AdapterSpec, weights: Weights, pinned: bool,
+                   old: Optional[AdapterEntry], old_key: Optional[str]) -> None:
+        """The pin part of `load`: take a pinned slot for `key` (or hand the old generation's pin over or
+        back). Raises with the pins as they were."""
+        if pinned:
+            # A pinned adapter reloaded in place hands its pin to the new weights: unpin the old
+            # generation first so the swap does not count twice against the pin limit.
+            if old_key is not None and old.pinned:
+                self.pool.unpin(old_key)
+            try:
+                acquired = self.pool.pin(key)
+            except LoRAStateError:
+                if old_key is not None and old.pinned:
+                    self.pool.pin(old_key)  # give the pin back: it was ours a moment ago
+                raise
+            if acquired.needs_load:
+                try:
+                    self._fill_pinned(acquired.slot, key, spec, weights)
+                except AdapterError:
+                    if old_key is not None and old.pinned:
+                        self.pool.pin(old_key)
+                    raise
+        elif old_key is not None and old.pinned:
+            self.pool.unpin(old_key)  # reloaded without pinned=true: the new weights are not pinned
 
     def unload(self, name: str) -> None:
         self.registry.remove(name)  # 404 when unknown
@@ -215,7 +240,7 @@ class LoRAManager:
             weights = self.host.get(key)  # a cold read that fails leaves everything as it was
             acquired = self.pool.pin(key)
             if acquired.needs_load:
-                self._fill_slot(acquired.slot, key, self.keys[key].spec, weights)
+                self._fill_pinned(acquired.slot, key, self.keys[key].spec, weights)
             self.host.pin(key)
         else:
             self.pool.unpin(key)
@@ -315,10 +340,9 @@ class LoRAManager:
         for slot, key in loads:
             try:
                 weights = self.host.get(key)
-            except AdapterError as e:
+                self._fill_slot(slot, key, self.keys[key].spec, weights)
+            except AdapterError as e:  # the read, or under TP another rank's read or copy
                 failed[key] = str(e)
-                continue
-            self._fill_slot(slot, key, self.keys[key].spec, weights)
         return failed
 
     def load_failed(self, key: str) -> None:
@@ -328,6 +352,16 @@ class LoRAManager:
         if slot is not None:
             self.pool.remove(key)
             self.slot_ranks[slot] = 0
+
+    def _fill_pinned(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
+        """`_fill_slot` for a slot `pin` just gave `key`: a failure (another rank could not fill its
+        shard) gives the slot back before it is raised."""
+        try:
+            self._fill_slot(slot, key, spec, weights)
+        except AdapterError:
+            self.pool.remove(key)
+            self.slot_ranks[slot] = 0
+            raise
 
     def _fill_slot(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
         self.host.release(key)  # read for its requests, now on its way to their slot
@@ -341,22 +375,27 @@ class LoRAManager:
             return
 
         def copy() -> None:
-            load_adapter_into_slot(self.ctx, slot, weights)
+            load_adapter_into_slot(self.ctx, slot, weights if self.tp is None else self.tp.shard(weights))
+            if self.tp is not None:
+                self.tp.fill(slot, key)  # AdapterError when another rank fails: this slot is not valid
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the copy's real duration, not its launch
 
         self._timed("gpu", copy)
         self.slot_ranks[slot] = spec.rank
 
-    def begin_step(self, seg_lens: list[int], seg_keys: list[Optional[str]]) -> None:
+    def begin_step(self, seg_lens: list[int], seg_keys: list[Optional[str]]) -> Optional[LoRAStepLayout]:
+        """Set the step's LoRABatchInfo; returns its layout (None: no adapter token) for other TP ranks."""
         slots = [-1 if k is None else self.pool.lookup(k) for k in seg_keys]
         if any(s is None for s in slots):
             raise RuntimeError("a scheduled adapter has no slot")
         if self.copier is not None:
             self.copier.wait([s for s in slots if s != -1])  # device-side wait on copies still running
-        self.ctx.info = None if all(s == -1 for s in slots) else LoRABatchInfo.build(
-            seg_lens, slots, self.slot_ranks, self.device,  # type: ignore[arg-type]
-            self.cfg.backend, self.cfg.max_chunk_size)
+        layout = None if all(s == -1 for s in slots) else LoRAStepLayout(
+            list(seg_lens), slots, list(self.slot_ranks))  # type: ignore[arg-type]
+        self.ctx.info = None if layout is None else LoRABatchInfo.from_layout(
+            layout, self.device, self.cfg.backend, self.cfg.max_chunk_size)
+        return layout
 
     # ------------------------------------------------------------------ internals
     def _read_cold(self, spec: AdapterSpec) -> Weights:
@@ -423,3 +462,5 @@ class LoRAManager:
         if key in self.host:
             self.host.drop(key)
         del self.keys[key]
+        if self.tp is not None:
+            self.tp.drop(key)

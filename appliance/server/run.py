@@ -4,7 +4,8 @@ Shutdown sequence on the first SIGTERM or SIGINT:
   1. /health and new inference requests answer 503 (the listener stays open so clients get an answer);
   2. in-flight requests run to completion for at most server.shutdown_timeout_s (AsyncEngine.drain);
      whatever is left then is aborted (streams end with an error event, others get 503);
-  3. uvicorn closes the listener and connections, the engine stops, `serve` returns (exit status 0).
+  3. uvicorn closes the listener and connections, the engine stops (with tensor parallelism, then
+     every other rank), `serve` returns (exit status 0).
 A second signal during the drain exits at once.
 """
 
@@ -44,6 +45,8 @@ def serve(cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
         make_server(engine, cfg, source).run()
     finally:
         engine.shutdown()
+        # Then the other tensor-parallel ranks (none at tp_size 1); killed if a step is stuck.
+        engine.engine.close(graceful=not engine.stepping)
     log.info("server stopped")
 
 

@@ -76,8 +76,10 @@ def test_env_interpolation_in_inventory(tmp_path: Path, monkeypatch: pytest.Monk
     assert c.cfg.adapters["alpha"].path == "/mnt/adapters/alpha"
 
 
-@pytest.mark.parametrize("override, key", [("parallel.tp_size=2", "parallel.tp_size"),
+@pytest.mark.parametrize("override, key", [("parallel.tp_size=0", "parallel.tp_size"),
                                            ("parallel.backend=mpi", "parallel.backend"),
+                                           ("parallel.nnodes=3", "parallel.nnodes"),
+                                           ("parallel.node_rank=1", "parallel.node_rank"),
                                            ("reconcile.resync_s=-1", "reconcile.resync_s")])
 def test_parallel_and_reconcile_checks(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key):

@@ -1,0 +1,1 @@
+"""Tensor parallelism: layout, process group, weight and LoRA sharding, worker processes, launcher."""

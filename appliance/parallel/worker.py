@@ -1,0 +1,99 @@
+"""A tensor-parallel worker: ranks 1..tp_size-1, started by parallel/launcher.py (on rank 0's host by
+the server, on the other hosts by `appliance worker`).
+
+`python -m appliance.parallel.worker` reads (config, rank) pickled on stdin, joins the process group,
+builds its shard of the model (the same ModelRunner as rank 0, with `tp`), then follows rank 0: each
+message rank 0 broadcasts is a step to run or an adapter operation (parallel/messages.py). It has no
+scheduler, registry or HTTP server. It exits 0 on `Stop`, and 1 (at once) when rank 0's process is
+gone (the process that started it, or rank 0's connection) or a collective fails, so it never outlives
+the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from appliance.config.schema import ApplianceConfig
+from appliance.engine.model_runner import ModelRunner
+from appliance.parallel.group import TPGroup, init_group, rank_device
+from appliance.parallel.layout import TPLayout
+from appliance.parallel.lora import WorkerAdapters
+from appliance.parallel.messages import DropAdapter, FillSlot, ReadAdapter, RunStep, Stop
+
+log = logging.getLogger("appliance.parallel.worker")
+
+
+def run_worker(cfg: ApplianceConfig, rank: int) -> None:
+    device = rank_device(cfg.model.device, rank % cfg.parallel.ranks_per_node)
+    if device.type == "cpu":
+        # tp_size processes share the host's cores: without this each would start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.tp_size))
+    group = init_group(cfg.parallel, rank, device)
+    runner = ModelRunner(cfg, str(Path(cfg.model.path).expanduser()), tp=group)
+    adapters: Optional[WorkerAdapters] = None
+    if cfg.lora.enabled:
+        adapters = WorkerAdapters(cfg.lora, runner.model, TPLayout(runner.args, rank, group.size), runner.dtype,
+                                  runner.device)
+    log.info("rank %d ready on %s", rank, device)
+    follow(group, runner, adapters)
+    group.destroy()
+
+
+def follow(group: TPGroup, runner: ModelRunner, adapters: Optional[WorkerAdapters]) -> None:
+    """Run what rank 0 broadcasts until `Stop`."""
+    while True:
+        msg = group.broadcast()
+        if isinstance(msg, RunStep):
+            if adapters is not None:
+                adapters.begin_step(msg.batch.lora)
+            runner.forward(msg.batch)
+        elif isinstance(msg, ReadAdapter):
+            group.gather(adapters.read(msg) if adapters is not None else "lora.enabled is false on this rank")
+        elif isinstance(msg, FillSlot):
+            group.gather(adapters.fill(msg) if adapters is not None else "lora.enabled is false on this rank")
+        elif isinstance(msg, DropAdapter):
+            if adapters is not None:
+                adapters.drop(msg)
+        elif isinstance(msg, Stop):
+            return
+        else:
+            raise TypeError(f"unknown message from rank 0: {type(msg).__name__}")
+
+
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """Exit at once when the process that started us (rank 0) is gone: we are re-parented then."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                log.error("rank 0 (pid %d) is gone; exiting", parent)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main() -> int:
+    cfg, rank = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    _exit_with_parent()
+    try:
+        run_worker(cfg, rank)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", rank)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
