@@ -139,7 +139,20 @@ def _one_line(e: BaseException) -> str:
     return " | ".join(out)
 
 
+def config_to_dict(cfg: ApplianceConfig) -> dict:
+    """A composed config as plain JSON-able data (resolved), e.g. for a tensor-parallel worker."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(data, dict)
+    return data
+
+
+def config_from_dict(data: dict) -> ApplianceConfig:
+    """The inverse of config_to_dict: the typed config again (types checked by OmegaConf)."""
+    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ApplianceConfig), data))
+    assert isinstance(obj, ApplianceConfig)
+    return obj
+
+
 def config_hash(cfg: ApplianceConfig) -> str:
     """Stable content hash of a composed config (the reconciler stops early when it is unchanged)."""
-    data = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(config_to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]

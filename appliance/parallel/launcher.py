@@ -15,9 +15,9 @@ is gone (worker.py). `stop` (engine shutdown, SIGTERM's drain) sends Stop and wa
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import appliance
+from appliance.config.compose import config_to_dict
 from appliance.config.schema import ApplianceConfig, ConfigError
 from appliance.models.llama import ModelArgs
 from appliance.models.weights import read_hf_config
@@ -60,7 +61,8 @@ class Workers:
                 p = subprocess.Popen([sys.executable, "-m", "appliance.parallel.worker"], stdin=subprocess.PIPE,
                                      env=env, start_new_session=True)
                 assert p.stdin is not None
-                p.stdin.write(pickle.dumps((cfg, rank)))
+                # JSON, not pickle: nothing the appliance reads is ever unpickled (docs/reliability.md).
+                p.stdin.write(json.dumps({"rank": rank, "config": config_to_dict(cfg)}).encode())
                 p.stdin.close()
                 self.procs.append(p)
         except BaseException:

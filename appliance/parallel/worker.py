@@ -1,7 +1,7 @@
 """A tensor-parallel worker: ranks 1..tp_size-1, started by parallel/launcher.py (on rank 0's host by
 the server, on the other hosts by `appliance worker`).
 
-`python -m appliance.parallel.worker` reads (config, rank) pickled on stdin, joins the process group,
+`python -m appliance.parallel.worker` reads {rank, config} as JSON on stdin, joins the process group,
 builds its shard of the model (the same ModelRunner as rank 0, with `tp`), then follows rank 0: each
 message rank 0 broadcasts is a step to run or an adapter operation (parallel/messages.py). It has no
 scheduler, registry or HTTP server. It exits 0 on `Stop`, and 1 (at once) when rank 0's process is
@@ -11,9 +11,9 @@ the server.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from appliance.config.compose import config_from_dict
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.model_runner import ModelRunner
 from appliance.parallel.group import TPGroup, init_group, rank_device
@@ -45,6 +46,12 @@ def run_worker(cfg: ApplianceConfig, rank: int) -> None:
                                   runner.device)
     log.info("rank %d ready on %s", rank, device)
     follow(group, runner, adapters)
+    if device.type == "cuda":
+        # On 2 x H200 (NCCL) the workers never got past here: each was killed after the launcher's 30 s
+        # stop wait (docs/benchmarks.md). The process ends anyway: leave at once and let the OS free
+        # its GPU memory and sockets. Not yet re-measured on GPUs.
+        logging.shutdown()
+        os._exit(0)
     group.destroy()
 
 
@@ -84,7 +91,8 @@ def _exit_with_parent(poll_s: float = 0.5) -> None:
 
 
 def main() -> int:
-    cfg, rank = pickle.load(sys.stdin.buffer)
+    msg = json.load(sys.stdin.buffer)
+    cfg, rank = config_from_dict(msg["config"]), int(msg["rank"])
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank{rank} %(name)s: %(message)s")
     _exit_with_parent()
     try:

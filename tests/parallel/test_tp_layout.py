@@ -96,3 +96,15 @@ def test_validate_refuses_a_tp_size_that_does_not_divide_the_model(default_model
     assert any(p.startswith("parallel.tp_size: 2 does not divide the model's query heads") for p in problems), problems
     _, ok = validate(REPO / "configs", [f"model.path={default_model_dir}", "parallel.tp_size=3"])
     assert not any("parallel.tp_size" in p for p in ok), ok
+
+
+def test_overlap_loading_is_refused_under_tp_and_the_config_round_trips_as_json() -> None:
+    """Overlap's side-stream copies fill unsharded slots: refused with tp_size > 1, not ignored. The
+    workers get their config as JSON (never pickle): the round trip gives the same typed config."""
+    from appliance.config.compose import config_from_dict, config_to_dict
+    from tests.conftest import default_config
+
+    with pytest.raises(ConfigError, match="lora.overlap_loading: not available with parallel.tp_size > 1"):
+        default_config("parallel=tp2", "lora.enabled=true", "lora.overlap_loading=true")
+    cfg = default_config("parallel=tp2", "lora.enabled=true", "lora.max_loras_per_batch=3")
+    assert config_from_dict(config_to_dict(cfg)) == cfg
