@@ -179,12 +179,13 @@ def test_tp_refused_adapter_load_changes_nothing_on_any_rank(tiny_model_dir: Pat
 @pytest.mark.parametrize("backend", ["triton"])  # csgmv shards the same way; its own parity is tests/lora
 def test_tp2_lora_kernel_backends_match_peft(tiny_model_dir: Path, tiny_adapters: dict[str, Path],
                                              backend: str) -> None:
-    """The Triton kernels (interpreter on CPU) on each rank's shard: row-parallel A slices included."""
+    """The Triton kernels (interpreter on CPU) on each rank's shard: row-parallel A slices included; the
+    Triton decode attention over each rank's heads too (the GPU default under TP)."""
     root = next(iter(tiny_adapters.values())).parent
     oracle = peft_tokens(tiny_model_dir, {None: None, "pattern": tiny_adapters["pattern"],
                                           "qv4": tiny_adapters["qv4"]})
     engine = tp_engine(tiny_model_dir, 2, "lora.enabled=true", "lora.max_lora_rank=8", f"lora.backend={backend}",
-                       f"lora.adapter_roots=[{root}]")
+                       f"lora.adapter_roots=[{root}]", "engine.attention_backend=triton")
     try:
         for name in ("pattern", "qv4"):
             engine.lora.load(name, str(tiny_adapters[name]))
