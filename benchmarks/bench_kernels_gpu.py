@@ -77,9 +77,14 @@ def make_segments(strategy: str, seg_lens: list[int], seg_slots: list[int]) -> L
 
 
 # ------------------------------------------------------------------ correctness
-def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
-          K: int, slices: list[int], R: int, fused: bool | None = None) -> tuple[bool, float]:
-    g = torch.Generator(device=DEV).manual_seed(0)
+# Relative error allowed against the fp32 twin, per dtype (the tests' tolerance table).
+CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+def check_case(g: torch.Generator, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int],
+               ranks: list[int], K: int, slices: list[int], R: int):
+    """One correctness case's inputs: A, B (rank padding poisoned: 1000 in A, NaN in B), x, the slot
+    ranks, each token's slot and the output offsets."""
     S, n, offs = len(ranks), len(slices), offsets(slices)
     T, OUT = sum(seg_lens), offs[-1]
     A = (torch.randn(S, n, R, K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
@@ -88,15 +93,22 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
         A[s, :, r:] = 1000.0
         B[s, :, r:] = float("nan")
     x = torch.randn(T, K, device=DEV, generator=g).to(dtype)
-    y0 = torch.randn(T, OUT, device=DEV, generator=g).to(dtype)
     ranks_t = torch.tensor(ranks, dtype=torch.int32, device=DEV)
     token_slots = torch.tensor([s for m, s in zip(seg_lens, seg_slots) for _ in range(m)], device=DEV)
+    return A, B, x, ranks_t, token_slots, offs
+
+
+def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
+          K: int, slices: list[int], R: int, fused: bool | None = None) -> tuple[bool, float]:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    A, B, x, ranks_t, token_slots, offs = check_case(g, dtype, seg_lens, seg_slots, ranks, K, slices, R)
+    y0 = torch.randn(x.shape[0], offs[-1], device=DEV, generator=g).to(dtype)
     want = ref.lora_expand(y0.clone(), ref.lora_shrink(x, A, token_slots, ranks_t), B, token_slots, offs, ranks_t)
     segs = make_segments(strategy, seg_lens, seg_slots)
     y = y0.clone()
     lora_apply(y, x, A, B, segs, ranks_t, offs, fused=fused)  # None: fused when every segment is one token
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
-    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}[dtype]
+    tol = CHECK_TOL[dtype]
     base = token_slots < 0
     ok = err <= tol and torch.equal(y[base], y0[base])
     return ok, err
@@ -106,21 +118,12 @@ def check_linear(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slo
                  K: int, slices: list[int], R: int) -> tuple[bool, float]:
     """kernels/lora_linear.py against its torch twin, NaN in B's rank padding, base tokens in between."""
     g = torch.Generator(device=DEV).manual_seed(1)
-    S, n, offs = len(ranks), len(slices), offsets(slices)
-    T, OUT = sum(seg_lens), offs[-1]
-    A = (torch.randn(S, n, R, K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
-    B = (torch.randn(S, OUT, R, device=DEV, generator=g) / math.sqrt(R)).to(dtype)
-    for s, r in enumerate(ranks):
-        A[s, :, r:] = 1000.0
-        B[s, :, r:] = float("nan")
-    x = torch.randn(T, K, device=DEV, generator=g).to(dtype)
-    W = (torch.randn(OUT, K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
-    ranks_t = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-    token_slots = torch.tensor([s for m, s in zip(seg_lens, seg_slots) for _ in range(m)], device=DEV)
+    A, B, x, ranks_t, token_slots, offs = check_case(g, dtype, seg_lens, seg_slots, ranks, K, slices, R)
+    W = (torch.randn(offs[-1], K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
     want = ref.lora_linear(x, W, A, B, token_slots, offs, ranks_t)
     y = lora_linear(x, W, A, B, make_segments(strategy, seg_lens, seg_slots), ranks_t, offs)
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
-    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 4e-2}[dtype]
+    tol = CHECK_TOL[dtype]
     return err <= tol, err
 
 

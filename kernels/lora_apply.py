@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import lora_expand
+from kernels.lora_expand import check_out_slices, lora_expand
 from kernels.lora_shrink import lora_shrink
 from kernels.segment_tile import segment_row, segment_tile
-from kernels.segments import LoRASegments, check_segments, check_tile
+from kernels.segments import LoRASegments, check_tile
 
 
 # The fused kernel runs when the (token, slice) programs cover the SMs FUSE_MIN_WAVES times over;
@@ -130,19 +130,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                          f"{x.dtype}, {A.dtype}, {y.dtype}, {B.dtype}")
     if not A.is_contiguous():
         raise ValueError("lora_apply: A must be contiguous (its [n, R] dims are read as one)")
-    if y.stride(1) != 1:
-        raise ValueError("lora_apply: y's columns must be contiguous")
-    offs = list(out_offsets)
-    if len(offs) != n + 1 or offs[0] != 0 or offs[-1] != OUT or any(a >= b for a, b in zip(offs, offs[1:])):
-        raise ValueError(f"lora_apply: out_offsets {offs} must rise from 0 to {OUT} in {n} slices")
-    if not 1 <= n <= 3:
-        raise ValueError(f"lora_apply: 1 to 3 slices supported, got {n}")
-    if R > 64:
-        raise ValueError(f"lora_apply: max rank {R} > 64 (the whole rank is one register tile)")
-    check_segments(segs, slot_ranks, S, y.device)
-    if scalings is not None and (scalings.shape != (S,) or scalings.dtype != torch.float32
-                                 or scalings.device != y.device):
-        raise ValueError(f"lora_apply: scalings must be fp32 [{S}] on {y.device}")
+    offs = check_out_slices("lora_apply", y, out_offsets, n, R, segs, slot_ranks, S, scalings)
     G = segs.num_segs
     if G == 0 or T == 0:
         return y

@@ -172,19 +172,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         raise ValueError(f"lora_expand: h must be contiguous fp32 (lora_shrink's output), got {h.dtype}")
     if y.dtype != B.dtype or y.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"lora_expand: y and B must share one of fp32/bf16/fp16, got {y.dtype}, {B.dtype}")
-    if y.stride(1) != 1:
-        raise ValueError("lora_expand: y's columns must be contiguous")
-    offs = list(out_offsets)
-    if len(offs) != n + 1 or offs[0] != 0 or offs[-1] != OUT or any(a >= b for a, b in zip(offs, offs[1:])):
-        raise ValueError(f"lora_expand: out_offsets {offs} must rise from 0 to {OUT} in {n} slices")
-    if not 1 <= n <= 3:
-        raise ValueError(f"lora_expand: 1 to 3 slices supported, got {n}")
-    if R > 64:
-        raise ValueError(f"lora_expand: max rank {R} > 64 (the whole rank is one register tile)")
-    check_segments(segs, slot_ranks, S, y.device)
-    if scalings is not None and (scalings.shape != (S,) or scalings.dtype != torch.float32
-                                 or scalings.device != y.device):
-        raise ValueError(f"lora_expand: scalings must be fp32 [{S}] on {y.device}")
+    offs = check_out_slices("lora_expand", y, out_offsets, n, R, segs, slot_ranks, S, scalings)
     num_base = 0
     if write:
         if segs.base_rows is None:
@@ -250,3 +238,24 @@ def _auto_cols_per_prog(programs_m: int, OUT: int, block_n: int, block_m: int, d
         splits = triton.cdiv(4 * sms, programs_m)
     splits = max(1, min(n_steps, splits))
     return triton.cdiv(n_steps, splits) * block_n
+
+
+def check_out_slices(op: str, y: torch.Tensor, out_offsets: Sequence[int], n: int, R: int, segs: LoRASegments,
+                     slot_ranks: torch.Tensor, num_slots: int, scalings: Optional[torch.Tensor]) -> list[int]:
+    """The checks of the expand side that lora_expand and lora_apply's fused kernel share: y's layout,
+    the n output slices (returned as a list), the rank bound, the metadata and the scalings."""
+    OUT = y.shape[1]
+    if y.stride(1) != 1:
+        raise ValueError(f"{op}: y's columns must be contiguous")
+    offs = list(out_offsets)
+    if len(offs) != n + 1 or offs[0] != 0 or offs[-1] != OUT or any(a >= b for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"{op}: out_offsets {offs} must rise from 0 to {OUT} in {n} slices")
+    if not 1 <= n <= 3:
+        raise ValueError(f"{op}: 1 to 3 slices supported, got {n}")
+    if R > 64:
+        raise ValueError(f"{op}: max rank {R} > 64 (the whole rank is one register tile)")
+    check_segments(segs, slot_ranks, num_slots, y.device)
+    if scalings is not None and (scalings.shape != (num_slots,) or scalings.dtype != torch.float32
+                                 or scalings.device != y.device):
+        raise ValueError(f"{op}: scalings must be fp32 [{num_slots}] on {y.device}")
+    return offs

@@ -117,27 +117,13 @@ class StaticDecode:
         r = self.runner
         bs = r.block_size
         pad_slot = r.pad_block * bs
-        ids, pos, slots, ctx, tables = [], [], [], [], []
-        lora_slots: list[int] = []
-        for s in plan.decodes:
-            seq = s.seq
-            p = seq.num_computed_tokens
-            ids.append(seq.token_at(p))
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            ctx.append(p + 1)
-            tables.append(seq.block_table)
-            if r.lora is not None:
-                slot = -1 if seq.adapter is None else r.lora.pool.lookup(seq.adapter)
-                if slot is None:
-                    raise RuntimeError("a scheduled adapter has no slot")
-                lora_slots.append(slot)
-        if r.lora is not None and r.lora.copier is not None:
-            # Side-stream slot copies (overlap loading) still running: a device-side wait, as begin_step does.
-            r.lora.copier.wait([s for s in lora_slots if s != -1])
+        hb = r.host_batch(plan)  # decode-only: one row per sequence, tables padded to the longest
+        ids, pos, slots, ctx, tables = (hb.input_ids, hb.positions, hb.slot_mapping, hb.decode_context_lens,
+                                        hb.decode_tables)
+        lora_slots = r.lora.step_slots([s.seq.adapter for s in plan.decodes]) if r.lora is not None else []
         n = len(ids)
         pad = b - n
-        ncols = max(len(t) for t in tables)
+        ncols = len(tables[0])
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the staging buffers
         h64, h32 = self._h64, self._h32
@@ -145,7 +131,7 @@ class StaticDecode:
         ranks = r.lora.slot_ranks if r.lora is not None else []
         head = ctx + [0] * pad + (lora_slots + [-1] * pad if r.lora is not None else [-1] * b) + list(ranks)
         h32[:len(head)] = torch.tensor(head, dtype=torch.int32)
-        flat = [v for t in tables for v in t + [0] * (ncols - len(t))]
+        flat = [v for t in tables for v in t]
         h32[len(head):len(head) + n * ncols] = torch.tensor(flat, dtype=torch.int32)
         d = self.buf
         nb = len(head)

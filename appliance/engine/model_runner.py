@@ -195,9 +195,6 @@ class ModelRunner:
         return max(1, min(64, -(-len_bound // 512)))
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, plan: SchedulerOutput) -> StepInputs:
-        return self.inputs(self.host_batch(plan))
-
     def host_batch(self, plan: SchedulerOutput) -> StepBatch:
         """Flatten the plan: prefill chunks first, then one token per decoding sequence."""
         ids: list[int] = []

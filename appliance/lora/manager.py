@@ -384,15 +384,22 @@ class LoRAManager:
         self._timed("gpu", copy)
         self.slot_ranks[slot] = spec.rank
 
-    def begin_step(self, seg_lens: list[int], seg_keys: list[Optional[str]]) -> Optional[LoRAStepLayout]:
-        """Set the step's LoRABatchInfo; returns its layout (None: no adapter token) for other TP ranks."""
+    def step_slots(self, seg_keys: list[Optional[str]]) -> list[int]:
+        """The slot of each segment's key (-1 = base) for the step about to run; the device waits for
+        side-stream copies into those slots still running (no host sync). Every step path calls this:
+        begin_step and the static decode step (engine/cuda_graph.py)."""
         slots = [-1 if k is None else self.pool.lookup(k) for k in seg_keys]
         if any(s is None for s in slots):
             raise RuntimeError("a scheduled adapter has no slot")
         if self.copier is not None:
-            self.copier.wait([s for s in slots if s != -1])  # device-side wait on copies still running
+            self.copier.wait([s for s in slots if s != -1])  # type: ignore[misc]
+        return slots  # type: ignore[return-value]
+
+    def begin_step(self, seg_lens: list[int], seg_keys: list[Optional[str]]) -> Optional[LoRAStepLayout]:
+        """Set the step's LoRABatchInfo; returns its layout (None: no adapter token) for other TP ranks."""
+        slots = self.step_slots(seg_keys)
         layout = None if all(s == -1 for s in slots) else LoRAStepLayout(
-            list(seg_lens), slots, list(self.slot_ranks))  # type: ignore[arg-type]
+            list(seg_lens), slots, list(self.slot_ranks))
         self.ctx.info = None if layout is None else LoRABatchInfo.from_layout(
             layout, self.device, self.cfg.backend, self.cfg.max_chunk_size)
         return layout

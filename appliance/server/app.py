@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineStoppedError, QueueFullError,
-                                      RequestError)
+                                      RequestError, RequestOutput)
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.registry import LoRAStateError
 from appliance.metrics import BuildInfo, Metrics
@@ -250,21 +250,15 @@ class _Api:
         items = [protocol.generate_item(group.job_request_id(i), c) for i, c in enumerate(choices)]
         return JSONResponse(items if req.batched else items[0])
 
-    async def _generate_stream(self, group: RequestGroup) -> AsyncIterator[str]:
-        try:
-            async for i, out in group.updates():
-                c = group.choices[i]
-                _raise_if_failed(c)
-                if out.text or out.token_ids or out.finished:
-                    item = protocol.generate_item(group.job_request_id(i), c)
-                    item["index"] = i
-                    yield protocol.sse(item)
-            yield protocol.SSE_DONE
-        except (ApiError, EngineError) as e:
-            yield _to_api_error(e).sse_event()
-            yield protocol.SSE_DONE
-        finally:
-            group.cancel()
+    def _generate_stream(self, group: RequestGroup) -> AsyncIterator[str]:
+        def item(i: int, out: RequestOutput) -> Optional[dict]:
+            if not (out.text or out.token_ids or out.finished):
+                return None
+            d = protocol.generate_item(group.job_request_id(i), group.choices[i])
+            d["index"] = i
+            return d
+
+        return _sse_stream(group, [], item, None)
 
     # ------------------------------------------------------------------------------ plumbing
     async def _parse(self, request: Request, parse: Callable[[dict, Tokenizer, int], ParsedRequest],
@@ -388,19 +382,28 @@ async def _until_disconnected(receive: Receive) -> None:
         pass
 
 
-async def _openai_stream(group: RequestGroup, head: list[str],
-                         chunk: Callable[[int, str, Optional[str]], dict],
-                         usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
-    """The SSE events of one OpenAI stream: `head`, a chunk per update that carries text or a finish,
-    the usage chunk when asked, then [DONE]. An error mid-stream becomes an error event before [DONE];
+def _openai_stream(group: RequestGroup, head: list[str], chunk: Callable[[int, str, Optional[str]], dict],
+                   usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
+    """An OpenAI stream: a chunk per update that carries text or a finish (see _sse_stream)."""
+    def event(i: int, out: RequestOutput) -> Optional[dict]:
+        return chunk(i, out.text, group.choices[i].finish_reason) if out.text or out.finished else None
+
+    return _sse_stream(group, head, event, usage)
+
+
+async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int, RequestOutput], Optional[dict]],
+                      usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
+    """The SSE events of one stream: `head`, the event of each update (None = nothing to send), the
+    usage chunk when asked, then [DONE]. An error mid-stream becomes an error event before [DONE];
     the request is cancelled however the stream ends (client gone included)."""
     try:
-        for event in head:
-            yield event
+        for ev in head:
+            yield ev
         async for i, out in group.updates():
             _raise_if_failed(group.choices[i])
-            if out.text or out.finished:
-                yield protocol.sse(chunk(i, out.text, group.choices[i].finish_reason))
+            data = event(i, out)
+            if data is not None:
+                yield protocol.sse(data)
         if usage is not None:
             yield protocol.sse(usage())
         yield protocol.SSE_DONE

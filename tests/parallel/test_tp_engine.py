@@ -8,7 +8,6 @@ loads, unloads, in-place reloads and pins go through every rank.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,14 +20,9 @@ from appliance.lora.adapter import AdapterError
 from appliance.lora.registry import LoRAStateError
 from tests.conftest import REPO, default_config, make_tiny_model
 from tests.lora.test_lora_engine import ADAPTERS, GREEDY, PROMPTS, make_adapter, peft_greedy
+from tests.server.test_shutdown import free_port
 
 DEMO = REPO / "appliance" / "demo" / "adapters"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:

@@ -20,45 +20,29 @@ import requests
 
 from tests.conftest import REPO, make_tiny_model
 from tests.lora.test_lora_engine import NEW, PROMPTS, make_adapter, peft_greedy
-from tests.parallel.test_tp_engine import children, free_port
+from tests.parallel.test_tp_engine import children
+from tests.server.test_shutdown import ServeProcess, free_port
 
 ADMIN = {"Authorization": "Bearer tp-admin"}
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 
-class TPServe:
-    """`appliance.server.run.serve` in a subprocess with parallel.tp_size=`tp` (output kept for asserts)."""
+class TPServe(ServeProcess):
+    """A serve process with parallel.tp_size=`tp`, its output in a log file under `log_dir` (kept for
+    asserts), in its own session: a test may signal its whole process group (Ctrl-C)."""
 
     def __init__(self, model: Path, tp: int, log_dir: Path, *extra: str) -> None:
-        self.port = free_port()
         self.master_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [f"model.path={model}", "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
-                "engine.num_kv_blocks=64", "server.host=127.0.0.1", f"server.port={self.port}",
-                "server.admin_key=tp-admin", f"parallel.tp_size={tp}", f"parallel.master_port={self.master_port}", *extra]
-        code = ("from tests.conftest import default_config\nfrom appliance.server.run import serve\n"
-                f"serve(default_config(*{self.args!r}))\n")
-        self.log = open(log_dir / f"serve-{self.port}.log", "w+")
-        # Own session, like a shell job: a test may signal its whole process group (Ctrl-C).
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)},
-                                     stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.log = open(log_dir / f"serve-{self.master_port}.log", "w+")
+        super().__init__(model, "engine.num_kv_blocks=64", "server.admin_key=tp-admin", f"parallel.tp_size={tp}",
+                         f"parallel.master_port={self.master_port}", *extra, out=self.log, new_session=True)
 
     def output(self) -> str:
         self.log.flush()
         return Path(self.log.name).read_text()
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "server never became healthy"
-            time.sleep(0.2)
+        super().wait_healthy(timeout_s)
 
     def post(self, path: str, body: dict) -> requests.Response:
         return requests.post(self.url + path, headers=ADMIN, json=body, timeout=120)

@@ -27,19 +27,20 @@ def free_port() -> int:
 
 class ServeProcess:
     """`appliance.server.run.serve` in a child process on the tiny model; `out` = where its output goes
-    (default: a pipe, read by output())."""
+    (default: a pipe, read by output()); `new_session`: its own process group, like a shell job."""
 
-    def __init__(self, model_dir: Path, *overrides: str, out: Optional[IO] = None) -> None:
+    def __init__(self, model_dir: Path, *overrides: str, out: Optional[IO] = None, new_session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [f"model.path={model_dir}", "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
-                "server.host=127.0.0.1", f"server.port={self.port}", *overrides]
+        self.args = [f"model.path={model_dir}", "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
+                     "server.host=127.0.0.1", f"server.port={self.port}", *overrides]
         code = ("from tests.conftest import default_config\n"
                 "from appliance.server.run import serve\n"
-                f"serve(default_config(*{args!r}))\n")
+                f"serve(default_config(*{self.args!r}))\n")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
-                                     stdout=out or subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=out or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=new_session)
 
     def output(self) -> str:
         return self.proc.stdout.read() if self.proc.stdout is not None else "(output not piped)"
