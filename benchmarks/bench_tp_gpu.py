@@ -69,14 +69,18 @@ def engine(model_dir: Path, tp: int, dtype: str, device: str, root: Path, blocks
     return LLMEngine(cfg)
 
 
-def release(box: list[LLMEngine]) -> None:
+def release(box: list[LLMEngine]) -> float:
     """Stop the engine's other ranks and give its memory back before the next engine is built (the
-    engine lives only in `box`, so no frame keeps it alive)."""
+    engine lives only in `box`, so no frame keeps it alive). Returns the seconds close() took: the
+    workers must leave at once (an NCCL teardown once hung for 30 s until they were killed)."""
+    t0 = time.perf_counter()
     while box:
         box.pop().close()
+    closed = time.perf_counter() - t0
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return closed
 
 
 def generate(e: LLMEngine, prompts: list[list[int]], adapters: list[Optional[str]], new: int) -> list[list[int]]:
@@ -98,7 +102,7 @@ def parity(name: str, model_dir: Path, tp: int, device: str, root: Path, new: in
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, args.vocab_size, (12 + 3 * i,), generator=g).tolist() for i in range(6)]
     adapters = [None, names[0][0], names[1][0], None, names[0][0], names[1][0]]
-    runs = {}
+    runs, close_s = {}, {}
     for size in (1, tp):
         t0 = time.perf_counter()
         box = [engine(model_dir, size, "float32", device, root / name, 256, 8)]
@@ -107,12 +111,13 @@ def parity(name: str, model_dir: Path, tp: int, device: str, root: Path, new: in
                 box[0].lora.load(n, str(path))
             runs[size] = generate(box[0], prompts, adapters, new)
         finally:
-            release(box)
-        print(f"  parity {name}: tp={size} done in {time.perf_counter() - t0:.1f} s", flush=True)
+            close_s[size] = round(release(box), 2)
+        print(f"  parity {name}: tp={size} done in {time.perf_counter() - t0:.1f} s (close {close_s[size]} s)",
+              flush=True)
     first_diff = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(runs[1], runs[tp])]
     same = sum(d is None for d in first_diff)
     return {"model": name, "tp": tp, "sequences": len(prompts), "identical": same, "new_tokens": new,
-            "first_differing_step": first_diff, "tokens_tp1": runs[1], f"tokens_tp{tp}": runs[tp]}
+            "first_differing_step": first_diff, "close_s": close_s, "tokens_tp1": runs[1], f"tokens_tp{tp}": runs[tp]}
 
 
 def decode(name: str, model_dir: Path, tp: int, device: str, dtype: str, root: Path, batches: list[int],
@@ -177,6 +182,7 @@ def main() -> int:
     for p in res["parity"]:
         print(f"| {p['model']} | greedy sequences identical (of {p['sequences']}, {p['new_tokens']} tokens) "
               f"| - | {p['identical']} |")
+        print(f"| {p['model']} | engine close() seconds | {p['close_s'][1]} | {p['close_s'][o.tp]} |")
     for b in batches:
         r = {x["tp"]: x for x in res["decode"] if x["batch"] == b}
         print(f"| {dec_name} | decode batch {b}: ms/step (tok/s) | {r[1]['step_ms']} ({r[1]['tok_s']}) "
