@@ -156,6 +156,7 @@ class SoakSetup:
         distinct = {tuple(r[0]) for r in self.refs.values()}
         assert len(distinct) >= len(self.refs) - 2, "adapters barely change the output: the checks would be weak"
         self.inventory: dict[str, dict] = {n: {"path": self.root / n} for n in self.set_b[:2]}
+        self.pinned_in_file: set[str] = set()  # set B names pinned by the file at some point (never removed)
         self.tree = write_tree(work / "configs", model, self.root, {"soak": self.inventory}, max_rank=8,
                                slots=cfg.slots, watch=True, resync_s=2)
         text = (self.tree / "config.yaml").read_text()
@@ -360,6 +361,12 @@ class Soak:
                 self.s.inventory[name] = {"path": self.s.root / rng.choice([name, f"{name}-v2"])}
             else:
                 op = rng.choice(["remove", "path", "path", "pin"])
+                # With reconcile.prune off a name taken out of the file stays loaded as it was, pinned
+                # too if its unpin had not been applied yet. Such a stray pin plus the config's next pin
+                # plus the admin thread's would pass the pin limit (2 of 3 slots), and set B would never
+                # converge: a name ever pinned since it was added stays in the file.
+                if op == "remove" and name in self.s.pinned_in_file:
+                    op = "pin"
                 if op == "remove":
                     del self.s.inventory[name]
                 elif op == "path":
@@ -368,6 +375,7 @@ class Soak:
                     cur["pinned"] = False
                 elif not any(a.get("pinned") for a in self.s.inventory.values()):
                     cur["pinned"] = True  # the config pins at most one at a time
+                    self.s.pinned_in_file.add(name)
             rename_save(inv, inventory_yaml(self.s.inventory))
             self._count("config_edits")
             time.sleep(rng.uniform(0.3, 0.8))

@@ -1,6 +1,6 @@
 """Short soak (the long one: benchmarks/soak.py): see tests/server/soak.py for what runs.
 
-One soak runs for the module (2 rounds of 6 clients x 20 requests over the base model and 8 adapters,
+One soak runs for the module (2 rounds of 6 clients x 12 requests over the base model and 8 adapters,
 3 GPU slots, a CPU tier of 4, admin and YAML churn); the tests below each check one property of it.
 The metrics check is a separate step that is skipped only while appliance.metrics does not exist.
 """
@@ -15,7 +15,7 @@ import requests
 
 from tests.server.soak import Soak, SoakConfig, SoakReport, SoakSetup, has_metrics, metrics_problems
 
-CFG = SoakConfig(rounds=2, clients=6, requests_per_client=20)
+CFG = SoakConfig(rounds=2, clients=6, requests_per_client=12)
 
 
 @pytest.fixture(scope="module")
