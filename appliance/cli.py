@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    from appliance.bench.suite import MODES, BenchOptions
+    from appliance.bench.options import MODES, BenchOptions
 
     d = BenchOptions()
     p.add_argument("mode", choices=MODES, help="offline phases, the online phase, or both")
@@ -313,7 +313,8 @@ def _bench(args: argparse.Namespace) -> int:
     import dataclasses
     import shlex
 
-    from appliance.bench.suite import BenchOptions, run_bench
+    from appliance.bench.options import BenchOptions
+    from appliance.bench.suite import run_bench
 
     fields = {f.name for f in dataclasses.fields(BenchOptions)}
     opts = BenchOptions(**{k: v for k, v in vars(args).items() if k in fields})

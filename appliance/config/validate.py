@@ -25,8 +25,8 @@ def validate(config_dir: str | os.PathLike | None, overrides: Sequence[str]) -> 
         return None, [str(e)]
     cfg = composed.cfg
     from appliance.lora.adapter import AdapterError, inspect_adapter, resolve_adapter_path
-    from appliance.models.llama import ModelArgs
-    from appliance.models.weights import read_hf_config
+    from appliance.models.args import ModelArgs
+    from appliance.models.args import read_hf_config
 
     problems: list[str] = []
     args: Optional[ModelArgs] = None

@@ -15,14 +15,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load as load_safetensors_bytes
 
 from appliance.config.schema import LORA_TARGETS, LoRAConfig
-from appliance.models.llama import ModelArgs
+from appliance.models.args import ModelArgs
+
+if TYPE_CHECKING:  # torch only where tensors are read: validate, plan and apply only inspect headers
+    import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -120,7 +121,8 @@ def inspect_adapter(path: Path, lora_cfg: LoRAConfig, args: ModelArgs) -> Adapte
     _check_options(cfg, cfg_path)
     declared = _declared_targets(cfg.get("target_modules"), args, cfg_path)
     try:
-        with safe_open(str(wfile), framework="pt", device="cpu") as sf:
+        # numpy, not pt: only the header is read, and "pt" would import torch (seconds) into the CLI.
+        with safe_open(str(wfile), framework="numpy") as sf:
             header = {k: (list(sf.get_slice(k).get_shape()), sf.get_slice(k).get_dtype()) for k in sf.keys()}
     except (SafetensorError, OSError) as e:
         raise AdapterError(f"{wfile}: corrupt or truncated safetensors: {e}") from e
@@ -162,6 +164,9 @@ def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype) -> dict[str, tup
     The weights file is read into memory once, hashed and parsed from the same bytes, so what we load is
     exactly what inspect_adapter validated (a file changed on disk since then is refused, not half-loaded).
     """
+    import torch
+    from safetensors.torch import load as load_safetensors_bytes
+
     if not dtype.is_floating_point:
         raise AdapterError(f"{spec.path}: cannot load LoRA weights as non-float dtype {dtype}")
     cfg_bytes, _ = _read_config(spec.path)

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from appliance.models.llama import LlamaModel, ModelArgs, ModelConfigError, RotaryEmbedding
+from appliance.models.args import ModelArgs, ModelConfigError, read_hf_config
+from appliance.models.llama import LlamaModel, RotaryEmbedding
 
 # HF name suffix -> (our module suffix, slice name or None for a plain copy)
 _FUSED = {
@@ -28,13 +29,6 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", "up"),
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-
-
-def read_hf_config(model_dir: str | Path) -> dict:
-    p = Path(model_dir) / "config.json"
-    if not p.is_file():
-        raise ModelConfigError(f"{p}: not found (model.path must be a local HF model directory)")
-    return json.loads(p.read_text())
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

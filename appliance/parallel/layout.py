@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from appliance.config.schema import ConfigError
-from appliance.models.llama import ModelArgs
+from appliance.models.args import ModelArgs
 
 # PEFT projection -> how it is split: "out" = rows of the weight (column-parallel), "in" = columns.
 SPLIT = {"q_proj": "out", "k_proj": "out", "v_proj": "out", "gate_proj": "out", "up_proj": "out",

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from appliance.models.llama import LlamaModel, ModelArgs, ModelConfigError
+from appliance.models.args import ModelArgs, ModelConfigError
+from appliance.models.llama import LlamaModel
 from appliance.models.weights import build_empty, random_weights, read_hf_config, safetensors_files
 from appliance.parallel.group import TPGroup
 from appliance.parallel.layout import SPLIT, TPLayout

@@ -16,8 +16,8 @@ def desired_state(cfg: ApplianceConfig, engine_cfg: Optional[ApplianceConfig] = 
     engine's, in-process: a restart-only change in the YAML does not apply to them yet), else `cfg`'s.
     Reads adapter configs and safetensors headers and hashes the files: call it off the event loop."""
     from appliance.lora.adapter import AdapterError, inspect_adapter, resolve_adapter_path
-    from appliance.models.llama import ModelArgs
-    from appliance.models.weights import read_hf_config
+    from appliance.models.args import ModelArgs
+    from appliance.models.args import read_hf_config
 
     engine_cfg = engine_cfg or cfg
     args = ModelArgs.from_hf_config(read_hf_config(Path(engine_cfg.model.path).expanduser()))

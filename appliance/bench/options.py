@@ -1,0 +1,80 @@
+"""What `appliance bench` runs: its modes and options, with their checks.
+
+Apart from the bench itself (appliance/bench/suite.py) so that building the CLI's argument parser, which
+every `appliance` command does, imports no torch: `appliance validate`, `plan` and `apply` start in a
+second instead of five.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from appliance.config.schema import LORA_TARGETS, ConfigError
+
+MODES = ("offline", "online", "all")
+# --online-overlap: the config's lora.overlap_loading, forced off or on, or one run of each: "both" = off
+# first, "on-off" = on first. Runs share the process, so Triton kernels compiled for a batch layout in
+# the first run are ready in the second: compare both orders before crediting either setting.
+OVERLAP_CHOICES = {"config": (None,), "off": (False,), "on": (True,), "both": (False, True),
+                   "on-off": (True, False)}
+
+
+@dataclass
+class BenchOptions:
+    mode: str = "all"
+    out: str = "bench-results"  # directory for bench.json and the PNGs
+    # Offline throughput: `batch` requests (or D when more) at once, request i on adapter i % D.
+    batch: int = 64
+    prompt_len: int = 128
+    new_tokens: int = 64
+    adapters: list[int] = field(default_factory=lambda: [0, 1, 8, 64, 256])
+    ranks: list[int] = field(default_factory=lambda: [16])
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # Decode step against its memory floor (0 steps = skip); with and without distinct adapters.
+    decode_batch: int = 64
+    decode_context: int = 1024
+    decode_steps: int = 16
+    decode_adapters: int = 64
+    profile_decode: bool = False  # torch.profiler over 2 extra decode steps: top kernels into the JSON
+    # Prefill tokens/s, base and with distinct adapters (0 requests = skip).
+    prefill_requests: int = 32
+    prefill_len: int = 512
+    prefill_adapters: int = 16
+    # The same workload through transformers and peft (and the engine), where importable.
+    baseline_batch: int = 32
+    baseline_adapters: int = 32
+    baseline_new_tokens: Optional[int] = None  # None = new_tokens
+    skip_baselines: bool = False  # no transformers / peft runs (the engine's rows of that workload stay)
+    # Online: Poisson arrivals, Zipf(zipf) popularity over online_adapters adapters.
+    online_requests: int = 256
+    online_rate: float = 8.0
+    online_adapters: int = 512
+    zipf: float = 1.1
+    online_overlap: str = "config"  # OVERLAP_CHOICES: "both" runs the workload with overlap loading off, then on
+    adapter_dir: Optional[str] = None  # where synthetic adapters go (default: a temp dir, removed after)
+    seed: int = 0
+    budget_s: Optional[float] = None  # skip phases not started by then
+    keep_going: bool = False  # record a failing phase's error and go on (exit status 1 at the end)
+    progress: bool = True
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"bench mode {self.mode!r} is not one of {', '.join(MODES)}")
+        for k in ("batch", "prompt_len", "new_tokens", "baseline_batch", "decode_batch", "decode_context"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"bench --{k.replace('_', '-')}: must be >= 1, got {getattr(self, k)}")
+        if any(r < 1 for r in self.ranks) or not self.ranks:
+            raise ConfigError(f"bench --ranks: must be >= 1, got {self.ranks}")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets:
+            raise ConfigError(f"bench --targets: {bad or '[]'} not in {', '.join(LORA_TARGETS)}")
+        if self.online_overlap not in OVERLAP_CHOICES:
+            raise ConfigError(f"bench --online-overlap: {self.online_overlap!r} is not one of "
+                              f"{', '.join(OVERLAP_CHOICES)}")
+        if any(d < 0 for d in self.adapters):
+            raise ConfigError(f"bench --adapters: counts must be >= 0, got {self.adapters}")
+
+    @property
+    def main_rank(self) -> int:
+        return 16 if 16 in self.ranks else self.ranks[0]
