@@ -74,46 +74,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_tp2_server_admin_api_and_sigterm(tmp_path: Path, tiny_model_dir: Path, procs: list[TPServe]) -> None:
-    root = tmp_path / "adapters"
-    pattern = make_adapter(tiny_model_dir, root / "pattern", seed=3, r=8, lora_alpha=8,
-                           target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"])
-    from appliance.engine.tokenizer import Tokenizer
-
-    ids = [Tokenizer(tiny_model_dir).encode(p) for p in PROMPTS[:2]]
-    want = peft_greedy(tiny_model_dir, pattern, ids)[0]
-    base = peft_greedy(tiny_model_dir, None, ids)[0]
-    srv = TPServe(tiny_model_dir, 2, tmp_path, "lora.enabled=true", "lora.max_lora_rank=8", "lora.max_loras_per_batch=2",
-                  f"lora.adapter_roots=[{root}]", "reconcile.watch=false", "reconcile.resync_s=0")
-    procs.append(srv)
-    srv.wait_healthy()
-    workers = children(srv.proc.pid)
-    assert len(workers) == 1
-
-    r = srv.post("/load_lora_adapter", {"lora_name": "pattern", "lora_path": str(pattern)})
-    assert r.status_code == 200, r.text
-    bad = srv.post("/load_lora_adapter", {"lora_name": "nope", "lora_path": str(root / "missing")})
-    assert bad.status_code == 400
-    r = srv.post("/generate", {"input_ids": ids, "sampling_params": GREEDY, "lora_path": ["pattern", None]})
-    assert r.status_code == 200, r.text
-    assert [x["output_ids"] for x in r.json()] == [want[0], base[1]]
-
-    assert srv.post("/pin_lora_adapter", {"lora_name": "pattern", "pinned": True}).status_code == 200
-    state = requests.get(srv.url + "/v1/adapters", headers=ADMIN, timeout=30).json()
-    (a,) = state["data"]
-    assert a["name"] == "pattern" and a["pinned"] is True and a["tier"] == "gpu"
-    r = srv.post("/generate", {"input_ids": ids[1], "sampling_params": GREEDY, "lora_path": "pattern"})
-    assert r.json()["output_ids"] == want[1]
-
-    assert srv.post("/unload_lora_adapter", {"lora_name": "pattern"}).status_code == 200
-    r = srv.post("/generate", {"input_ids": ids[0], "sampling_params": GREEDY, "lora_path": "pattern"})
-    assert r.status_code == 404
-
-    srv.proc.send_signal(signal.SIGTERM)
-    assert srv.proc.wait(120) == 0, srv.output()
-    assert not any(alive(p) for p in workers), srv.output()
-
-
 def test_tp_killed_worker_ends_the_server_with_a_clear_error(tmp_path: Path, default_model_dir: Path,
                                                              procs: list[TPServe]) -> None:
     model = make_tiny_model(tmp_path / "tiny3", default_model_dir, hidden_size=96, num_attention_heads=6,
@@ -149,24 +109,51 @@ def test_tp_worker_exits_when_the_server_is_killed(tmp_path: Path, tiny_model_di
     assert not alive(worker), "the worker outlived rank 0"
 
 
-def test_tp_two_nodes_server_and_appliance_worker(tmp_path: Path, tiny_model_dir: Path, procs: list[TPServe]) -> None:
+def test_tp2_two_nodes_admin_api_and_sigterm(tmp_path: Path, tiny_model_dir: Path, procs: list[TPServe]) -> None:
     """parallel.nnodes=2 on one host: `serve` is node 0 (rank 0 only), `appliance worker
-    parallel.node_rank=1` runs rank 1; answers match tp_size 1's, SIGTERM stops both with status 0."""
+    parallel.node_rank=1` runs rank 1. Admin load (and a refused one), pin and unload act on both
+    ranks; answers match peft's; SIGTERM stops both with status 0. (One server for both checks: each
+    tensor-parallel server start costs CI several seconds of imports per rank.)"""
+    root = tmp_path / "adapters"
+    pattern = make_adapter(tiny_model_dir, root / "pattern", seed=3, r=8, lora_alpha=8,
+                           target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"])
     from appliance.engine.tokenizer import Tokenizer
 
-    ids = Tokenizer(tiny_model_dir).encode(PROMPTS[0])
-    want = peft_greedy(tiny_model_dir, None, [ids])[0][0]
-    srv = TPServe(tiny_model_dir, 2, tmp_path, "parallel.nnodes=2")
+    ids = [Tokenizer(tiny_model_dir).encode(p) for p in PROMPTS[:2]]
+    want = peft_greedy(tiny_model_dir, pattern, ids)[0]
+    base = peft_greedy(tiny_model_dir, None, ids)[0]
+    srv = TPServe(tiny_model_dir, 2, tmp_path, "parallel.nnodes=2", "lora.enabled=true", "lora.max_lora_rank=8",
+                  "lora.max_loras_per_batch=2", f"lora.adapter_roots=[{root}]", "reconcile.watch=false",
+                  "reconcile.resync_s=0")
     procs.append(srv)
-    node = subprocess.Popen([sys.executable, "-m", "appliance", "worker", *srv.args,
-                             "adapters=[]", "lora.enabled=false", "parallel.node_rank=1"],
+    node = subprocess.Popen([sys.executable, "-m", "appliance", "worker", *srv.args, "parallel.node_rank=1"],
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         srv.wait_healthy()
         assert children(srv.proc.pid) == []  # node 0 holds rank 0 only
-        r = srv.post("/generate", {"input_ids": ids, "sampling_params": GREEDY})
-        assert r.status_code == 200 and r.json()["output_ids"] == want, r.text
+        r = srv.post("/generate", {"input_ids": ids[0], "sampling_params": GREEDY})
+        assert r.status_code == 200 and r.json()["output_ids"] == base[0], r.text
+
+        r = srv.post("/load_lora_adapter", {"lora_name": "pattern", "lora_path": str(pattern)})
+        assert r.status_code == 200, r.text
+        bad = srv.post("/load_lora_adapter", {"lora_name": "nope", "lora_path": str(root / "missing")})
+        assert bad.status_code == 400
+        r = srv.post("/generate", {"input_ids": ids, "sampling_params": GREEDY, "lora_path": ["pattern", None]})
+        assert r.status_code == 200, r.text
+        assert [x["output_ids"] for x in r.json()] == [want[0], base[1]]
+
+        assert srv.post("/pin_lora_adapter", {"lora_name": "pattern", "pinned": True}).status_code == 200
+        state = requests.get(srv.url + "/v1/adapters", headers=ADMIN, timeout=30).json()
+        (a,) = state["data"]
+        assert a["name"] == "pattern" and a["pinned"] is True and a["tier"] == "gpu"
+        r = srv.post("/generate", {"input_ids": ids[1], "sampling_params": GREEDY, "lora_path": "pattern"})
+        assert r.json()["output_ids"] == want[1]
+
+        assert srv.post("/unload_lora_adapter", {"lora_name": "pattern"}).status_code == 200
+        r = srv.post("/generate", {"input_ids": ids[0], "sampling_params": GREEDY, "lora_path": "pattern"})
+        assert r.status_code == 404
+
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(120) == 0, srv.output()
         assert node.wait(60) == 0, node.stdout.read()
