@@ -104,7 +104,8 @@ class BenchOptions:
             raise ConfigError(f"bench --online-overlap: {self.online_overlap!r} is not one of "
                               f"{', '.join(OVERLAP_CHOICES)}")
         if self.online_single not in SINGLE_CHOICES:
-            raise ConfigError(f"bench --online-single: {self.online_single!r} is not one of {', '.join(SINGLE_CHOICES)}")
+            raise ConfigError(f"bench --online-single: {self.online_single!r} is not one of "
+                              f"{', '.join(SINGLE_CHOICES)}")
         if self.baseline_hf_new_tokens is not None and self.baseline_hf_new_tokens < 2:
             raise ConfigError(f"bench --baseline-hf-new-tokens: must be >= 2 (a per-token time needs two "
                               f"lengths), got {self.baseline_hf_new_tokens}")
@@ -381,8 +382,8 @@ class Bench:
                 single = head if o.online_single == "each" or (o.online_single == "first" and i == 0) else None
                 res = run_online(eng, prompts, keys, arrivals, o.new_tokens, o.progress, single=single)
                 assert eng.lora is not None
-                res.update(run=i + 1, adapters=o.online_adapters, zipf_s=o.zipf, offered_rate_rps=o.online_rate, rank=r0,
-                           slots=eng.cfg.lora.max_loras_per_batch, cpu_tier=eng.cfg.lora.max_loaded_loras,
+                res.update(run=i + 1, adapters=o.online_adapters, zipf_s=o.zipf, offered_rate_rps=o.online_rate,
+                           rank=r0, slots=eng.cfg.lora.max_loras_per_batch, cpu_tier=eng.cfg.lora.max_loaded_loras,
                            prompt_len=o.prompt_len, new_tokens=o.new_tokens)
                 runs.append(res)
                 self.res["online"] = res

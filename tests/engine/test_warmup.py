@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from appliance.bench.adapters import write_adapter
@@ -54,7 +53,8 @@ def test_plan_without_lora_or_graphs() -> None:
 def _engine(model_dir: Path, root: Path, warmup: bool) -> LLMEngine:
     return LLMEngine(default_config(
         f"model.path={model_dir}", "model.max_model_len=64", "engine.num_kv_blocks=64",
-        "engine.max_num_batched_tokens=20", "engine.max_num_seqs=2", "engine.attention_backend=triton", f"engine.warmup={str(warmup).lower()}",
+        "engine.max_num_batched_tokens=20", "engine.max_num_seqs=2", "engine.attention_backend=triton",
+        f"engine.warmup={str(warmup).lower()}",
         "lora.enabled=true", "lora.backend=triton", "lora.max_lora_rank=8", "lora.max_loras_per_batch=2",
         "lora.target_modules=[q_proj,v_proj]", f"lora.adapter_roots=[{root}]"))
 
