@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    from appliance.bench.options import MODES, BenchOptions
+    from appliance.bench.options import MODES, OVERLAP_CHOICES, SINGLE_CHOICES, BenchOptions
 
     d = BenchOptions()
     p.add_argument("mode", choices=MODES, help="offline phases, the online phase, or both")
@@ -144,14 +144,20 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     a("--baseline-batch", type=int, default=d.baseline_batch)
     a("--baseline-adapters", type=int, default=d.baseline_adapters, help="distinct adapters in peft's mixed batch")
     a("--baseline-new-tokens", type=int, default=None, help="default: --new-tokens")
+    a("--baseline-hf-new-tokens", type=int, default=None,
+      help="transformers / peft generate this many instead (bounds their cost); the engine runs it too, "
+           "and their per-token time is extended to --baseline-new-tokens (default: no reduction)")
     a("--skip-baselines", action="store_true", help="no transformers / peft runs (the engine still runs their workload)")
     a("--online-requests", type=int, default=d.online_requests)
     a("--online-rate", type=float, default=d.online_rate, help="Poisson arrival rate, requests/s")
     a("--online-adapters", type=int, default=d.online_adapters, help="adapters the Zipf popularity spans")
     a("--zipf", type=float, default=d.zipf, help="Zipf exponent of adapter popularity")
-    a("--online-overlap", choices=["config", "off", "on", "both", "on-off"], default=d.online_overlap,
+    a("--online-overlap", choices=list(OVERLAP_CHOICES), default=d.online_overlap,
       help="online: lora.overlap_loading as configured, off, on, or one run each: both (off first), "
-           "on-off (on first)")
+           "on-off (on first); or both orders: off-on-on-off, on-off-off-on (each run on a fresh engine)")
+    a("--online-single", choices=SINGLE_CHOICES, default=d.online_single,
+      help="online: run the same arrivals again with every request on one adapter (the Zipf head), on the "
+           "same engine, after each run, the first only, or none; reports the p99 TTFT ratio")
     a("--adapter-dir", default=None, help="write the synthetic adapters here and keep them (default: temp dir)")
     a("--seed", type=int, default=d.seed)
     a("--budget-s", type=float, default=None, help="skip phases not started after this many seconds")

@@ -30,7 +30,7 @@ from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
 
 
-@triton.jit(do_not_specialize=["tiles_per_seg", "num_base"])  # vary every step: no recompiles
+@triton.jit(do_not_specialize=["tiles_per_seg", "num_base", "stride_hp"])  # vary every step: no recompiles
 def _lora_expand_kernel(
     y_ptr,  # [T, OUT] base output, updated in place (WRITE: overwritten)
     h_ptr,  # [P, T, n*R] fp32 from lora_shrink: P planes of partial sums (P = N_PARTS), summed here

@@ -34,7 +34,7 @@ from kernels.segments import LoRASegments, check_segments, check_tile
 MAX_PLANES = 16
 
 
-@triton.jit(do_not_specialize=["tiles_per_seg"])  # varies every step: no recompiles
+@triton.jit(do_not_specialize=["tiles_per_seg", "stride_hp"])  # vary every step: no recompiles
 def _lora_shrink_kernel(
     x_ptr,  # [T, K] input rows (fp32/bf16/fp16)
     a_ptr,  # [S, N, K] A of every slot, N = n*R: row i*R + j = rank row j of slice i

@@ -11,7 +11,9 @@ lengths: the same launch is valid for every replay of a captured CUDA graph.
 Split-K (flash-decoding): with few sequences (batch x KV heads below the SM count) each context is cut
 into `num_splits` parts whose partial (max, sum, acc) go to fp32 buffers, then a small torch combine
 merges them. num_splits is the caller's host int; the runner derives it from the batch size and a
-fixed length bound, never from the step's lengths.
+length bound (for a CUDA graph a fixed one, never the step's lengths). The count is the grid's third
+axis, not a compile-time constant: one compiled kernel for split and one for unsplit serve every count,
+so an eager step with a longer context than any before pays no new compile.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import triton.language as tl
 from kernels.platform import dot_upcast
 
 
-@triton.jit
+# stride_btb (the block table's row length) changes with the step's longest context in eager steps:
+# not specialized on its value, so no step pays a first-seen compile for it (engine/warmup.py).
+@triton.jit(do_not_specialize=["stride_btb"])
 def _paged_decode_kernel(
-    out_ptr,  # [B, H, D] output (NUM_SPLITS == 1) or [B, H, S, D] fp32 partial acc
-    m_ptr, l_ptr,  # [B, H, S] fp32 running max / sum of each split (NUM_SPLITS > 1 only)
+    out_ptr,  # [B, H, D] output (not SPLIT) or [B, H, S, D] fp32 partial acc
+    m_ptr, l_ptr,  # [B, H, S] fp32 running max / sum of each split (SPLIT only; S = grid axis 2)
     q_ptr,  # [B, H, D]
     k_ptr, v_ptr,  # [num_blocks, BS, KVH, D]
     bt_ptr,  # [B, max_blocks] int32/int64 block table
@@ -37,7 +41,7 @@ def _paged_decode_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_os,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -87,7 +91,7 @@ def _paged_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     o_rows = b.to(tl.int64) * stride_ob + heads * stride_oh  # [BLOCK_G]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # An empty context (padding rows of a static batch) gives 0, not 0/0.
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -95,7 +99,7 @@ def _paged_decode_kernel(
     else:
         tl.store(out_ptr + o_rows[:, None] + split * stride_os + offs_d[None, :], acc,
                  mask=g_mask[:, None] & d_mask[None, :])
-        ml = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        ml = (b * (GROUP * tl.num_programs(1)) + heads) * tl.num_programs(2) + split
         tl.store(m_ptr + ml, m_i, mask=g_mask)
         tl.store(l_ptr + ml, l_i, mask=g_mask)
 
@@ -156,7 +160,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_len = triton.cdiv(triton.cdiv(max(bound, 1), num_splits), block_n) * block_n
     grid = (B, KVH, num_splits)
     common = dict(GROUP=group, BLOCK_G=block_g, D=D, BLOCK_D=block_d, BS=BS, BLOCK_N=block_n,
-                  NUM_SPLITS=num_splits, UPCAST=dot_upcast(q.dtype),
+                  SPLIT=num_splits > 1, UPCAST=dot_upcast(q.dtype),
                   IEEE=dot_upcast(q.dtype) or q.dtype == torch.float32,
                   num_warps=4, num_stages=2)
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, part_len,

@@ -40,3 +40,23 @@ def dot_upcast(dtype: torch.dtype) -> bool:
     """Triton's interpreter (3.9) multiplies bf16 tiles in tl.dot as raw integers; upcasting both
     operands to fp32 first gives the exact bf16 products with fp32 accumulation that a GPU computes."""
     return dtype == torch.bfloat16 and interpreter_active()
+
+
+def compiled_variants() -> Optional[int]:
+    """How many variants of the appliance's Triton kernels this process has compiled so far (every
+    device); None under the interpreter (nothing is compiled) or on a triton whose JIT keeps its cache
+    elsewhere. Engine warm-up and the bench read it before and after, to see what a phase compiled."""
+    if interpreter_active():
+        return None
+    from kernels.lora_apply import _lora_fused_gemv_kernel
+    from kernels.lora_expand import _lora_expand_kernel
+    from kernels.lora_shrink import _lora_shrink_kernel
+    from kernels.paged_attention import _paged_decode_kernel
+
+    total = 0
+    for fn in (_lora_shrink_kernel, _lora_expand_kernel, _lora_fused_gemv_kernel, _paged_decode_kernel):
+        caches = getattr(fn, "device_caches", None)  # triton >= 3.3: device -> (kernel cache, ...)
+        if caches is None:
+            return None
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total

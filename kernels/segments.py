@@ -95,20 +95,28 @@ def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_
     return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0), base_t, len(token_index))
 
 
+# Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,
+# so views packed back to back would compile a kernel once per (segment count mod 4) pattern, and on
+# the H200 those first-seen compiles landed inside requests (docs/benchmarks.md).
+_ALIGN = 4  # int32 elements
+
+
 def to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """One int32 host buffer, one copy, then views: a single small transfer per step."""
-    flat = [v for p in parts for v in p]
+    """One int32 host buffer, one copy, then views: a single small transfer per step. Each view starts
+    at a multiple of 16 bytes (the gaps are padding, never read)."""
+    flat: list[int] = []
+    starts = []
+    for p in parts:
+        starts.append(len(flat))
+        flat.extend(p)
+        flat.extend([0] * (-len(flat) % _ALIGN))
     buf = torch.tensor(flat, dtype=torch.int32)
     if device.type == "cuda":
         # From pinned memory the copy is queued on the stream and the host goes on at once.
         buf = buf.pin_memory().to(device, non_blocking=True)
     elif buf.device != device:
         buf = buf.to(device)
-    out, o = [], 0
-    for p in parts:
-        out.append(buf[o:o + len(p)])
-        o += len(p)
-    return out
+    return [buf[o:o + len(p)] for o, p in zip(starts, parts)]
 
 
 def check_segments(segs: LoRASegments, slot_ranks: torch.Tensor, num_slots: int, device: torch.device) -> None:

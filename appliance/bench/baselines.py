@@ -60,9 +60,15 @@ def _generate(model: torch.nn.Module, prompts: Sequence[list[int]], new_tokens: 
 
 
 def run_baselines(cfg: ApplianceConfig, dtype: torch.dtype, device: torch.device, prompts: Sequence[list[int]],
-                  new_tokens: int, adapter_dirs: Sequence[Path]) -> tuple[list[dict], list[list[int]]]:
+                  new_tokens: int, adapter_dirs: Sequence[Path],
+                  scale_to: Optional[int] = None) -> tuple[list[dict], list[list[int]]]:
     """Rows for transformers base, peft with adapter_dirs[0], peft mixed over all adapter_dirs (request i
-    on adapter i % D); also the peft one-adapter tokens (the oracle for the engine's)."""
+    on adapter i % D); also the peft one-adapter tokens (the oracle for the engine's).
+
+    Each is timed twice: 1 new token (the prefill, "prefill_s") and `new_tokens`; the difference gives
+    its time per further token ("token_ms"). scale_to (> new_tokens): the bounded run's figures extended
+    to that many new tokens, est_tok_s = batch * scale_to / (prefill_s + (scale_to - 1) * token_ms),
+    what the full-length run would have measured were every further token as slow."""
     from peft import PeftModel
 
     model = build_hf_model(cfg, dtype, device)
@@ -70,24 +76,29 @@ def run_baselines(cfg: ApplianceConfig, dtype: torch.dtype, device: torch.device
     rows = []
     n = len(prompts) * new_tokens
 
-    def row(impl: str, adapters: int, wall: float) -> dict:
-        return {"impl": impl, "adapters": adapters, "batch": len(prompts), "new_tokens": new_tokens,
-                "tokens": n, "wall_s": round(wall, 4), "tok_s": round(n / wall, 2)}
+    def timed(impl: str, adapters: int, m: torch.nn.Module, **kw: object) -> list[list[int]]:
+        # Warm-up on the full batch (2 tokens), not timed: allocator growth and kernel choices at this shape.
+        _generate(m, prompts, 2, device, **kw)
+        _, t1 = _generate(m, prompts, 1, device, **kw)
+        toks, wall = _generate(m, prompts, new_tokens, device, **kw)
+        row = {"impl": impl, "adapters": adapters, "batch": len(prompts), "new_tokens": new_tokens,
+               "tokens": n, "wall_s": round(wall, 4), "tok_s": round(n / wall, 2), "prefill_s": round(t1, 4)}
+        if new_tokens > 1:
+            per = max(wall - t1, 0.0) / (new_tokens - 1)
+            row["token_ms"] = round(per * 1e3, 3)
+            if scale_to is not None and scale_to > new_tokens:
+                row["est_new_tokens"] = scale_to
+                row["est_tok_s"] = round(len(prompts) * scale_to / (t1 + (scale_to - 1) * per), 2)
+        rows.append(row)
+        return toks
 
-    # Warm-ups on the full batch (2 tokens), not timed: allocator growth and kernel choices at this shape.
-    _generate(model, prompts, 2, device)
-    _, wall = _generate(model, prompts, new_tokens, device)
-    rows.append(row("transformers", 0, wall))
+    timed("transformers", 0, model)
     pm = PeftModel.from_pretrained(model, str(adapter_dirs[0]), adapter_name="a0").eval()
-    _generate(pm, prompts, 2, device)
-    one, wall = _generate(pm, prompts, new_tokens, device)
-    rows.append(row("peft", 1, wall))
+    one = timed("peft", 1, pm)
     if len(adapter_dirs) > 1:
         for i, d in enumerate(adapter_dirs[1:], start=1):
             pm.load_adapter(str(d), adapter_name=f"a{i}")
         names = [f"a{i % len(adapter_dirs)}" for i in range(len(prompts))]
-        _generate(pm, prompts, 2, device, adapter_names=names)
-        _, wall = _generate(pm, prompts, new_tokens, device, adapter_names=names)
-        rows.append(row("peft mixed", len(adapter_dirs), wall))
+        timed("peft mixed", len(adapter_dirs), pm, adapter_names=names)
     del pm, model
     return rows, one

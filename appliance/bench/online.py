@@ -7,6 +7,7 @@ loopback: the figures are then the engine's scheduling, slot churn and step time
 HTTP costs, and it needs no tokenizer (a shape-only model works on token ids). The HTTP path is what
 benchmarks/bench_cpu.py measures. Adapter loads during the measured run are counted from the engine's
 own stats events: cold reads (disk -> CPU tier) and slot loads (CPU tier -> GPU slot), with durations.
+The issue's target compares the churn's p99 TTFT with the same arrivals all on one adapter (`single`).
 """
 
 from __future__ import annotations
@@ -77,8 +78,15 @@ async def _drive(aeng: AsyncEngine, prompts: Sequence[list[int]], adapters: Sequ
 
 
 def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
-               arrivals: Sequence[float], new_tokens: int, progress: bool = False) -> dict:
-    """Drive the load; return the summary (latencies in ms) and the raw TTFTs for the CDF plot."""
+               arrivals: Sequence[float], new_tokens: int, progress: bool = False,
+               single: Optional[str] = None) -> dict:
+    """Drive the load; return the summary (latencies in ms) and the raw TTFTs for the CDF plot.
+
+    single: also run the very same arrivals and prompts with every request on this one adapter, on the
+    same engine right after (no slot churn: it stays resident), under "single", and the ratio of the
+    two p99 TTFTs as "ttft_p99_vs_single"."""
+    from kernels.platform import compiled_variants
+
     aeng = AsyncEngine(engine)
     loads: dict[str, list[float]] = {"cpu": [], "gpu": [], "cpu_failed": [], "gpu_failed": []}
 
@@ -89,31 +97,52 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
     aeng.set_stats_sink(sink)
     aeng.start()
     pool = engine.lora.pool if engine.lora is not None else None
-    try:
-        # Warm-up, not counted: first-step allocations and kernel compilation (a few batch layouts).
-        k = min(8, len(prompts))
-        asyncio.run(_drive(aeng, prompts[:k], adapters[:k], [0.0] * k, 2, False))
-        asyncio.run(aeng.stats())  # hands the warm-up's events (and the startup loads) to the sink
+
+    def measured(keys: Sequence[Optional[str]], show: bool) -> dict:
+        asyncio.run(aeng.stats())  # hands the events so far (warm-up, startup loads) to the sink
         for v in loads.values():
             v.clear()
         ev0 = pool.evictions if pool is not None else 0
-        st, wall = asyncio.run(_drive(aeng, prompts, adapters, arrivals, new_tokens, progress))
+        c0 = compiled_variants()
+        st, wall = asyncio.run(_drive(aeng, prompts, keys, arrivals, new_tokens, show))
         asyncio.run(aeng.stats())
+        c1 = compiled_variants()
+        return _summary(st, wall, keys, loads, (pool.evictions - ev0) if pool is not None else 0,
+                        None if c0 is None or c1 is None else c1 - c0)
+
+    try:
+        # Warm-up, not counted: first-step allocations (and, without engine.warmup, kernel compilation
+        # of a few batch layouts).
+        k = min(8, len(prompts))
+        asyncio.run(_drive(aeng, prompts[:k], adapters[:k], [0.0] * k, 2, False))
+        res = measured(adapters, progress)
+        if single is not None:
+            one = measured([single] * len(prompts), False)
+            res["single"] = {**one, "adapter": single}
+            res["ttft_p99_vs_single"] = round(res["ttft_p99_ms"] / one["ttft_p99_ms"], 3)
     finally:
         aeng.shutdown()
+    res["overlap_loading"] = bool(engine.lora is not None and engine.cfg.lora.overlap_loading)
+    return res
+
+
+def _summary(st: OnlineStats, wall: float, adapters: Sequence[Optional[str]], loads: dict[str, list[float]],
+             evictions: int, compiled: Optional[int]) -> dict:
     ms = lambda xs, p: round(percentile(xs, p) * 1e3, 2)  # noqa: E731
     return {
-        "requests": len(prompts), "ok": st.ok, "failures": st.failures, "first_error": st.first_error,
+        "requests": len(adapters), "ok": st.ok, "failures": st.failures, "first_error": st.first_error,
         "distinct_adapters_used": len({a for a in adapters if a is not None}),
         "wall_s": round(wall, 3), "req_s": round(st.ok / wall, 3), "out_tok_s": round(st.tokens / wall, 2),
         "ttft_p50_ms": ms(st.ttft_s, 50), "ttft_p99_ms": ms(st.ttft_s, 99),
         "itl_p50_ms": ms(st.itl_s, 50), "itl_p99_ms": ms(st.itl_s, 99),
         "e2e_p50_ms": ms(st.e2e_s, 50), "e2e_p99_ms": ms(st.e2e_s, 99),
-        "slot_evictions": (pool.evictions - ev0) if pool is not None else 0,
-        "overlap_loading": bool(engine.lora is not None and engine.cfg.lora.overlap_loading),
+        "slot_evictions": evictions,
         "cold_reads": len(loads["cpu"]), "cold_read_p50_ms": ms(loads["cpu"], 50),
         "cold_read_max_ms": round(max(loads["cpu"], default=float("nan")) * 1e3, 2),
         "slot_loads": len(loads["gpu"]), "slot_load_p50_ms": ms(loads["gpu"], 50),
         "load_failures": len(loads["cpu_failed"]) + len(loads["gpu_failed"]),
+        # Triton kernel variants compiled during the measured run (None: not countable, e.g. interpreter):
+        # anything above 0 is a request that paid a first-seen compile.
+        "compiled_during_run": compiled,
         "ttft_ms_all": [round(x * 1e3, 3) for x in st.ttft_s],
     }

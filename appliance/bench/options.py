@@ -14,10 +14,16 @@ from appliance.config.schema import LORA_TARGETS, ConfigError
 
 MODES = ("offline", "online", "all")
 # --online-overlap: the config's lora.overlap_loading, forced off or on, or one run of each: "both" = off
-# first, "on-off" = on first. Runs share the process, so Triton kernels compiled for a batch layout in
-# the first run are ready in the second: compare both orders before crediting either setting.
+# first, "on-off" = on first; "off-on-on-off" / "on-off-off-on" run both orders in one process. Runs
+# share the process, so whatever the first run leaves warm (kernels compiled for a batch layout when
+# engine.warmup is off, the page cache of the adapter files) favours the later ones: compare both
+# orders before crediting either setting.
 OVERLAP_CHOICES = {"config": (None,), "off": (False,), "on": (True,), "both": (False, True),
-                   "on-off": (True, False)}
+                   "on-off": (True, False), "off-on-on-off": (False, True, True, False),
+                   "on-off-off-on": (True, False, False, True)}
+# --online-single: after which online runs the same arrivals run again all on one adapter (the Zipf
+# head), on the same engine: the "p99 TTFT <= 3x the same load with a single adapter".
+SINGLE_CHOICES = ("each", "first", "none")
 
 
 @dataclass
@@ -45,6 +51,10 @@ class BenchOptions:
     baseline_batch: int = 32
     baseline_adapters: int = 32
     baseline_new_tokens: Optional[int] = None  # None = new_tokens
+    # transformers / peft generate this many new tokens instead (None = baseline_new_tokens): peft's mixed
+    # generate runs ~20 tok/s on an 8B shape, so a GPU call bounds it. The engine runs that count too
+    # (same-workload rows), and each baseline's per-token time is extrapolated to baseline_new_tokens.
+    baseline_hf_new_tokens: Optional[int] = None
     skip_baselines: bool = False  # no transformers / peft runs (the engine's rows of that workload stay)
     # Online: Poisson arrivals, Zipf(zipf) popularity over online_adapters adapters.
     online_requests: int = 256
@@ -52,6 +62,7 @@ class BenchOptions:
     online_adapters: int = 512
     zipf: float = 1.1
     online_overlap: str = "config"  # OVERLAP_CHOICES: "both" runs the workload with overlap loading off, then on
+    online_single: str = "each"  # SINGLE_CHOICES: the same arrivals on one adapter after each / the first run
     adapter_dir: Optional[str] = None  # where synthetic adapters go (default: a temp dir, removed after)
     seed: int = 0
     budget_s: Optional[float] = None  # skip phases not started by then
@@ -72,9 +83,23 @@ class BenchOptions:
         if self.online_overlap not in OVERLAP_CHOICES:
             raise ConfigError(f"bench --online-overlap: {self.online_overlap!r} is not one of "
                               f"{', '.join(OVERLAP_CHOICES)}")
+        if self.online_single not in SINGLE_CHOICES:
+            raise ConfigError(f"bench --online-single: {self.online_single!r} is not one of "
+                              f"{', '.join(SINGLE_CHOICES)}")
+        if self.baseline_hf_new_tokens is not None and self.baseline_hf_new_tokens < 2:
+            raise ConfigError(f"bench --baseline-hf-new-tokens: must be >= 2 (a per-token time needs two "
+                              f"lengths), got {self.baseline_hf_new_tokens}")
         if any(d < 0 for d in self.adapters):
             raise ConfigError(f"bench --adapters: counts must be >= 0, got {self.adapters}")
 
     @property
     def main_rank(self) -> int:
         return 16 if 16 in self.ranks else self.ranks[0]
+
+    @property
+    def baseline_tokens(self) -> int:
+        return self.baseline_new_tokens or self.new_tokens
+
+    @property
+    def hf_tokens(self) -> int:
+        return self.baseline_hf_new_tokens or self.baseline_tokens

@@ -33,6 +33,7 @@ from appliance.engine.model_runner import resolve_device, resolve_dtype
 from appliance.models.llama import ModelArgs
 from appliance.models.weights import read_hf_config
 
+
 class Bench:
     def __init__(self, cfg: ApplianceConfig, opts: BenchOptions, command: str) -> None:
         opts.check()
@@ -47,7 +48,8 @@ class Bench:
         self.failed = False
         self.res: dict = {
             "meta": self._meta(command), "ceilings": {}, "offline": [], "decode_step": [], "prefill": [],
-            "baselines": {"rows": []}, "online": {}, "targets": [], "plots": [], "errors": {}, "skipped": {}}
+            "baselines": {"rows": []}, "online": {}, "startup": [], "targets": [], "plots": [], "errors": {},
+            "skipped": {}}
         self.engine_one_tokens: list[list[int]] = []
 
     # ------------------------------------------------------------------ plumbing
@@ -86,7 +88,10 @@ class Bench:
             self.res["targets"] = report.targets(self.res)
             report.write_json(self.res, self.out / "bench.json")
 
-    def _engine(self, slots: Optional[int], loaded: Optional[int], max_seqs: Optional[int],
+    def _left_s(self) -> Optional[float]:
+        return None if self.opts.budget_s is None else self.opts.budget_s - (time.monotonic() - self.t0)
+
+    def _engine(self, label: str, slots: Optional[int], loaded: Optional[int], max_seqs: Optional[int],
                 overlap: Optional[bool] = None) -> LLMEngine:
         cfg = copy.deepcopy(self.cfg)
         if overlap is not None:
@@ -101,7 +106,16 @@ class Bench:
         if max_seqs is not None:
             cfg.engine.max_num_seqs = max_seqs
         cfg.check()
-        return LLMEngine(cfg)
+        t0 = time.perf_counter()
+        eng = LLMEngine(cfg)
+        # Start-up cost: model, KV cache, graph capture and the kernel warm-up (engine.warmup).
+        w = eng.warmup
+        self.res["startup"].append({
+            "engine": label, "build_s": round(time.perf_counter() - t0, 2),
+            "warmup_steps": w.steps if w else 0, "warmup_s": round(w.seconds, 2) if w else None,
+            "warmup_compiled": w.compiled if w else None,
+            "graph_sizes": eng.runner.static_decode.sizes if eng.runner.static_decode else []})
+        return eng
 
     def _adapters(self, rank: int, count: int) -> dict[str, Path]:
         return make_adapters(self.adapter_root, self.args, rank, count, self.opts.targets,
@@ -132,10 +146,12 @@ class Bench:
             self._phase("ceilings", self._ceilings)
             if o.mode in ("offline", "all"):
                 self._offline()
-            if o.mode in ("online", "all"):
-                self._phase("online", self._online)
+            # The baselines right after the offline engine is freed (they compare with its rows), before
+            # the online engines: with --budget-s, a long online phase cannot crowd them out.
             if o.mode in ("offline", "all") and not o.skip_baselines:
                 self._phase("baselines", self._baselines)
+            if o.mode in ("online", "all"):
+                self._phase("online", self._online)
         finally:
             if tmp:
                 shutil.rmtree(self.adapter_root, ignore_errors=True)
@@ -165,7 +181,8 @@ class Bench:
                 got = self._adapters(r, n)
                 names[r] = list(got)
                 dirs.update(got)
-            eng = self._engine(slots, len(dirs), max(o.batch, o.decode_batch, o.prefill_requests, o.baseline_batch))
+            eng = self._engine("offline", slots, len(dirs),
+                               max(o.batch, o.decode_batch, o.prefill_requests, o.baseline_batch))
             self._load(eng, dirs)
             holder["engine"] = eng
             # Warm-up, not timed: first-step allocations at full batch, kernel compilation, slot loads.
@@ -224,16 +241,21 @@ class Bench:
 
         def engine_side() -> None:
             n, d = o.baseline_batch, o.baseline_adapters
-            nt = o.baseline_new_tokens or o.new_tokens
+            nt = o.baseline_tokens
             prompts = random_prompts(n, o.prompt_len, vocab, o.seed + 4)
-            for label_d, keys in ((0, [None] * n), (1, [names[r0][0]] * n),
-                                  (d, [names[r0][i % d] for i in range(n)])):
+            layouts = ((0, [None] * n), (1, [names[r0][0]] * n), (d, [names[r0][i % d] for i in range(n)]))
+            for label_d, keys in layouts:
                 run_requests(eng, prompts, keys, 2)  # warm-up of this layout
                 run = run_requests(eng, prompts, keys, nt, desc=f"appliance D{label_d}", progress=o.progress)
                 if label_d == 1:
                     self.engine_one_tokens = run.tokens
                 row = throughput_row(run, impl="appliance", adapters=label_d, batch=n, new_tokens=nt)
                 self.res["baselines"]["rows"].append(row)
+            if o.hf_tokens != nt:  # the workload transformers / peft run: the direct same-run ratio
+                for label_d, keys in layouts:
+                    run = run_requests(eng, prompts, keys, o.hf_tokens)
+                    self.res["baselines"]["rows"].append(throughput_row(
+                        run, impl="appliance", adapters=label_d, batch=n, new_tokens=o.hf_tokens))
 
         if o.baseline_batch > 0:
             self._phase("baselines (engine side)", engine_side)
@@ -254,16 +276,23 @@ class Bench:
         arrivals = poisson_arrivals(o.online_requests, o.online_rate, o.seed + 7)
         runs: list[dict] = []
         self.res["online_runs"] = runs
-        for overlap in OVERLAP_CHOICES[o.online_overlap]:
-            eng = self._engine(None, None, None, overlap)
+        head = adapter_name(r0, 0)  # the Zipf head: the single-adapter comparison's adapter
+        for i, overlap in enumerate(OVERLAP_CHOICES[o.online_overlap]):
+            left = self._left_s()
+            if i > 0 and left is not None and left <= 0:
+                self.res["skipped"][f"online run {i + 1}"] = "time budget spent"
+                print(f"[bench] online run {i + 1}: skipped (time budget spent)", file=sys.stderr)
+                break
+            eng = self._engine(f"online {i + 1}", None, None, None, overlap)
             try:
                 # Loading all of them leaves the last lora.max_loaded_loras in the CPU tier: the most
                 # popular ones (Zipf item 0 first) are on disk only, so the run starts with cold reads.
                 self._load(eng, dirs)
-                res = run_online(eng, prompts, keys, arrivals, o.new_tokens, o.progress)
+                single = head if o.online_single == "each" or (o.online_single == "first" and i == 0) else None
+                res = run_online(eng, prompts, keys, arrivals, o.new_tokens, o.progress, single=single)
                 assert eng.lora is not None
-                res.update(adapters=o.online_adapters, zipf_s=o.zipf, offered_rate_rps=o.online_rate, rank=r0,
-                           slots=eng.cfg.lora.max_loras_per_batch, cpu_tier=eng.cfg.lora.max_loaded_loras,
+                res.update(run=i + 1, adapters=o.online_adapters, zipf_s=o.zipf, offered_rate_rps=o.online_rate,
+                           rank=r0, slots=eng.cfg.lora.max_loras_per_batch, cpu_tier=eng.cfg.lora.max_loaded_loras,
                            prompt_len=o.prompt_len, new_tokens=o.new_tokens)
                 runs.append(res)
                 self.res["online"] = res
@@ -282,12 +311,14 @@ class Bench:
             return
         prompts = random_prompts(o.baseline_batch, o.prompt_len, self.args.vocab_size, o.seed + 4)
         dirs = list(self._adapters(o.main_rank, o.baseline_adapters).values())
-        rows, one = baselines.run_baselines(self.cfg, self.dtype, self.device, prompts,
-                                            o.baseline_new_tokens or o.new_tokens, dirs)
+        rows, one = baselines.run_baselines(self.cfg, self.dtype, self.device, prompts, o.hf_tokens, dirs,
+                                            o.baseline_tokens)
         self.res["baselines"]["rows"] += rows
         if self.engine_one_tokens:
-            same = sum(a == b for a, b in zip(one, self.engine_one_tokens))
+            k = min(len(one[0]), len(self.engine_one_tokens[0]))  # peft may have run fewer tokens
+            same = sum(a[:k] == b[:k] for a, b in zip(one, self.engine_one_tokens))
             self.res["baselines"]["greedy_match"] = f"{same}/{len(one)}"
+            self.res["baselines"]["greedy_match_tokens"] = k
         self._free()
 
 

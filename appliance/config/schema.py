@@ -94,6 +94,10 @@ class EngineConfig:
     # Decode batch sizes captured as CUDA graphs; a step of n sequences replays the smallest size >= n,
     # larger steps run eagerly. Empty = 1, 2, 4, 8, ... up to max_num_seqs (and max_num_seqs itself).
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
+    # At start, run every Triton kernel variant a step can hit once (engine/warmup.py), so no request pays
+    # a first-seen compile (seconds each on an H200). null = on for cuda, off on cpu (Triton's
+    # interpreter gains nothing from it and is slow); true / false force it.
+    warmup: Optional[bool] = None
 
     def graph_batch_sizes(self) -> list[int]:
         """The sizes to capture, ascending."""
@@ -104,6 +108,10 @@ class EngineConfig:
             sizes.append(n)
             n *= 2
         return sizes + [self.max_num_seqs]
+
+    def warmup_on(self, device_type: str) -> bool:
+        """Whether the start-up warm-up runs on a device of this type (`warmup` null = cuda only)."""
+        return self.warmup if self.warmup is not None else device_type == "cuda"
 
     def check(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -40,6 +40,7 @@ from appliance.engine.tokenizer import (
     has_tokenizer,
     partial_stop_len,
 )
+from appliance.engine.warmup import WarmupReport, plan_warmup, run_warmup
 
 if TYPE_CHECKING:
     from appliance.lora.manager import LoRAManager
@@ -120,6 +121,18 @@ class LLMEngine:
             install_token_fault(self.runner.model, cfg.engine.fault_injection_token_id)
         # Last: the graphs capture the model as wrapped (LoRA) and with its hooks (no graphs under faults).
         self.runner.setup_decode_graphs(cfg.engine)
+        # Then the eager steps' kernel variants (the capture compiled the graphs' own).
+        self.warmup: Optional[WarmupReport] = None
+        if cfg.engine.warmup_on(self.runner.device.type):
+            self.warmup = self._warm_up(cfg)
+
+    def _warm_up(self, cfg: ApplianceConfig) -> WarmupReport:
+        e = cfg.engine
+        steps = plan_warmup(e.max_num_batched_tokens, self.max_model_len, e.max_num_seqs,
+                            cfg.lora.max_loras_per_batch if self.lora is not None else 0, e.graph_batch_sizes(),
+                            eager_decode=self.runner.static_decode is None)
+        token = 1 if e.fault_injection_token_id == 0 else 0  # never the fault-injection token
+        return run_warmup(self.runner, steps, token)
 
     def _load_configured_adapters(self, cfg: ApplianceConfig) -> None:
         """Load `adapters.*` at start; a bad one stops the start with its key path."""

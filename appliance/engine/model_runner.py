@@ -269,6 +269,10 @@ class ModelRunner:
         if self.lora is not None:
             steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in
             batch.lora = self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
+        return self._run(batch)
+
+    def _run(self, batch: StepBatch) -> torch.Tensor:
+        """The model over `batch` on every rank: rank 0 broadcasts it first under tensor parallelism."""
         if self.tp is None:
             return self.forward(batch)  # type: ignore[return-value]
         try:
@@ -280,6 +284,22 @@ class ModelRunner:
                          "cannot resynchronise")
         assert logits is not None
         return logits
+
+    @torch.inference_mode()
+    def warm_step(self, batch: StepBatch, seg_lens: list[int], seg_slots: list[int]) -> None:
+        """One synthetic step of the start-up warm-up (engine/warmup.py): `batch` with the LoRA layout of
+        its sequences (slot per sequence, -1 = base; ignored when LoRA is off); the logits are dropped."""
+        if self.lora is not None:
+            batch.lora = self.lora.use_layout(seg_lens, seg_slots)
+        try:
+            self._run(batch)
+        finally:
+            if self.lora is not None:
+                self.lora.ctx.info = None
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> Optional[torch.Tensor]:

@@ -397,9 +397,13 @@ class LoRAManager:
 
     def begin_step(self, seg_lens: list[int], seg_keys: list[Optional[str]]) -> Optional[LoRAStepLayout]:
         """Set the step's LoRABatchInfo; returns its layout (None: no adapter token) for other TP ranks."""
-        slots = self.step_slots(seg_keys)
+        return self.use_layout(seg_lens, self.step_slots(seg_keys))
+
+    def use_layout(self, seg_lens: list[int], slots: list[int]) -> Optional[LoRAStepLayout]:
+        """Set the step's LoRABatchInfo from each segment's slot (-1 = base); also the start-up warm-up's
+        synthetic steps (engine/warmup.py), which name slots directly."""
         layout = None if all(s == -1 for s in slots) else LoRAStepLayout(
-            list(seg_lens), slots, list(self.slot_ranks))
+            list(seg_lens), list(slots), list(self.slot_ranks))
         self.ctx.info = None if layout is None else LoRABatchInfo.from_layout(
             layout, self.device, self.cfg.backend, self.cfg.max_chunk_size)
         return layout

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.segments import csgmv_segments, sgmv_segments
+from kernels.segments import csgmv_segments, sgmv_segments, to_device
 
 CPU = torch.device("cpu")
 
@@ -46,3 +46,12 @@ def test_both_builders_list_the_base_rows() -> None:
     for segs in (sgmv_segments(seg_lens, seg_slots, CPU), csgmv_segments(seg_lens, seg_slots, 2, CPU)):
         assert segs.base_rows.tolist() == [3, 4, 6, 7, 8, 9]
         assert segs.base_rows.dtype == torch.int32 and segs.num_rows == 5
+
+
+@pytest.mark.parametrize("lens", [[1], [3, 5], [2, 2, 7], [1, 1, 1, 1, 1]])
+def test_to_device_views_start_on_16_bytes(lens: list[int]) -> None:
+    """Triton specializes pointers on 16-byte alignment: packed views would recompile per step layout."""
+    parts = [list(range(n)) for n in lens]
+    views = to_device(parts, torch.device("cpu"))
+    assert [v.tolist() for v in views] == parts
+    assert all(v.data_ptr() % 16 == 0 for v in views)

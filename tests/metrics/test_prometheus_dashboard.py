@@ -43,7 +43,11 @@ def substitute(expr: str) -> str:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[ServerThread]:
     dirs = make_adapters(tmp_path_factory.mktemp("prom-adapters"), tiny_model_dir)
-    server = lora_server(tiny_model_dir, next(iter(dirs.values())).parent)
+    # Overlap loading with a CPU tier of 2 for the 3 adapters the traffic cycles through (LRU misses
+    # every time) and every cold read slowed to 0.3 s: loads are in flight, and requests wait for
+    # them, while Prometheus scrapes (the "Adapter loads in flight" panel).
+    server = lora_server(tiny_model_dir, next(iter(dirs.values())).parent, "lora.overlap_loading=true",
+                         "lora.max_loaded_loras=2", "lora.fault_injection_read_delay_s=0.3")
     for name, path in dirs.items():
         load(server, name, path)
     yield server
@@ -161,6 +165,15 @@ def test_every_dashboard_expression_evaluates(prometheus: str, traffic: None) ->
                          "Tokens per second", "Requests per second", "Last config reload",
                          "Config generation", "Since last successful reload", "Build"}
     assert must_have_numbers <= numbers, must_have_numbers - numbers
+
+
+def test_loads_in_flight_panel_sees_the_background_reads(prometheus: str, traffic: None) -> None:
+    panel = [e for t, e in dashboard_exprs() if t == "Adapter loads in flight"]
+    assert panel == ["sum by (tier) (appliance_lora_loads_in_flight)",
+                     'sum(appliance_requests_waiting{reason="load"})']
+    # Both gauges were above 0 in some scrape during the traffic (an instant query may fall between reads).
+    assert scraped_samples(prometheus, 'max_over_time(appliance_lora_loads_in_flight{tier="cpu"}[5m])') >= 1
+    assert scraped_samples(prometheus, 'max_over_time(appliance_requests_waiting{reason="load"}[5m])') >= 1
 
 
 def test_every_metric_the_dashboard_names_is_exported(srv: ServerThread) -> None:
