@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.platform import dot_upcast
-from kernels.segment_tile import segment_row, segment_rows, segment_tile
+from kernels.lora_bodies import dot_expand, gemv_expand
+from kernels.segment_tile import segment_row, segment_rows, segment_tile, zero_base_rows
 from kernels.segments import LoRASegments, check_segments, check_tile
 
 
@@ -59,14 +60,8 @@ def _lora_expand_kernel(
         if pid >= n_seg_progs:
             # The last cdiv(num_base, ZERO_M) programs zero the base tokens' rows, so the base GEMM
             # can accumulate into all of y (no separate memset of the whole output).
-            offs_b = (pid - n_seg_progs) * ZERO_M + tl.arange(0, ZERO_M)
-            b_mask = offs_b < num_base
-            b_rows = tl.load(base_ptr + offs_b, mask=b_mask, other=0).to(tl.int64)
-            zeros = tl.zeros((ZERO_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
-            for c0 in range(p_lo, p_hi, BLOCK_N):
-                offs_c = c0 + tl.arange(0, BLOCK_N)
-                tl.store(y_ptr + b_rows[:, None] * stride_yt + offs_c[None, :] * stride_yo, zeros,
-                         mask=b_mask[:, None] & (offs_c < p_hi)[None, :])
+            zero_base_rows(y_ptr, base_ptr, pid - n_seg_progs, num_base, p_lo, p_hi, stride_yt, stride_yo,
+                           ZERO_M, BLOCK_N)
             return
     seg, m0, seg_len, slot, rank = segment_tile(pid, tiles_per_seg, seg_len_ptr, seg_slot_ptr, rank_ptr, BLOCK_M)
     if m0 >= seg_len:
@@ -102,19 +97,9 @@ def _lora_expand_kernel(
             hv = tl.zeros((BLOCK_R,), dtype=tl.float32)
             for p in tl.static_range(N_PARTS):  # K splits' partial sums, added in a fixed order
                 hv += tl.load(h_ptrs1 + p * stride_hp, mask=r_mask, other=0.0)
-            hv = hv.to(b_ty).to(tl.float32)  # h rounded to the weights' dtype, as the torch twin does
-            for c0 in range(c_lo, c_hi, BLOCK_N):
-                offs_c = c0 + tl.arange(0, BLOCK_N)
-                c_mask = offs_c < c_hi
-                bt = tl.load(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                             mask=c_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-                y_ptrs = y_ptr + row * stride_yt + offs_c * stride_yo
-                acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1) * scale  # [BLOCK_N] fp32
-                if WRITE:
-                    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=c_mask)
-                else:
-                    y = tl.load(y_ptrs, mask=c_mask, other=0.0)
-                    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=c_mask)
+            hv = hv.to(b_ty).to(tl.float32) * scale  # h rounded to the weights' dtype, as the torch twin does
+            gemv_expand(y_ptr + row * stride_yt, b_base, hv, offs_r, r_mask, c_lo, c_hi, stride_yo, stride_bo,
+                        stride_br, BLOCK_N, WRITE)
         else:
             h_ptrs = h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn
             ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -123,21 +108,8 @@ def _lora_expand_kernel(
             ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
             if UPCAST:
                 ht = ht.to(tl.float32)
-            for c0 in range(c_lo, c_hi, BLOCK_N):
-                offs_c = c0 + tl.arange(0, BLOCK_N)
-                c_mask = offs_c < c_hi
-                bt = tl.load(b_base + offs_c[None, :] * stride_bo + offs_r[:, None] * stride_br,
-                             mask=c_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
-                y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_c[None, :] * stride_yo
-                y_mask = m_mask[:, None] & c_mask[None, :]
-                if UPCAST:
-                    bt = bt.to(tl.float32)
-                acc = tl.dot(ht, bt, input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
-                if WRITE:
-                    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-                else:
-                    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
+            dot_expand(y_ptr, rows, m_mask, ht, b_base, offs_r, r_mask, c_lo, c_hi, scale, stride_yt, stride_yo,
+                       stride_bo, stride_br, BLOCK_N, WRITE, PRECISION, UPCAST)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,
