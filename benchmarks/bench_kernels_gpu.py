@@ -7,17 +7,17 @@ starlette). Run from the repo root:
         [--before-pkg kernels_old]
 
 1. Correctness: both strategies against kernels/reference.py on the GPU (compiled, not interpreted):
-   bf16/fp16/fp32, decode (through lora_apply's fused kernel, its K-split form, and shrink + expand)
-   and prefill (lora_linear through lora_delta and through shrink + expand), mixed ranks with NaN in
-   B's rank padding, base tokens.
+   bf16/fp16/fp32, decode (through lora_apply's fused kernel and through shrink + expand) and
+   prefill (lora_apply; lora_linear with the shrink's K splits in planes or atomics), mixed ranks
+   with NaN in B's rank padding, base tokens.
 2. Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and a
    bf16 matrix product.
 3. Prefill: 64 to 16k tokens in sequences of up to 4k, 1 or 4 adapters: LoRA time against the base
    projection's (x @ Wᵀ, bf16, cuBLAS) time (the target is <= 10 %). The LoRA time is the whole
    wrapped projection's time minus the base GEMM's: kernels/lora_linear.py (delta written first, the
-   GEMM accumulating into it: what the engine runs for prefill steps from 256 tokens) with the delta
-   from lora_delta (one pass) or from shrink + expand (the shrink's K split atomic, in planes, or
-   none), and the add-after order (GEMM, then lora_apply adding into y: the engine below 256 tokens).
+   GEMM accumulating into it: what the engine runs for prefill steps from 64 tokens) with the shrink's
+   K splits atomic, in planes, or none, and the add-after order (GEMM, then lora_apply adding into y:
+   the engine below 64 tokens).
 4. Decode: T tokens (1..256), D distinct rank-16 adapters (1..256), token i on adapter i % D, for each
    projection of Llama-3.1-8B (qkv, o, gate_up, down). The time is one LoRA application
    (kernels/lora_apply.py: fused, or shrink + expand), from CUDA-graph replays, so Python launch
@@ -49,7 +49,6 @@ from kernels import reference as ref  # noqa: E402
 from kernels.lora_apply import lora_apply  # noqa: E402
 from kernels.lora_expand import lora_expand  # noqa: E402
 from kernels.lora_linear import lora_linear  # noqa: E402
-from kernels.lora_delta import lora_delta  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
 from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments  # noqa: E402
 
@@ -123,13 +122,14 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
 
 
 def check_linear(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
-                 K: int, slices: list[int], R: int, fused: bool) -> tuple[bool, float]:
+                 K: int, slices: list[int], R: int, partials: bool) -> tuple[bool, float]:
     """kernels/lora_linear.py against its torch twin, NaN in B's rank padding, base tokens in between."""
     g = torch.Generator(device=DEV).manual_seed(1)
     A, B, x, ranks_t, token_slots, offs = check_case(g, dtype, seg_lens, seg_slots, ranks, K, slices, R)
     W = (torch.randn(offs[-1], K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
     want = ref.lora_linear(x, W, A, B, token_slots, offs, ranks_t)
-    y = lora_linear(x, W, A, B, make_segments(strategy, seg_lens, seg_slots), ranks_t, offs, fused=fused)
+    segs = make_segments(strategy, seg_lens, seg_slots)
+    y = lora_linear(x, W, A, B, segs, ranks_t, offs, split_k=4, partials=partials)
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
     tol = CHECK_TOL[dtype]
     return err <= tol, err
@@ -140,9 +140,8 @@ def run_checks(smoke: bool) -> bool:
     shapes = [(4096, [4096, 1024, 1024]), (14336, [4096]), (576, [576, 192, 192])] if not smoke else [(64, [64, 16, 16])]
     strategies = ["triton", "csgmv64"]  # csgmv16 differs from csgmv64 by its chunk size only
     dtypes = (torch.bfloat16, torch.float16, torch.float32) if not smoke else (torch.bfloat16,)
-    # decode: the fused kernel (default tiles, then the K-split form twice: each launch must leave its
-    # workspace at 0), then lora_shrink + lora_expand
-    decode_kws = [dict(fused=None), dict(fused=True, k_splits=2), dict(fused=True, k_splits=2), dict(fused=False)]
+    # decode: the fused kernel (the launcher's tiles, then 512-column steps), then lora_shrink + lora_expand
+    decode_kws = [dict(fused=None), dict(fused=True, block_n=512), dict(fused=False)]
     for strategy in strategies:
         for dtype in dtypes:
             slots = [(i * 7) % 9 - 1 for i in range(40)]
@@ -155,13 +154,14 @@ def run_checks(smoke: bool) -> bool:
     for strategy in strategies:  # the prefill path: delta written, base GEMM accumulated into it
         for dtype in dtypes:
             for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
-                for fused in (True, False):  # lora_delta, lora_shrink + lora_expand (write)
+                for partials in (True, False):  # the shrink's K splits: planes of partial sums, atomics
                     ok, err = check_linear(strategy, dtype, [300, 1, 700, 45, 20], [0, -1, 3, 0, -1],
-                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, fused)
+                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, partials)
                     n_checked += 1
                     all_ok &= ok
                     if not ok:
-                        print(f"FAIL lora_linear {strategy} {dtype} fused={fused} K={K} {slices}: max rel err {err:.2e}")
+                        print(f"FAIL lora_linear {strategy} {dtype} partials={partials} K={K} {slices}: "
+                              f"max rel err {err:.2e}")
     for strategy, dtype, lens, slots, shape, kw in cases:
         # bf16 (the serving dtype) on every shape; fp16 and fp32 on qkv (each shape compiles anew)
         for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
@@ -287,7 +287,7 @@ class Proj:
 
     def linear_fn(self, segs: LoRASegments, linear: Callable = lora_linear, **kw) -> Callable[[], None]:
         """The engine's prefill path: the whole wrapped projection through kernels/lora_linear.py
-        (kw: its fused / split_k / partials overrides; linear: an earlier package's lora_linear)."""
+        (kw: its split_k / partials overrides; linear: an earlier package's lora_linear)."""
         W = self.weight()
         return lambda: linear(self.x, W, self.A, self.B, segs, self.ranks, self.offs, **kw)
 
@@ -333,16 +333,17 @@ def bench(args: argparse.Namespace) -> list[str]:
     lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write); bf16 {m}^3 matmul "
              f"{2 * m**3 / mm / 1e12:.0f} TFLOP/s", ""]
     # lora_linear's ways of writing the delta (triton strategy), then the csgmv strategies' default path
-    variants = {"shrink+expand, K split atomic": dict(fused=False), "shrink+expand, K planes": dict(fused=False,
-                partials=True), "shrink+expand, no K split": dict(fused=False, split_k=1), "delta": dict(fused=True)}
+    variants = {"K split atomic": dict(partials=False), "K split planes": dict(partials=True),
+                "no K split": dict(split_k=1)}
     head = ("| proj | T | D | base µs | base, C read (beta=1) µs | add-after LoRA µs (% base) | "
             + " | ".join(f"{v} LoRA µs (% base)" for v in variants)
             + " | csgmv16 LoRA µs (% base) | csgmv64 LoRA µs (% base)"
             + (" | before LoRA µs (% base)" if BEFORE else "") + " | torch LoRA µs (% base) | TFLOP/s (best) |")
     lines += ["Prefill (sequences of up to 4096 tokens, rank 16, bf16; base = x @ Wᵀ through cuBLAS; LoRA µs = "
-              "the wrapped projection's time minus the base's; kernels/lora_linear.py with the delta from "
-              "shrink + expand or from lora_delta (triton strategy); csgmv: lora_linear's default path; "
-              "add-after: the GEMM, then lora_apply):", "", head, "|" + "---|" * (head.count("|") - 1)]
+              "the wrapped projection's time minus the base's; kernels/lora_linear.py with the shrink's K "
+              "splits (launcher's count) atomic or in planes, or no K split (triton strategy); csgmv: "
+              "lora_linear's default; add-after: the GEMM, then lora_apply):", "", head,
+              "|" + "---|" * (head.count("|") - 1)]
     rows = [(name, K, slices, T, D) for name, (K, slices) in LLAMA_8B.items() for T, D in PREFILL]
     for name, K, slices, T, D in rows:
         if time.time() - t_start > args.prefill_share * args.budget_s:  # leave the rest of the budget to decode
@@ -403,17 +404,13 @@ def bench(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-# lora_apply, one-token segments: (fused, k_splits, block_k, block_n, cols_per_prog, num_warps, num_stages);
-# None = the launchers' choice
-APPLY_DECODE = [(None,) * 7, (True, 2) + (None,) * 5, (True, 4) + (None,) * 5, (True, 2, 256) + (None,) * 4,
-                (True, None, None, 512, None, None, None), (True,) + (None,) * 5 + (1,),
-                (True,) + (None,) * 5 + (4,)]
-TUNE_DECODE = [("o", 256, 256), ("down", 256, 256), ("qkv", 256, 256), ("o", 64, 64)]
-# lora_delta at prefill shapes: (block_m, block_n, block_k, num_warps, num_stages, cols_per_prog)
-DELTA_PREFILL = [(None,) * 6, (128, 128, 64, 8, 3, None), (64, 64, 64, 4, 3, None), (64, 128, 128, 4, 3, None),
-                 (64, 256, 64, 8, 3, None), (32, 128, 64, 4, 3, None), (64, 128, 64, 4, 4, None),
-                 (64, 128, 64, 4, 3, 2048)]
-TUNE_PREFILL = [("o", 16384, 1), ("qkv", 16384, 1), ("o", 4096, 1)]
+# lora_apply, one-token segments: (fused, block_k, block_n, cols_per_prog, num_warps, num_stages); None = the
+# launchers' choice
+APPLY_DECODE = [(None,) * 6, (True, None, 512, None, None, None), (True, None, 128, None, None, None),
+                (True,) + (None,) * 4 + (1,)]
+TUNE_DECODE = [("o", 256, 256), ("down", 256, 256), ("qkv", 256, 256), ("gate_up", 256, 256)]
+# where the time of a prefill delta goes: a memset of y, lora_shrink, lora_expand (write) apart
+TUNE_PREFILL = [("o", 16384, 1)]
 
 
 def tiles(cfg: tuple) -> str:
@@ -422,9 +419,8 @@ def tiles(cfg: tuple) -> str:
 
 def tune(args: argparse.Namespace, bw: float) -> list[str]:
     """Other tile and path choices than the launchers' (marked *), at the shapes that miss the targets."""
-    lines = ["", "Tile and path choices (triton strategy; * = the launchers' default). apply: fused/k_splits/"
-             "block_k/block_n/cols_per_prog/warps/stages; delta: block_m/block_n/block_k/warps/stages/"
-             "cols_per_prog; shrink, expand (write): the launchers' tiles:", "",
+    lines = ["", "Tile and path choices (triton strategy; * = the launchers' default). apply: fused/"
+             "block_k/block_n/cols_per_prog/warps/stages; shrink, expand (write): the launchers' tiles:", "",
              "| op | proj | T | D | tiles | µs | GB/s moved (% copy) |", "|---|---|---|---|---|---|---|"]
     t0 = time.time()
 
@@ -451,8 +447,8 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         segs = [make_segments("triton", *it) for it in layouts(T, D, T)]
         nbytes = D * (p.n * RANK * K + p.offs[-1] * RANK) * 2
         for cfg in APPLY_DECODE:
-            fu, ks, bk, bn, cp, w, st = cfg
-            kw = dict(fused=fu, k_splits=ks, block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st)
+            fu, bk, bn, cp, w, st = cfg
+            kw = dict(fused=fu, block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st)
             t = timed([lambda sg=sg: lora_apply(p.y, p.x, p.A, p.B, sg, p.ranks, p.offs, **kw) for sg in segs])
             emit("apply", name, T, D, cfg, t, nbytes)
         p = None  # frees the buffers before the next shape
@@ -463,25 +459,18 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         K, slices = LLAMA_8B[name]
         p = Proj(K, slices, T)
         seg = make_segments("triton", *layouts(T, D, max(1, T // PREFILL_SEQ))[0])
-        moved = (p.x.numel() + p.y.numel()) * 2  # x read once, y written once
-        if (name, T, D) == TUNE_PREFILL[0]:  # where the time of the two-kernel path goes
-            emit("memset y", name, T, D, ("",), timed([lambda: p.y.zero_()]), p.y.numel() * 2)
-            emit("shrink", name, T, D, (None,), timed([lambda: lora_shrink(p.x, p.A, seg, p.ranks)]), p.x.numel() * 2)
-            h = lora_shrink(p.x, p.A, seg, p.ranks)
-            t = timed([lambda: lora_expand(p.y, h, p.B, seg, p.ranks, p.offs, write=True)])
-            emit("expand (write)", name, T, D, (None,), t, p.y.numel() * 2)
-            h = None
-        for cfg in DELTA_PREFILL:
-            bm, bn, bk, w, st, cp = cfg
-            kw = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st, cols_per_prog=cp)
-            t = timed([lambda: lora_delta(p.y, p.x, p.A, p.B, seg, p.ranks, p.offs, **kw)])
-            emit("delta", name, T, D, cfg, t, moved)
+        emit("memset y", name, T, D, ("",), timed([lambda: p.y.zero_()]), p.y.numel() * 2)
+        emit("shrink", name, T, D, (None,), timed([lambda: lora_shrink(p.x, p.A, seg, p.ranks)]), p.x.numel() * 2)
+        h = lora_shrink(p.x, p.A, seg, p.ranks)
+        t = timed([lambda: lora_expand(p.y, h, p.B, seg, p.ranks, p.offs, write=True)])
+        emit("expand (write)", name, T, D, (None,), t, p.y.numel() * 2)
+        h = None
         p = None
     return lines
 
 
 def main() -> None:
-    global SLOTS, DECODE, PREFILL, PREFILL_SEQ, TUNE_DECODE, TUNE_PREFILL, APPLY_DECODE, DELTA_PREFILL, BEFORE
+    global SLOTS, DECODE, PREFILL, PREFILL_SEQ, TUNE_DECODE, TUNE_PREFILL, APPLY_DECODE, BEFORE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop timing new rows after this long")
     ap.add_argument("--out", help="also write the tables to this file")
@@ -500,8 +489,8 @@ def main() -> None:
                   importlib.import_module(f"{args.before_pkg}.lora_linear").lora_linear)
     if args.smoke:
         SLOTS, DECODE, PREFILL, PREFILL_SEQ = 8, [(1, 1), (4, 2), (8, 8)], [(64, 1), (128, 2)], 64
-        TUNE_DECODE, TUNE_PREFILL = [("o", 8, 8)], [("qkv", 128, 1), ("o", 16384 // 64, 1)]
-        APPLY_DECODE, DELTA_PREFILL = APPLY_DECODE[:2], DELTA_PREFILL[:1] + DELTA_PREFILL[-1:]
+        TUNE_DECODE, TUNE_PREFILL = [("o", 8, 8)], [("qkv", 128, 1)]
+        APPLY_DECODE = APPLY_DECODE[:2]
         for name, (K, slices) in list(LLAMA_8B.items()):
             LLAMA_8B[name] = (K // 64, [s // 64 for s in slices])
     gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)"

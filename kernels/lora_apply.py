@@ -47,58 +47,30 @@ def _lora_fused_gemv_kernel(
     seg_len_ptr,  # [G] int32 (all 1)
     seg_slot_ptr,  # [G] int32
     rank_ptr,  # [S] int32 true rank per slot
-    ws_ptr,  # [>= G * N_SLICES * BLOCK_R] fp32, all 0 (K_SPLITS > 1 only): partial sums of h, left at 0
-    cnt_ptr,  # [>= G * N_SLICES] int32, all 0 (K_SPLITS > 1 only): K splits done per (token, slice), left at 0
     K, OUT, R, o1, o2,  # in features, out features, max rank, first column of slices 1 and 2
-    cols_per_prog,  # columns of one program along grid axis 2 (a multiple of BLOCK_N; K_SPLITS = 1)
-    k_per_split,  # K range of one program along grid axis 2 (a multiple of BLOCK_K; K_SPLITS > 1)
+    cols_per_prog,  # columns of one program along grid axis 2 (a multiple of BLOCK_N)
     stride_xt, stride_xk, stride_as, stride_an, stride_ak,
     stride_yt, stride_yo, stride_bs, stride_bo, stride_br,
-    N_SLICES: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
     i = tl.program_id(1)  # slice
     lo = tl.where(i == 0, 0, tl.where(i == 1, o1, o2))
     hi = tl.where(i == 0, o1, tl.where(i == 1, o2, OUT))
-    if K_SPLITS == 1:
-        c_lo = lo + tl.program_id(2) * cols_per_prog  # axis 2: column ranges, each computing all of h
-        if c_lo >= hi:
-            return  # this slice is narrower than the widest one
-        c_hi = tl.minimum(c_lo + cols_per_prog, hi)
-        k_lo = 0
-        k_hi = K
-    else:
-        c_lo = lo  # axis 2: K ranges; the last to finish expands the whole slice
-        c_hi = hi
-        k_lo = tl.program_id(2) * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
+    c_lo = lo + tl.program_id(2) * cols_per_prog
+    if c_lo >= hi:
+        return  # this slice is narrower than the widest one
+    c_hi = tl.minimum(c_lo + cols_per_prog, hi)
     if rank == 0:
-        return  # empty slot: nothing to add (every K split of it leaves here, the counter untouched)
+        return  # empty slot: nothing to add
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     # shrink: h_i[j] = x[row] · A[slot, i, j], then the expand over this program's columns of slice i
+    # (the GEMV loops of lora_shrink and lora_expand: kernels/lora_bodies.py)
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + (i * R + offs_r) * stride_an
-    hv = gemv_shrink(x_ptr + row * stride_xt, a_rows, r_mask, k_lo, k_hi, stride_xk, stride_ak, BLOCK_R, BLOCK_K)
-    if K_SPLITS > 1:
-        # Stream-K style: A of one (token, slice) is spread over K_SPLITS programs (more programs in
-        # flight, A read once); each adds its partial h in fp32, then counts itself done. The last
-        # one (acq_rel on the counter: every other split's adds are visible to it) reads the sum
-        # from the L2 (.cg: the L1 is not coherent), leaves 0 behind and resets the counter for the
-        # next launch (no other program touches them again in this one), and expands.
-        pair = seg * N_SLICES + i
-        ws_ptrs = ws_ptr + pair.to(tl.int64) * BLOCK_R + offs_r
-        tl.atomic_add(ws_ptrs, hv, mask=r_mask)
-        tl.debug_barrier()  # every thread's partial sums issued before the count
-        done = tl.atomic_add(cnt_ptr + pair, 1)
-        if done != K_SPLITS - 1:
-            return
-        tl.debug_barrier()  # the count's acquire ordered before every thread's read
-        hv = tl.load(ws_ptrs, mask=r_mask, other=0.0, cache_modifier=".cg")
-        tl.debug_barrier()  # every thread has read the sum before any zeroes it
-        tl.store(ws_ptrs, tl.zeros((BLOCK_R,), dtype=tl.float32), mask=r_mask)
-        tl.store(cnt_ptr + pair, 0)
+    hv = gemv_shrink(x_ptr + row * stride_xt, a_rows, r_mask, 0, K, stride_xk, stride_ak, BLOCK_R, BLOCK_K)
     hv = hv.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
     if HAS_SCALE:
         hv = hv * tl.load(scale_ptr + slot)
@@ -110,7 +82,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                slot_ranks: torch.Tensor, out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
-               num_stages: Optional[int] = None, k_splits: Optional[int] = None) -> torch.Tensor:
+               num_stages: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -120,9 +92,6 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     of partial sums that the expand adds (no memset, no atomics); split_k overrides the number of
     splits (benchmarks).
     block_k, block_n, cols_per_prog, num_warps, num_stages: fused-kernel overrides for benchmarks.
-    k_splits > 1: the fused kernel spreads each (token, slice)'s K over that many programs that add
-    their partial h atomically into a zeroed workspace; the last one expands the whole slice
-    (cols_per_prog is then unused). None = the launcher's choice.
     """
     if fused is None:
         fused = segs.max_len == 1 and _fuse_pays(segs.num_segs * A.shape[1], x.device)
@@ -159,53 +128,26 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     widest = max(b - a for a, b in zip(offs, offs[1:]))
     block_n = min(block_n, max(16, triton.next_power_of_2(widest)))
     check_tile(block_k=block_k, block_n=block_n)
-    if k_splits is None:
-        k_splits = 1
-    k_per_split = triton.cdiv(triton.cdiv(K, k_splits), block_k) * block_k
-    k_splits = triton.cdiv(K, k_per_split)  # no split without a K range of its own
-    if k_splits > 1:
-        ws, cnt = _workspace(G * n * block_r, y.device)
-        cols_per_prog = block_n  # unused
-        axis2 = k_splits
-    else:
-        ws = cnt = None
-        if cols_per_prog is None:
-            cols_per_prog = _auto_cols_per_prog(G * n, widest, block_n, y.device)
-        axis2 = triton.cdiv(widest, cols_per_prog)
+    if cols_per_prog is None:
+        cols_per_prog = _auto_cols_per_prog(G * n, widest, block_n, y.device)
     if cols_per_prog % block_n:
         raise ValueError(f"lora_apply: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
     a3 = A.view(S, n * R, K)
     o1 = offs[1] if n > 1 else OUT
     o2 = offs[2] if n > 2 else OUT
     tok = segs.token_index if segs.token_index is not None else segs.starts
-    grid = (G, n, axis2)
+    grid = (G, n, triton.cdiv(widest, cols_per_prog))
     _lora_fused_gemv_kernel[grid](
         y, x, a3, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots,
-        slot_ranks, ws if ws is not None else x, cnt if cnt is not None else slot_ranks,
-        K, OUT, R, o1, o2, cols_per_prog, k_per_split,
+        slot_ranks,
+        K, OUT, R, o1, o2, cols_per_prog,
         x.stride(0), x.stride(1), a3.stride(0), a3.stride(1), a3.stride(2),
         y.stride(0), y.stride(1), B.stride(0), B.stride(1), B.stride(2),
-        N_SLICES=n, K_SPLITS=k_splits, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     return y
-
-
-# device -> (fp32 partial sums, int32 counters) of the K-split fused kernel; every launch leaves both
-# at 0, so they are zeroed once, when made (outside any CUDA graph: the first launch of a shape runs
-# eagerly before capture), and grown by replacing them.
-_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = _WORKSPACES.get(device)
-    if ws is None or ws[0].numel() < size:
-        size = triton.next_power_of_2(size)
-        ws = (torch.zeros(size, dtype=torch.float32, device=device),
-              torch.zeros(size, dtype=torch.int32, device=device))
-        _WORKSPACES[device] = ws
-    return ws
 
 
 def _fuse_pays(pairs: int, device: torch.device) -> bool:

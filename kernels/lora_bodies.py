@@ -1,12 +1,10 @@
-"""The inner loops the multi-LoRA kernels share, as @triton.jit helpers (inlined into each caller).
+"""The one-token (GEMV) loops the multi-LoRA kernels share, as @triton.jit helpers (inlined into each caller).
 
     gemv_shrink(...) -> [BLOCK_N] fp32       h = x[row, k_lo:k_hi] · A rows          one token
     gemv_expand(...)                         y[row, c_lo:c_hi] (+)= B[c, :] · h       one token
-    dot_expand(...)                          y[rows, c_lo:c_hi] (+)= h @ B[c, :]ᵀ     BLOCK_M tokens, tl.dot
 
-Callers: gemv_shrink in lora_shrink (BLOCK_M = 1) and lora_apply's fused kernel; gemv_expand in
-lora_expand (BLOCK_M = 1) and lora_apply's fused kernel; dot_expand in lora_expand (BLOCK_M >= 16)
-and lora_delta. One body per loop, so a tuning or rounding fix lands in every kernel at once.
+Callers: lora_shrink and lora_expand for one-token segments (BLOCK_M = 1), and lora_apply's fused
+kernel (both). One body per loop, so a tuning or rounding fix lands in every kernel at once.
 
 The GEMV bodies read the weights in their own layout (A: [BLOCK_N, BLOCK_K] tiles, K contiguous;
 B: [BLOCK_N, BLOCK_R] tiles, R contiguous) and reduce in fp32 registers: a one-token tl.dot would
@@ -50,35 +48,14 @@ def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, r_mask, c_lo, c_hi, stride_yo, str
         c_mask = offs_c < c_hi
         bt = tl.load(b_ptr + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
                      mask=c_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-        acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
         y_ptrs = y_row_ptr + offs_c * stride_yo
         if WRITE:
+            acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
             tl.store(y_ptrs, acc.to(y_row_ptr.dtype.element_ty), mask=c_mask)
         else:
+            # y is loaded before the reduction that waits on B: both loads in flight at once. Loaded
+            # after it (one more DRAM round trip per step), the fused decode kernel lost 5-20 %
+            # (H200, gate_up_proj 256 tokens / 256 adapters: 122 against 102 µs; docs/benchmarks.md).
             y = tl.load(y_ptrs, mask=c_mask, other=0.0)
+            acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
             tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=c_mask)
-
-
-@triton.jit
-def dot_expand(y_ptr, rows, m_mask, ht, b_ptr, offs_r, r_mask, c_lo, c_hi, scale, stride_yt, stride_yo,
-               stride_bo, stride_br, BLOCK_N: tl.constexpr, WRITE: tl.constexpr, PRECISION: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """y[rows, c] (+)= scale * sum_r ht[m, r] * B[c, r] for c_lo <= c < c_hi, [BLOCK_M, BLOCK_N] tiles.
-
-    ht [BLOCK_M, BLOCK_R] in the weights' dtype (fp32 when UPCAST), 0 beyond the rank; rows [BLOCK_M]
-    int64 token rows, m_mask the valid ones; WRITE as for gemv_expand."""
-    for c0 in range(c_lo, c_hi, BLOCK_N):
-        offs_c = c0 + tl.arange(0, BLOCK_N)
-        c_mask = offs_c < c_hi
-        bt = tl.load(b_ptr + offs_c[None, :] * stride_bo + offs_r[:, None] * stride_br,
-                     mask=c_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
-        if UPCAST:
-            bt = bt.to(tl.float32)
-        acc = tl.dot(ht, bt, input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
-        y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_c[None, :] * stride_yo
-        y_mask = m_mask[:, None] & c_mask[None, :]
-        if WRITE:
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-        else:
-            y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-            tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)

@@ -13,7 +13,8 @@ are masked, so padding up to max_lora_rank is never read. Base tokens have no se
 Two bodies, picked by BLOCK_M:
 - BLOCK_M = 1 (every segment one token: decode with distinct adapters): a batched GEMV. B is loaded
   as [BLOCK_N, R] tiles in its own layout (R contiguous), multiplied by h's row and reduced over R in
-  registers; no tensor-core tile 15/16 empty and no layout shuffle through shared memory.
+  registers; no tensor-core tile 15/16 empty and no layout shuffle through shared memory. The loop is
+  kernels/lora_bodies.py's gemv_expand, shared with lora_apply's fused kernel.
 - BLOCK_M >= 16: tl.dot of h [BLOCK_M, R] with B [R, BLOCK_N] on the tensor cores.
 """
 
@@ -25,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_bodies import gemv_expand
 from kernels.platform import dot_upcast
-from kernels.lora_bodies import dot_expand, gemv_expand
-from kernels.segment_tile import segment_row, segment_rows, segment_tile, zero_base_rows
+from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
 
 
@@ -60,8 +61,14 @@ def _lora_expand_kernel(
         if pid >= n_seg_progs:
             # The last cdiv(num_base, ZERO_M) programs zero the base tokens' rows, so the base GEMM
             # can accumulate into all of y (no separate memset of the whole output).
-            zero_base_rows(y_ptr, base_ptr, pid - n_seg_progs, num_base, p_lo, p_hi, stride_yt, stride_yo,
-                           ZERO_M, BLOCK_N)
+            offs_b = (pid - n_seg_progs) * ZERO_M + tl.arange(0, ZERO_M)
+            b_mask = offs_b < num_base
+            b_rows = tl.load(base_ptr + offs_b, mask=b_mask, other=0).to(tl.int64)
+            zeros = tl.zeros((ZERO_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+            for c0 in range(p_lo, p_hi, BLOCK_N):
+                offs_c = c0 + tl.arange(0, BLOCK_N)
+                tl.store(y_ptr + b_rows[:, None] * stride_yt + offs_c[None, :] * stride_yo, zeros,
+                         mask=b_mask[:, None] & (offs_c < p_hi)[None, :])
             return
     seg, m0, seg_len, slot, rank = segment_tile(pid, tiles_per_seg, seg_len_ptr, seg_slot_ptr, rank_ptr, BLOCK_M)
     if m0 >= seg_len:
@@ -108,8 +115,21 @@ def _lora_expand_kernel(
             ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
             if UPCAST:
                 ht = ht.to(tl.float32)
-            dot_expand(y_ptr, rows, m_mask, ht, b_base, offs_r, r_mask, c_lo, c_hi, scale, stride_yt, stride_yo,
-                       stride_bo, stride_br, BLOCK_N, WRITE, PRECISION, UPCAST)
+            for c0 in range(c_lo, c_hi, BLOCK_N):
+                offs_c = c0 + tl.arange(0, BLOCK_N)
+                c_mask = offs_c < c_hi
+                bt = tl.load(b_base + offs_c[None, :] * stride_bo + offs_r[:, None] * stride_br,
+                             mask=c_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
+                y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_c[None, :] * stride_yo
+                y_mask = m_mask[:, None] & c_mask[None, :]
+                if UPCAST:
+                    bt = bt.to(tl.float32)
+                acc = tl.dot(ht, bt, input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N] fp32
+                if WRITE:
+                    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+                else:
+                    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+                    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,

@@ -10,7 +10,8 @@ entries are never written. Base tokens have no segment (kernels/segments.py) and
 Grid: (segment x BLOCK_M tile, column tile, K split). Two bodies, picked by BLOCK_M:
 - BLOCK_M = 1 (every segment one token: decode with distinct adapters): a batched GEMV. A is read
   in its own layout ([BLOCK_N, BLOCK_K] tiles, K contiguous), products are summed elementwise in
-  fp32 and reduced over K once at the end: no tensor-core tile 15/16 empty.
+  fp32 and reduced over K once at the end: no tensor-core tile 15/16 empty. The loop is
+  kernels/lora_bodies.py's gemv_shrink, shared with lora_apply's fused kernel.
 - BLOCK_M >= 16: tl.dot tiles on the tensor cores.
 Decode steps have few rows and a long K, so when the grid is small the launcher splits K across
 programs that add their fp32 partial sums atomically (h is zeroed first); prefill steps have enough

@@ -58,16 +58,6 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, token_slots: 
     return y
 
 
-def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
-               out_offsets: Sequence[int], slot_ranks: Optional[torch.Tensor] = None,
-               scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """kernels/lora_delta.py: a new [T, out] y = the delta for adapter tokens, 0 for base tokens
-    (lora_expand's write mode on lora_shrink's h). Arguments as above."""
-    y = torch.empty(x.shape[0], B.shape[1], dtype=x.dtype, device=x.device)
-    return lora_expand(y, lora_shrink(x, A, token_slots, slot_ranks), B, token_slots, out_offsets, slot_ranks,
-                       scalings, write=True)
-
-
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 token_slots: torch.Tensor, out_offsets: Sequence[int], slot_ranks: Optional[torch.Tensor] = None,
                 scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -76,7 +66,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
 
     x [T, in], weight [out, in], A, B, token_slots, out_offsets, slot_ranks, scalings as above.
     """
-    y = lora_delta(x, A, B, token_slots, out_offsets, slot_ranks, scalings)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    lora_expand(y, lora_shrink(x, A, token_slots, slot_ranks), B, token_slots, out_offsets, slot_ranks,
+                scalings, write=True)
     acc = torch.promote_types(x.dtype, torch.float32)
     return (y.to(acc) + x.to(acc) @ weight.to(acc).T).to(x.dtype)
 

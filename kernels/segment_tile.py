@@ -5,7 +5,6 @@ A program along grid axis 0 owns BLOCK_M positions of one segment (kernels/segme
     segment_tile(pid)  -> (seg, m0, seg_len, slot, rank)   slot -1 (padding) gives rank 0   pid = seg * tiles_per_seg + m0 / BLOCK_M
     segment_row(...)   -> the token row (int64 scalar) of position m0 (one-token bodies)
     segment_rows(...)  -> rows [BLOCK_M] int64 and mask [BLOCK_M] of positions m0 .. m0 + BLOCK_M
-    zero_base_rows(...)   write mode (lora_expand, lora_delta): the base tokens' rows of y set to 0
 
 A position maps to token row start + p (SGMV) or token_index[start + p] (chunked SGMV, GATHER).
 The caller returns early when m0 >= seg_len (a tile past a shorter segment's end): a helper cannot
@@ -49,18 +48,3 @@ def segment_rows(seg_start_ptr, tok_ptr, seg, m0, seg_len, BLOCK_M: tl.constexpr
     else:
         rows = pos.to(tl.int64)
     return rows, m_mask
-
-
-@triton.jit
-def zero_base_rows(y_ptr, base_ptr, idx, num_base, c_lo, c_hi, stride_yt, stride_yo,
-                   ZERO_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write mode's extra programs: zero columns c_lo .. c_hi of base-token rows idx*ZERO_M .. +ZERO_M
-    (base_ptr lists them, kernels/segments.py), so a base GEMM can accumulate into all of y."""
-    offs_b = idx * ZERO_M + tl.arange(0, ZERO_M)
-    b_mask = offs_b < num_base
-    b_rows = tl.load(base_ptr + offs_b, mask=b_mask, other=0).to(tl.int64)
-    zeros = tl.zeros((ZERO_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
-    for c0 in range(c_lo, c_hi, BLOCK_N):
-        offs_c = c0 + tl.arange(0, BLOCK_N)
-        tl.store(y_ptr + b_rows[:, None] * stride_yt + offs_c[None, :] * stride_yo, zeros,
-                 mask=b_mask[:, None] & (offs_c < c_hi)[None, :])

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.lora_apply import _WORKSPACES, lora_apply
-from kernels.lora_delta import lora_delta
+from kernels.lora_apply import lora_apply
 from kernels.lora_expand import lora_expand
 from kernels.lora_linear import lora_linear, lora_linear_pays
 from kernels.lora_shrink import lora_shrink
@@ -204,16 +203,9 @@ def test_apply_fused_decode(layout: str, dtype: torch.dtype, strategy: str) -> N
     seg_slots = batch_layout(layout, 9, 5, random.Random(layout))
     if strategy == "triton":
         seg_slots = [s if k == 0 or s != seg_slots[k - 1] else -1 for k, s in enumerate(seg_slots)]
-    # k_splits=3: K = 80 in 3 ranges of 32 (the last short), partial h added atomically, the last split
-    # expands; run twice, since every launch must leave the workspace at 0 for the next one.
-    kws = [dict(fused=True), dict(fused=True, block_k=32, block_n=16, cols_per_prog=32)]
-    if dtype == torch.float32:  # the K-split path's logic does not depend on the dtype
-        kws += [dict(fused=True, block_k=16, k_splits=3)] * 2
-    for kw in kws:
+    for kw in (dict(fused=True), dict(fused=True, block_k=32, block_n=16, cols_per_prog=32)):
         check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[40, 24, 24],
                    R=16, chunk=1, with_scale=dtype != torch.float32, apply_kw=kw)
-    for ws, cnt in _WORKSPACES.values():
-        assert (ws == 0).all() and (cnt == 0).all()
 
 
 @pytest.mark.parametrize("ranks,R", [([1, 1], 1), ([64, 3], 64)], ids=["r1", "r64"])
@@ -297,38 +289,8 @@ def test_partial_planes_past_k_are_zero() -> None:
 
 @pytest.mark.parametrize("strategy", ["triton", "csgmv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_lora_delta_one_pass(dtype: torch.dtype, strategy: str) -> None:
-    # lora_delta against its torch twin on a NaN-poisoned y (only written): slices 40/24/24 that are not
-    # multiples of the 16-wide column steps, column ranges per program that end mid-slice, 16-row tiles
-    # with short last tiles, K = 80 in 32-wide steps (the last one short), an empty slot (rank 0: zeros),
-    # mixed ranks with NaN in B's padding, scalings, and base rows before, between and after.
-    g = torch.Generator().manual_seed(5)
-    lens, slots, ranks, K, slices, R = [2, 19, 1, 5, 3, 1], [-1, 0, -1, 2, 1, -1], [16, 3, 0], 80, [40, 24, 24], 16
-    S, T, offs = len(ranks), sum(lens), [0, 40, 64, 88]
-    A = (torch.randn(S, 3, R, K, generator=g) / math.sqrt(K)).to(dtype)
-    B = (torch.randn(S, offs[-1], R, generator=g) / math.sqrt(R)).to(dtype)
-    for s, r in enumerate(ranks):
-        A[s, :, r:] = 1000.0
-        B[s, :, r:] = float("nan")
-    x = torch.randn(T, K, generator=g).to(dtype)
-    r_t = torch.tensor(ranks, dtype=torch.int32)
-    scal = torch.rand(S, generator=g) + 0.5
-    token_slots = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)])
-    want = ref.lora_delta(x, A, B, token_slots, offs, r_t, scal)
-    segs = segments(strategy, lens, slots, 8)
-    atol, rtol = TOL[dtype]
-    for kw in ({}, dict(block_m=16, block_n=16, block_k=32, cols_per_prog=32)):
-        y = torch.full((T, offs[-1]), float("nan"), dtype=dtype, device=DEV)
-        out = lora_delta(y, x.to(DEV), A.to(DEV), B.to(DEV), segs, r_t.to(DEV), offs, scal.to(DEV), **kw)
-        assert out is y
-        torch.testing.assert_close(y.cpu(), want, atol=atol, rtol=rtol)
-        assert (y.cpu()[token_slots < 0] == 0).all() and (y.cpu()[token_slots == 2] == 0).all()
-
-
-@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fused", [True, False], ids=["delta", "shrink_expand"])
-def test_lora_linear_against_reference(fused: bool, dtype: torch.dtype, strategy: str) -> None:
+@pytest.mark.parametrize("partials", [None, True, False], ids=["auto", "planes", "atomic"])
+def test_lora_linear_against_reference(partials: Optional[bool], dtype: torch.dtype, strategy: str) -> None:
     # The prefill path: delta written (base rows zeroed), then x @ Wᵀ accumulated into it, against
     # the torch twin and against the add-after order (lora_apply on x @ Wᵀ) within the dtype's rounding.
     g = torch.Generator().manual_seed(3)
@@ -347,9 +309,9 @@ def test_lora_linear_against_reference(fused: bool, dtype: torch.dtype, strategy
     want = ref.lora_linear(x, W, A, B, token_slots, offs, r_t)
     segs = segments(strategy, lens, slots, 8)
     assert lora_linear_pays(T, segs, torch.device("cpu"))
-    # lora_delta, or shrink + expand with the shrink's split_k / partials passed through (the K splits
-    # themselves are covered by the shrink tests above)
-    kw = dict(fused=True) if fused else dict(fused=False, split_k=3, partials=dtype == torch.bfloat16)
+    # the shrink's K splits combined through planes of partial sums or atomics, or the launcher's choice
+    # (K splits with short last ranges are covered by the shrink tests above)
+    kw = {} if partials is None else dict(split_k=3, partials=partials)
     got = lora_linear(x.to(DEV), W.to(DEV), A.to(DEV), B.to(DEV), segs, r_t.to(DEV), offs, **kw).cpu()
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
@@ -364,7 +326,8 @@ def test_lora_linear_pays_only_for_prefill_shapes() -> None:
     assert not lora_linear_pays(4, sgmv_segments([1, 1, 1, 1], [0, 1, -1, 0], cpu), cpu)  # decode
     assert lora_linear_pays(6, sgmv_segments([5, 1], [0, -1], cpu), cpu)
     long_ = sgmv_segments([2048], [0], cpu)
-    assert lora_linear_pays(2048, long_, cuda) and not lora_linear_pays(64, sgmv_segments([64], [0], cpu), cuda)
+    assert lora_linear_pays(2048, long_, cuda) and lora_linear_pays(64, sgmv_segments([64], [0], cpu), cuda)
+    assert not lora_linear_pays(32, sgmv_segments([32], [0], cpu), cuda)
 
 
 def test_write_mode_refuses_segments_that_miss_rows() -> None:
