@@ -29,12 +29,12 @@ from kernels.segments import LoRASegments
 # Tokens in a step from which the write-then-accumulate order is used on CUDA. H200,
 # docs/benchmarks.md: it beat the add-after order (GEMM, then lora_apply) from 64 tokens (the fewest
 # measured) up for every Llama-3.1-8B projection, or tied (gate_up_proj at 256); the read of C cost
-# cuBLAS 0-1 %. Below, the step stays with lora_apply after the GEMM.
+# cuBLAS about 1 %. Below, the step stays with lora_apply after the GEMM.
 MIN_TOKENS_CUDA = 64
 # Output width up to which the shrink's K splits leave planes of partial sums (summed by the expand)
 # rather than adding atomically into a zeroed h. Every expand program re-reads all planes of its
 # rows, and wide outputs have many column programs. H200, docs/benchmarks.md, 64-4096 tokens:
-# planes won for qkv/o/down_proj (o 256 tokens 9.0 against 12.3 µs, down 4096 54 against 69),
+# planes won or tied for qkv/o/down_proj (o 256 tokens 9.0 against 12.3 µs, down 4096 54 against 69),
 # atomics for gate_up_proj (28672 columns: 256 tokens 24.5 against 38.8 µs).
 PLANES_MAX_OUT = 8192
 
