@@ -4,30 +4,36 @@ Not a test. Imports only torch, triton and the repo's `kernels` package (the GPU
 starlette). Run from the repo root:
 
     python3 benchmarks/bench_kernels_gpu.py [--budget-s 240] [--out FILE] [--tune-first] [--skip-torch]
+        [--before-pkg kernels_old]
 
 1. Correctness: both strategies against kernels/reference.py on the GPU (compiled, not interpreted):
    bf16/fp16/fp32, decode (through lora_apply's fused kernel and through shrink + expand) and
-   prefill, mixed ranks with NaN in B's rank padding, base tokens.
+   prefill (lora_apply; lora_linear with the shrink's K splits in planes or atomics), mixed ranks
+   with NaN in B's rank padding, base tokens.
 2. Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and a
    bf16 matrix product.
-3. Decode: T tokens (1..256), D distinct rank-16 adapters (1..256), token i on adapter i % D, for each
+3. Prefill: 64 to 16k tokens in sequences of up to 4k, 1 or 4 adapters: LoRA time against the base
+   projection's (x @ Wᵀ, bf16, cuBLAS) time (the target is <= 10 %). The LoRA time is the whole
+   wrapped projection's time minus the base GEMM's: kernels/lora_linear.py (delta written first, the
+   GEMM accumulating into it: what the engine runs for prefill steps from 64 tokens) with the shrink's
+   K splits atomic, in planes, or none, and the add-after order (GEMM, then lora_apply adding into y:
+   the engine below 64 tokens).
+4. Decode: T tokens (1..256), D distinct rank-16 adapters (1..256), token i on adapter i % D, for each
    projection of Llama-3.1-8B (qkv, o, gate_up, down). The time is one LoRA application
    (kernels/lora_apply.py: fused, or shrink + expand), from CUDA-graph replays, so Python launch
    overhead is out; "b2b" replays >= 8 applications back to back in one graph. The weights rotate over
    256 slots across the replayed iterations so they come from HBM, not from the 60 MB L2.
    "adapter GB/s" counts the A and B bytes of the D adapters, the bytes the op must read; "% copy" is
    that against the measured copy bandwidth (the target is >= 70 %).
-4. Prefill: 1k to 16k tokens in sequences of up to 4k, 1 or 4 adapters: LoRA time against the base
-   projection's (x @ Wᵀ, bf16, cuBLAS) time (the target is <= 10 %). The LoRA time is the whole
-   wrapped projection's time minus the base GEMM's: kernels/lora_linear.py (delta written first, the
-   GEMM accumulating into it: what the engine runs for prefill steps) for each strategy, and the
-   add-after order (GEMM, then lora_apply adding into y) that the engine ran before.
+--before-pkg NAME: an earlier copy of the kernels/ package, importable as NAME (its own imports
+rewritten to NAME), timed in "before" columns in the same run: an A/B free of run-to-run drift.
 The torch reference is the engine's `torch` backend (gathered below 64 tokens, grouped above).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import sys
 import time
@@ -57,9 +63,10 @@ RANK = 16
 SLOTS = 256
 GATHER_MAX_TOKENS = 64  # appliance/lora/batch.py: the torch backend's gathered path up to this many tokens
 DECODE = [(256, 256), (64, 64), (1, 1), (256, 16), (16, 16), (256, 1), (64, 8), (256, 64), (16, 1), (64, 1)]
-PREFILL = [(256, 1), (1024, 1), (4096, 1), (16384, 1), (16384, 4)]
+PREFILL = [(64, 1), (128, 1), (256, 1), (1024, 1), (4096, 1), (16384, 1), (16384, 4)]
 PREFILL_SEQ = 4096  # tokens per prefill sequence
 STRATEGIES = {"triton": None, "csgmv16": 16, "csgmv64": 64}
+BEFORE = None  # --before-pkg: (lora_apply, lora_linear) of an earlier kernels package
 
 
 def offsets(slices: list[int]) -> list[int]:
@@ -99,14 +106,14 @@ def check_case(g: torch.Generator, dtype: torch.dtype, seg_lens: list[int], seg_
 
 
 def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
-          K: int, slices: list[int], R: int, fused: bool | None = None) -> tuple[bool, float]:
+          K: int, slices: list[int], R: int, apply_kw: dict) -> tuple[bool, float]:
     g = torch.Generator(device=DEV).manual_seed(0)
     A, B, x, ranks_t, token_slots, offs = check_case(g, dtype, seg_lens, seg_slots, ranks, K, slices, R)
     y0 = torch.randn(x.shape[0], offs[-1], device=DEV, generator=g).to(dtype)
     want = ref.lora_expand(y0.clone(), ref.lora_shrink(x, A, token_slots, ranks_t), B, token_slots, offs, ranks_t)
     segs = make_segments(strategy, seg_lens, seg_slots)
     y = y0.clone()
-    lora_apply(y, x, A, B, segs, ranks_t, offs, fused=fused)  # None: fused when every segment is one token
+    lora_apply(y, x, A, B, segs, ranks_t, offs, **apply_kw)  # fused None: when every segment is one token
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
     tol = CHECK_TOL[dtype]
     base = token_slots < 0
@@ -115,13 +122,14 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
 
 
 def check_linear(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
-                 K: int, slices: list[int], R: int) -> tuple[bool, float]:
+                 K: int, slices: list[int], R: int, partials: bool) -> tuple[bool, float]:
     """kernels/lora_linear.py against its torch twin, NaN in B's rank padding, base tokens in between."""
     g = torch.Generator(device=DEV).manual_seed(1)
     A, B, x, ranks_t, token_slots, offs = check_case(g, dtype, seg_lens, seg_slots, ranks, K, slices, R)
     W = (torch.randn(offs[-1], K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
     want = ref.lora_linear(x, W, A, B, token_slots, offs, ranks_t)
-    y = lora_linear(x, W, A, B, make_segments(strategy, seg_lens, seg_slots), ranks_t, offs)
+    segs = make_segments(strategy, seg_lens, seg_slots)
+    y = lora_linear(x, W, A, B, segs, ranks_t, offs, split_k=4, partials=partials)
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
     tol = CHECK_TOL[dtype]
     return err <= tol, err
@@ -130,30 +138,38 @@ def check_linear(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slo
 def run_checks(smoke: bool) -> bool:
     cases = []
     shapes = [(4096, [4096, 1024, 1024]), (14336, [4096]), (576, [576, 192, 192])] if not smoke else [(64, [64, 16, 16])]
-    for strategy in STRATEGIES:
-        for dtype in (torch.bfloat16, torch.float16, torch.float32) if not smoke else (torch.bfloat16,):
-            for fused in (None, False):  # triton decode: fused kernel, then lora_shrink + lora_expand
-                slots = [(i * 7) % 9 - 1 for i in range(40)]
-                cases.append((strategy, dtype, [1] * 40, slots, "decode", fused))
-            cases.append((strategy, dtype, [300, 1, 700, 45], [0, -1, 3, 0], "prefill", None))
+    strategies = ["triton", "csgmv64"]  # csgmv16 differs from csgmv64 by its chunk size only
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if not smoke else (torch.bfloat16,)
+    # decode: the fused kernel (the launcher's tiles, then 512-column steps), then lora_shrink + lora_expand
+    decode_kws = [dict(fused=None), dict(fused=True, block_n=512), dict(fused=False)]
+    for strategy in strategies:
+        for dtype in dtypes:
+            slots = [(i * 7) % 9 - 1 for i in range(40)]
+            for kw in decode_kws:
+                if kw["fused"] and strategy != "triton":
+                    continue  # csgmv merges one adapter's tokens into multi-token chunks: no fused kernel
+                cases.append((strategy, dtype, [1] * 40, slots, "decode", kw))
+            cases.append((strategy, dtype, [300, 1, 700, 45], [0, -1, 3, 0], "prefill", dict(fused=None)))
     all_ok, n_checked = True, 0
-    for strategy in STRATEGIES:  # the prefill path: delta written, base GEMM accumulated into it
-        for dtype in (torch.bfloat16, torch.float16, torch.float32) if not smoke else (torch.bfloat16,):
+    for strategy in strategies:  # the prefill path: delta written, base GEMM accumulated into it
+        for dtype in dtypes:
             for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
-                ok, err = check_linear(strategy, dtype, [300, 1, 700, 45, 20], [0, -1, 3, 0, -1],
-                                       [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16)
-                n_checked += 1
-                all_ok &= ok
-                if not ok:
-                    print(f"FAIL lora_linear {strategy} {dtype} K={K} {slices}: max rel err {err:.2e}")
-    for strategy, dtype, lens, slots, shape, fused in cases:
+                for partials in (True, False):  # the shrink's K splits: planes of partial sums, atomics
+                    ok, err = check_linear(strategy, dtype, [300, 1, 700, 45, 20], [0, -1, 3, 0, -1],
+                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, partials)
+                    n_checked += 1
+                    all_ok &= ok
+                    if not ok:
+                        print(f"FAIL lora_linear {strategy} {dtype} partials={partials} K={K} {slices}: "
+                              f"max rel err {err:.2e}")
+    for strategy, dtype, lens, slots, shape, kw in cases:
         # bf16 (the serving dtype) on every shape; fp16 and fp32 on qkv (each shape compiles anew)
         for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
-            ok, err = check(strategy, dtype, lens, slots, [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, fused)
+            ok, err = check(strategy, dtype, lens, slots, [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, kw)
             n_checked += 1
             all_ok &= ok
             if not ok:
-                print(f"FAIL {strategy} {dtype} {shape} fused={fused} K={K} {slices}: max rel err {err:.2e}")
+                print(f"FAIL {strategy} {dtype} {shape} {kw} K={K} {slices}: max rel err {err:.2e}")
     print(f"correctness: {n_checked} cases, {'all passed' if all_ok else 'FAILURES above'}", flush=True)
     return all_ok
 
@@ -269,10 +285,11 @@ class Proj:
             return lambda: self.y.addmm_(self.x, W.t())
         return lambda: torch.mm(self.x, W.t(), out=self.y)
 
-    def linear_fn(self, segs: LoRASegments) -> Callable[[], None]:
-        """The engine's prefill path: the whole wrapped projection through kernels/lora_linear.py."""
+    def linear_fn(self, segs: LoRASegments, linear: Callable = lora_linear, **kw) -> Callable[[], None]:
+        """The engine's prefill path: the whole wrapped projection through kernels/lora_linear.py
+        (kw: its split_k / partials overrides; linear: an earlier package's lora_linear)."""
         W = self.weight()
-        return lambda: lora_linear(self.x, W, self.A, self.B, segs, self.ranks, self.offs)
+        return lambda: linear(self.x, W, self.A, self.B, segs, self.ranks, self.offs, **kw)
 
     def add_after_fn(self, segs: LoRASegments) -> Callable[[], None]:
         """The order before lora_linear: the base GEMM, then lora_apply reads y, adds, writes it back."""
@@ -283,27 +300,9 @@ class Proj:
             lora_apply(self.y, self.x, self.A, self.B, segs, self.ranks, self.offs)
         return fn
 
-    def old_fn(self, segs: LoRASegments) -> Callable[[], None]:
-        """lora_apply as the launchers chose before this round (docs/benchmarks.md): fused whenever the
-        (token, slice) pairs cover the SMs, else shrink with split-K atomics + expand; 128-row shrink
-        tiles above 64 rows."""
-        sms = torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == "cuda" else 1
-
+    def kernel_fn(self, segs: LoRASegments, apply: Callable = lora_apply) -> Callable[[], None]:
         def fn() -> None:
-            if segs.max_len == 1 and segs.num_segs * self.n >= sms:
-                lora_apply(self.y, self.x, self.A, self.B, segs, self.ranks, self.offs, fused=True)
-                return
-            ml = segs.max_len
-            bm = 128 if ml > 64 else (64 if ml > 32 else None)
-            big = bm == 128
-            h = lora_shrink(self.x, self.A, segs, self.ranks, block_m=bm, block_k=64 if ml > 16 else None,
-                            num_warps=8 if big else None, num_stages=4 if big else None)
-            lora_expand(self.y, h, self.B, segs, self.ranks, self.offs)
-        return fn
-
-    def kernel_fn(self, segs: LoRASegments) -> Callable[[], None]:
-        def fn() -> None:
-            lora_apply(self.y, self.x, self.A, self.B, segs, self.ranks, self.offs)
+            apply(self.y, self.x, self.A, self.B, segs, self.ranks, self.offs)
         return fn
 
     def torch_fn(self, seg_lens: list[int], seg_slots: list[int]) -> Callable[[], None]:
@@ -333,39 +332,48 @@ def bench(args: argparse.Namespace) -> list[str]:
     mm = matmul_time(m, m, m)
     lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write); bf16 {m}^3 matmul "
              f"{2 * m**3 / mm / 1e12:.0f} TFLOP/s", ""]
-    head = ("| proj | T | D | base µs | base, C read (beta=1) µs | add-after (triton) LoRA µs (% base) | "
-            + " | ".join(f"{s} LoRA µs (% base)" for s in STRATEGIES) + " | torch LoRA µs (% base) | TFLOP/s (best) |")
+    # lora_linear's ways of writing the delta (triton strategy), then the csgmv strategies' default path
+    variants = {"K split atomic": dict(partials=False), "K split planes": dict(partials=True),
+                "no K split": dict(split_k=1)}
+    head = ("| proj | T | D | base µs | base, C read (beta=1) µs | add-after LoRA µs (% base) | "
+            + " | ".join(f"{v} LoRA µs (% base)" for v in variants)
+            + " | csgmv16 LoRA µs (% base) | csgmv64 LoRA µs (% base)"
+            + (" | before LoRA µs (% base)" if BEFORE else "") + " | torch LoRA µs (% base) | TFLOP/s (best) |")
     lines += ["Prefill (sequences of up to 4096 tokens, rank 16, bf16; base = x @ Wᵀ through cuBLAS; LoRA µs = "
-              "the wrapped projection's time minus the base's; strategy columns: kernels/lora_linear.py):", "",
-              head, "|" + "---|" * (head.count("|") - 1)]
+              "the wrapped projection's time minus the base's; kernels/lora_linear.py with the shrink's K "
+              "splits (launcher's count) atomic or in planes, or no K split (triton strategy); csgmv: "
+              "lora_linear's default; add-after: the GEMM, then lora_apply):", "", head,
+              "|" + "---|" * (head.count("|") - 1)]
     rows = [(name, K, slices, T, D) for name, (K, slices) in LLAMA_8B.items() for T, D in PREFILL]
     for name, K, slices, T, D in rows:
-        if time.time() - t_start > 0.4 * args.budget_s:  # leave the rest of the budget to decode
+        if time.time() - t_start > args.prefill_share * args.budget_s:  # leave the rest of the budget to decode
             lines.append(f"(prefill's share of the budget spent: stopped before {name} T={T} D={D})")
             break
         p = Proj(K, slices, T)
         its = layouts(T, D, max(1, T // PREFILL_SEQ))[:1]
         segs = {strategy: make_segments(strategy, *its[0]) for strategy in STRATEGIES}
         fns = ([p.base_fn(), p.base_fn(accumulate=True), p.add_after_fn(segs["triton"])]
-               + [p.linear_fn(segs[strategy]) for strategy in STRATEGIES])
-        base, acc, t_after, *lin = interleaved_times(fns)
-        t_lin = dict(zip(STRATEGIES, lin))
+               + [p.linear_fn(segs["triton"], **kw) for kw in variants.values()]
+               + [p.linear_fn(segs[strategy]) for strategy in ("csgmv16", "csgmv64")]
+               + ([p.linear_fn(segs["triton"], BEFORE[1])] if BEFORE else []))
+        base, acc, *lin = interleaved_times(fns)
         flops = 2 * T * RANK * (p.n * K + p.offs[-1])
         tt = math.nan if args.skip_torch else graph_time([p.torch_fn(*its[0])])
 
         def cell(t: float) -> str:
             return f"{(t - base) * 1e6:.1f} ({100 * (t - base) / base:.1f} %)"
-        best = min(t_lin.values()) - base
-        row = (f"| {name} | {T} | {D} | {base * 1e6:.1f} | {acc * 1e6:.1f} | {cell(t_after)} | "
-               + " | ".join(cell(t) for t in t_lin.values())
+        best = min(lin[1:]) - base
+        row = (f"| {name} | {T} | {D} | {base * 1e6:.1f} | {acc * 1e6:.1f} | "
+               + " | ".join(cell(t) for t in lin)
                + f" | {tt * 1e6:.1f} ({100 * tt / base:.1f} %) | {flops / max(best, 1e-9) / 1e12:.1f} |")
         lines.append(row)
         print(row, flush=True)
         del p
     head = ("| proj | T | D | " + " | ".join(f"{s} µs | {s} adapter GB/s (% copy)" for s in STRATEGIES)
-            + " | triton b2b µs (% copy) | triton, before µs (% copy) | torch µs | TFLOP/s (best) |")
-    lines += ["", "Decode (lora_apply, rank 16, bf16; CUDA-graph replay, weights rotated past the L2; before = "
-              "the launchers' choices of the previous round):", "",
+            + " | triton b2b µs (% copy)" + (" | triton, before µs (% copy)" if BEFORE else "")
+            + " | torch µs | TFLOP/s (best) |")
+    lines += ["", "Decode (lora_apply, rank 16, bf16; CUDA-graph replay, weights rotated past the L2"
+              + ("; before = the --before-pkg kernels, same run" if BEFORE else "") + "):", "",
               head, "|" + "---|" * (head.count("|") - 1)]
     print(lines[0], flush=True)
     for T, D in DECODE[:args.decode_rows]:  # most telling first, should the budget run out
@@ -385,8 +393,9 @@ def bench(args: argparse.Namespace) -> list[str]:
             fns = [p.kernel_fn(make_segments("triton", *it)) for it in its]
             tb = graph_time(fns * triton.cdiv(8, len(fns)))  # >= 8 applications back to back per graph
             cells.append(f"{tb * 1e6:.1f} ({100 * n_bytes / tb / bw:.0f} %)")
-            to = graph_time([p.old_fn(make_segments("triton", *it)) for it in its])
-            cells.append(f"{to * 1e6:.1f} ({100 * n_bytes / to / bw:.0f} %)")
+            if BEFORE:
+                to = graph_time([p.kernel_fn(make_segments("triton", *it), BEFORE[0]) for it in its])
+                cells.append(f"{to * 1e6:.1f} ({100 * n_bytes / to / bw:.0f} %)")
             tt = math.nan if args.skip_torch else graph_time([p.torch_fn(*it) for it in its])
             row = f"| {name} | {T} | {D} | " + " | ".join(cells) + f" | {tt * 1e6:.1f} | {flops / best / 1e12:.2f} |"
             lines.append(row)
@@ -395,18 +404,13 @@ def bench(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-# lora_apply, one-token segments: (fused, split_k, block_k, block_n, cols_per_prog, num_warps); None = the
-# launchers' choice; 1<<20 columns = a whole slice per program
-APPLY_DECODE = [(None,) * 6, (True, None, 1024, 256, None, 8), (True, None, 512, 256, None, 8),
-                (True, None, 512, 256, 1536, 4), (False, 2) + (None,) * 4]
-TUNE_DECODE = [("o", 256, 256), ("down", 256, 256)]
-# lora_linear's two kernels timed apart at prefill shapes. shrink: (block_m, block_k, num_warps, num_stages);
-# expand (write mode): (block_m, block_n, num_warps, num_stages)
-SHRINK_PREFILL = [(None,) * 4, (128, 64, 8, 4)]
-EXPAND_WRITE = [(None,) * 4, (64, 64, 4, 3)]
+# lora_apply, one-token segments: (fused, block_k, block_n, cols_per_prog, num_warps, num_stages); None = the
+# launchers' choice
+APPLY_DECODE = [(None,) * 6, (True, None, 512, None, None, None), (True, None, 128, None, None, None),
+                (True,) + (None,) * 4 + (1,)]
+TUNE_DECODE = [("o", 256, 256), ("down", 256, 256), ("qkv", 256, 256), ("gate_up", 256, 256)]
+# where the time of a prefill delta goes: a memset of y, lora_shrink, lora_expand (write) apart
 TUNE_PREFILL = [("o", 16384, 1)]
-# decode-shaped merged segments (T tokens of one adapter): shrink row tiles
-TUNE_ROWS = [("down", 256)]
 
 
 def tiles(cfg: tuple) -> str:
@@ -415,9 +419,8 @@ def tiles(cfg: tuple) -> str:
 
 def tune(args: argparse.Namespace, bw: float) -> list[str]:
     """Other tile and path choices than the launchers' (marked *), at the shapes that miss the targets."""
-    lines = ["", "Tile and path choices (triton strategy; * = the launchers' default). apply: fused/split_k/"
-             "block_k/block_n/cols_per_prog/warps; shrink: block_m/block_k/warps/stages (prefill) or block_m "
-             "(rows); expand (write): block_m/block_n/warps/stages:", "",
+    lines = ["", "Tile and path choices (triton strategy; * = the launchers' default). apply: fused/"
+             "block_k/block_n/cols_per_prog/warps/stages; shrink, expand (write): the launchers' tiles:", "",
              "| op | proj | T | D | tiles | µs | GB/s moved (% copy) |", "|---|---|---|---|---|---|---|"]
     t0 = time.time()
 
@@ -428,6 +431,13 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         lines.append(line)
         print(line, flush=True)
 
+    def timed(fns: list[Callable[[], None]]) -> float:
+        try:
+            return graph_time(fns)
+        except Exception as e:  # a variant that fails to compile must not cost the rest of the run
+            print(f"variant failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            return math.nan
+
     for name, T, D in TUNE_DECODE:
         if time.time() - t0 > args.tune_budget_s:
             lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
@@ -437,25 +447,11 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         segs = [make_segments("triton", *it) for it in layouts(T, D, T)]
         nbytes = D * (p.n * RANK * K + p.offs[-1] * RANK) * 2
         for cfg in APPLY_DECODE:
-            fu, sk, bk, bn, cp, w = cfg
-            kw = dict(fused=fu, split_k=sk, block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w)
-            t = graph_time([lambda sg=sg: lora_apply(p.y, p.x, p.A, p.B, sg, p.ranks, p.offs, **kw) for sg in segs])
+            fu, bk, bn, cp, w, st = cfg
+            kw = dict(fused=fu, block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st)
+            t = timed([lambda sg=sg: lora_apply(p.y, p.x, p.A, p.B, sg, p.ranks, p.offs, **kw) for sg in segs])
             emit("apply", name, T, D, cfg, t, nbytes)
-        # the two phases of the unfused path apart (2 planes): where its time goes
-        hs = [lora_shrink(p.x, p.A, sg, p.ranks, split_k=2, partials=True) for sg in segs]
-        t = graph_time([lambda sg=sg: lora_shrink(p.x, p.A, sg, p.ranks, split_k=2, partials=True) for sg in segs])
-        emit("shrink (2 planes)", name, T, D, (1,), t, D * p.n * RANK * K * 2)
-        t = graph_time([lambda sg=sg, h=h: lora_expand(p.y, h, p.B, sg, p.ranks, p.offs) for sg, h in zip(segs, hs)])
-        emit("expand", name, T, D, (1,), t, D * p.offs[-1] * RANK * 2 + 2 * T * p.offs[-1] * 2)
-        p = hs = None  # frees the buffers before the next shape
-    for name, T in TUNE_ROWS:
-        K, slices = LLAMA_8B[name]
-        p = Proj(K, slices, T)
-        seg = make_segments("triton", [T], [0])
-        for bm in (None, 32, 64, 128):
-            t = graph_time([lambda: lora_shrink(p.x, p.A, seg, p.ranks, block_m=bm)])
-            emit("shrink", name, T, 1, (bm,), t, T * K * 2 + p.n * RANK * K * 2)
-        p = None
+        p = None  # frees the buffers before the next shape
     for name, T, D in TUNE_PREFILL:
         if time.time() - t0 > args.tune_budget_s:
             lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
@@ -463,23 +459,18 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         K, slices = LLAMA_8B[name]
         p = Proj(K, slices, T)
         seg = make_segments("triton", *layouts(T, D, max(1, T // PREFILL_SEQ))[0])
-        t = graph_time([lambda: p.y.zero_()])
-        emit("memset y", name, T, D, ("",), t, p.y.numel() * 2)
-        for bm, bk, w, st in SHRINK_PREFILL:
-            t = graph_time([lambda: lora_shrink(p.x, p.A, seg, p.ranks, partials=True, block_m=bm, block_k=bk,
-                                                num_warps=w, num_stages=st)])
-            emit("shrink", name, T, D, (bm, bk, w, st), t, p.x.numel() * 2)
-        h = lora_shrink(p.x, p.A, seg, p.ranks, partials=True)
-        for bm, bn, w, st in EXPAND_WRITE:
-            t = graph_time([lambda: lora_expand(p.y, h, p.B, seg, p.ranks, p.offs, write=True, block_m=bm,
-                                                block_n=bn, num_warps=w, num_stages=st)])
-            emit("expand", name, T, D, (bm, bn, w, st), t, p.y.numel() * 2)
-        p = h = None
+        emit("memset y", name, T, D, ("",), timed([lambda: p.y.zero_()]), p.y.numel() * 2)
+        emit("shrink", name, T, D, (None,), timed([lambda: lora_shrink(p.x, p.A, seg, p.ranks)]), p.x.numel() * 2)
+        h = lora_shrink(p.x, p.A, seg, p.ranks)
+        t = timed([lambda: lora_expand(p.y, h, p.B, seg, p.ranks, p.offs, write=True)])
+        emit("expand (write)", name, T, D, (None,), t, p.y.numel() * 2)
+        h = None
+        p = None
     return lines
 
 
 def main() -> None:
-    global SLOTS, DECODE, PREFILL, PREFILL_SEQ, TUNE_DECODE, TUNE_ROWS, TUNE_PREFILL, APPLY_DECODE
+    global SLOTS, DECODE, PREFILL, PREFILL_SEQ, TUNE_DECODE, TUNE_PREFILL, APPLY_DECODE, BEFORE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop timing new rows after this long")
     ap.add_argument("--out", help="also write the tables to this file")
@@ -489,12 +480,17 @@ def main() -> None:
     ap.add_argument("--tune-budget-s", type=float, default=150.0, help="stop tuning new shapes after this long")
     ap.add_argument("--skip-torch", action="store_true", help="no timing of the torch reference")
     ap.add_argument("--decode-rows", type=int, default=len(DECODE), help="time only the first N (T, D) decode rows")
+    ap.add_argument("--prefill-share", type=float, default=0.4, help="share of --budget-s for the prefill rows")
+    ap.add_argument("--before-pkg", help="an earlier kernels package (importable name) for the 'before' columns")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script itself (CPU + interpreter)")
     args = ap.parse_args()
+    if args.before_pkg:
+        BEFORE = (importlib.import_module(f"{args.before_pkg}.lora_apply").lora_apply,
+                  importlib.import_module(f"{args.before_pkg}.lora_linear").lora_linear)
     if args.smoke:
         SLOTS, DECODE, PREFILL, PREFILL_SEQ = 8, [(1, 1), (4, 2), (8, 8)], [(64, 1), (128, 2)], 64
-        TUNE_DECODE, TUNE_ROWS, TUNE_PREFILL = [("o", 8, 8)], [("down", 32)], [("qkv", 128, 1)]
-        APPLY_DECODE = APPLY_DECODE[:1] + APPLY_DECODE[4:5]
+        TUNE_DECODE, TUNE_PREFILL = [("o", 8, 8)], [("qkv", 128, 1)]
+        APPLY_DECODE = APPLY_DECODE[:2]
         for name, (K, slices) in list(LLAMA_8B.items()):
             LLAMA_8B[name] = (K // 64, [s // 64 for s in slices])
     gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)"

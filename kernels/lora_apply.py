@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels.lora_expand import check_out_slices, lora_expand
 from kernels.lora_shrink import lora_shrink
+from kernels.lora_bodies import gemv_expand, gemv_shrink
 from kernels.segment_tile import segment_row, segment_tile
 from kernels.segments import LoRASegments, check_tile
 
@@ -66,31 +67,15 @@ def _lora_fused_gemv_kernel(
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    # shrink: h_i[j] = x[row] · A[slot, i, j], [BLOCK_R, BLOCK_K] partial products in fp32
+    # shrink: h_i[j] = x[row] · A[slot, i, j], then the expand over this program's columns of slice i
+    # (the GEMV loops of lora_shrink and lora_expand: kernels/lora_bodies.py)
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + (i * R + offs_r) * stride_an
-    acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        xv = tl.load(x_ptr + row * stride_xt + offs_k * stride_xk, mask=k_mask, other=0.0)
-        at = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :],
-                     other=0.0)
-        acc2 += at.to(tl.float32) * xv.to(tl.float32)[None, :]
-    hv = tl.sum(acc2, axis=1)  # [BLOCK_R] fp32: lora_shrink's h
+    hv = gemv_shrink(x_ptr + row * stride_xt, a_rows, r_mask, 0, K, stride_xk, stride_ak, BLOCK_R, BLOCK_K)
     hv = hv.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
     if HAS_SCALE:
         hv = hv * tl.load(scale_ptr + slot)
-    # expand: y[row, c] += sum_j h_i[j] * B[slot, c, j] over this program's columns of slice i
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs
-    for c0 in range(c_lo, c_hi, BLOCK_N):
-        offs_c = c0 + tl.arange(0, BLOCK_N)
-        c_mask = offs_c < c_hi
-        bt = tl.load(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                     mask=c_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-        y_ptrs = y_ptr + row * stride_yt + offs_c * stride_yo
-        y = tl.load(y_ptrs, mask=c_mask, other=0.0)
-        acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
-        tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=c_mask)
+    gemv_expand(y_ptr + row * stride_yt, b_ptr + slot.to(tl.int64) * stride_bs, hv, offs_r, r_mask, c_lo, c_hi,
+                stride_yo, stride_bo, stride_br, BLOCK_N, False)
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,

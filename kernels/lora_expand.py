@@ -13,7 +13,8 @@ are masked, so padding up to max_lora_rank is never read. Base tokens have no se
 Two bodies, picked by BLOCK_M:
 - BLOCK_M = 1 (every segment one token: decode with distinct adapters): a batched GEMV. B is loaded
   as [BLOCK_N, R] tiles in its own layout (R contiguous), multiplied by h's row and reduced over R in
-  registers; no tensor-core tile 15/16 empty and no layout shuffle through shared memory.
+  registers; no tensor-core tile 15/16 empty and no layout shuffle through shared memory. The loop is
+  kernels/lora_bodies.py's gemv_expand, shared with lora_apply's fused kernel.
 - BLOCK_M >= 16: tl.dot of h [BLOCK_M, R] with B [R, BLOCK_N] on the tensor cores.
 """
 
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_bodies import gemv_expand
 from kernels.platform import dot_upcast
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
@@ -102,19 +104,9 @@ def _lora_expand_kernel(
             hv = tl.zeros((BLOCK_R,), dtype=tl.float32)
             for p in tl.static_range(N_PARTS):  # K splits' partial sums, added in a fixed order
                 hv += tl.load(h_ptrs1 + p * stride_hp, mask=r_mask, other=0.0)
-            hv = hv.to(b_ty).to(tl.float32)  # h rounded to the weights' dtype, as the torch twin does
-            for c0 in range(c_lo, c_hi, BLOCK_N):
-                offs_c = c0 + tl.arange(0, BLOCK_N)
-                c_mask = offs_c < c_hi
-                bt = tl.load(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                             mask=c_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-                y_ptrs = y_ptr + row * stride_yt + offs_c * stride_yo
-                acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1) * scale  # [BLOCK_N] fp32
-                if WRITE:
-                    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=c_mask)
-                else:
-                    y = tl.load(y_ptrs, mask=c_mask, other=0.0)
-                    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=c_mask)
+            hv = hv.to(b_ty).to(tl.float32) * scale  # h rounded to the weights' dtype, as the torch twin does
+            gemv_expand(y_ptr + row * stride_yt, b_base, hv, offs_r, r_mask, c_lo, c_hi, stride_yo, stride_bo,
+                        stride_br, BLOCK_N, WRITE)
         else:
             h_ptrs = h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn
             ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)

@@ -8,7 +8,8 @@ HBM twice more than the base GEMM does; for qkv_proj and o_proj at 16k tokens th
 lora_shrink (h, fp32), then lora_expand in write mode (y = the delta, written once and never read;
 base tokens' rows zeroed), then cuBLAS accumulates the base product into y (beta = 1). A
 compute-bound GEMM reads C in its epilogue almost for free, so the delta's cost falls to one write
-of y plus the shrink's read of x.
+of y plus the shrink's read of x. (Shrink and expand in one kernel, x read and y written by one
+pass, measured no faster on the H200: docs/benchmarks.md, round 3.)
 
 Rounding differs from the add-after order by one step: the delta is rounded to y's dtype when
 written, then cuBLAS adds the fp32 base product to it and rounds once (instead of rounding the base
@@ -26,9 +27,16 @@ from kernels.lora_shrink import lora_shrink
 from kernels.segments import LoRASegments
 
 # Tokens in a step from which the write-then-accumulate order is used on CUDA. H200,
-# docs/benchmarks.md: it beat the add-after order from 256 tokens (the fewest measured) up; the
-# read of C cost cuBLAS 0-3 %. Below, the step stays with lora_apply after the GEMM.
-MIN_TOKENS_CUDA = 256
+# docs/benchmarks.md: it beat the add-after order (GEMM, then lora_apply) from 64 tokens (the fewest
+# measured) up for every Llama-3.1-8B projection, or tied (gate_up_proj at 256); the read of C cost
+# cuBLAS about 1 %. Below, the step stays with lora_apply after the GEMM.
+MIN_TOKENS_CUDA = 64
+# Output width up to which the shrink's K splits leave planes of partial sums (summed by the expand)
+# rather than adding atomically into a zeroed h. Every expand program re-reads all planes of its
+# rows, and wide outputs have many column programs. H200, docs/benchmarks.md, 64-4096 tokens:
+# planes won or tied for qkv/o/down_proj (o 256 tokens 9.0 against 12.3 µs, down 4096 54 against 69),
+# atomics for gate_up_proj (28672 columns: 256 tokens 24.5 against 38.8 µs).
+PLANES_MAX_OUT = 8192
 
 
 def lora_linear_pays(num_tokens: int, segs: LoRASegments, device: torch.device) -> bool:
@@ -42,13 +50,16 @@ def lora_linear_pays(num_tokens: int, segs: LoRASegments, device: torch.device) 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
                 slot_ranks: torch.Tensor, out_offsets: Sequence[int],
-                scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
+                scalings: Optional[torch.Tensor] = None, *, split_k: Optional[int] = None,
+                partials: Optional[bool] = None) -> torch.Tensor:
     """y = x @ weightᵀ + the multi-LoRA delta of every slice (lora_apply's math), as a new [T, out] tensor.
 
     x [T, in], weight [out, in] (no bias: the caller keeps the add-after order for biased linears),
     A [S, n, R, in], B [S, out, R], all one dtype (fp32/bf16/fp16); segs from kernels/segments.py's
     builders (they list the base tokens' rows); slot_ranks [S] int32; out_offsets [n + 1];
-    scalings [S] fp32 or None.
+    scalings [S] fp32 or None. split_k, partials: the shrink's K split (None = its launcher's choice)
+    and how the splits combine (True: planes of partial sums, False: atomics; None = planes up to
+    PLANES_MAX_OUT output columns); overrides for benchmarks.
     """
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"lora_linear: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
@@ -59,8 +70,8 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
         raise ValueError(f"lora_linear: B must be [S, {weight.shape[0]}, R], got {tuple(B.shape)}")
     T, OUT = x.shape[0], weight.shape[0]
     y = torch.empty(T, OUT, dtype=x.dtype, device=x.device)
-    # K split with fp32 atomics into a zeroed h, not planes of partial sums: every expand program
-    # would re-add all planes of its rows (gate_up_proj, 1k tokens: 16 planes, 65 against 60 µs).
-    h = lora_shrink(x, A, segs, slot_ranks)  # [T, n, R] fp32
+    if partials is None:
+        partials = OUT <= PLANES_MAX_OUT
+    h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=partials)  # [(P,) T, n, R] fp32
     lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings, write=True)
     return y.addmm_(x, weight.t())  # beta = 1: cuBLAS reads the delta in its epilogue

@@ -10,7 +10,8 @@ entries are never written. Base tokens have no segment (kernels/segments.py) and
 Grid: (segment x BLOCK_M tile, column tile, K split). Two bodies, picked by BLOCK_M:
 - BLOCK_M = 1 (every segment one token: decode with distinct adapters): a batched GEMV. A is read
   in its own layout ([BLOCK_N, BLOCK_K] tiles, K contiguous), products are summed elementwise in
-  fp32 and reduced over K once at the end: no tensor-core tile 15/16 empty.
+  fp32 and reduced over K once at the end: no tensor-core tile 15/16 empty. The loop is
+  kernels/lora_bodies.py's gemv_shrink, shared with lora_apply's fused kernel.
 - BLOCK_M >= 16: tl.dot tiles on the tensor cores.
 Decode steps have few rows and a long K, so when the grid is small the launcher splits K across
 programs that add their fp32 partial sums atomically (h is zeroed first); prefill steps have enough
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_bodies import gemv_shrink
 from kernels.platform import dot_upcast
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
@@ -69,15 +71,8 @@ def _lora_shrink_kernel(
         # GEMV body (one-token segments): A tiles [BLOCK_N, BLOCK_K] in A's own layout (K
         # contiguous), products summed elementwise in fp32 and reduced over K once at the end.
         row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < k_hi
-            xv = tl.load(x_ptr + row * stride_xt + offs_k * stride_xk, mask=k_mask, other=0.0)
-            at = tl.load(a_rows[:, None] + offs_k[None, :] * stride_ak, mask=n_mask[:, None] & k_mask[None, :],
-                         other=0.0)
-            acc2 += at.to(tl.float32) * xv.to(tl.float32)[None, :]
-        acc1 = tl.sum(acc2, axis=1)  # [BLOCK_N]
+        acc1 = gemv_shrink(x_ptr + row * stride_xt, a_rows, n_mask, k_lo, k_hi, stride_xk, stride_ak,
+                           BLOCK_N, BLOCK_K)  # [BLOCK_N] fp32
         h_ptrs1 = h_ptr + row * stride_ht + offs_n * stride_hn
         if ATOMIC:
             tl.atomic_add(h_ptrs1, acc1, mask=n_mask)
