@@ -32,7 +32,7 @@ def _rope_write_kv_kernel(
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    HALF: tl.constexpr = D // 2
+    HALF = D // 2  # constexpr: D is one
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
