@@ -8,8 +8,8 @@ The residual stream is carried beside each block's output (layer i returns (h, r
 norm adds and normalises in one op. The elementwise ops have two implementations, picked once by
 `LlamaModel.use_fused_kernels` (engine.fused_kernels): the torch ops (kernels/reference.py's twins,
 the CPU path and the oracle), or one Triton kernel each for residual add + RMSNorm, RoPE + K/V cache
-write and SiLU x up (kernels/rms_norm.py, rope_kv.py, silu_mul.py): ~6 launches per layer instead of
-~30, which is most of a CUDA-graph decode step's small-kernel time.
+write and SiLU x up (kernels/rms_norm.py, rope_kv.py, silu_mul.py): 4 launches per layer instead of
+~40, which was most of a CUDA-graph decode step's small-kernel time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
