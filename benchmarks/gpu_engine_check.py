@@ -5,10 +5,14 @@
    contexts that are not multiples of the block size, split-K 1 and auto.
 2. Attention alone, one layer of the 8B shape: the kernel vs the twin (gather + SDPA), each
    replayed from a CUDA graph (device time, no launch cost), CUDA events.
-3. The engine (SmolLM2-135M architecture, random weights): greedy tokens with CUDA graphs equal to
-   the eager engine's (fp32), and the decode step time eager vs graphs (bf16, batch 1/8/64).
+3. The fused elementwise kernels (engine.fused_kernels: rms_norm.py, rope_kv.py, silu_mul.py) against
+   their twins on the GPU at the 8B and SmolLM2 shapes, decode and prefill row counts, and their device
+   time against the torch ops they replace (graph-replayed).
+4. The engine (SmolLM2-135M architecture, random weights): greedy tokens with CUDA graphs and the fused
+   kernels equal to the eager engine's with the torch ops (fp32), base and with 4 LoRA adapters
+   (lora.backend triton); the decode step with graphs, fused kernels off vs on (bf16, batch 1/8/64).
 
-    python benchmarks/gpu_engine_check.py --tokenizer DIR [--out FILE.json]
+    python benchmarks/gpu_engine_check.py --tokenizer DIR [--out FILE.json] [--sections kernels attention fused engine]
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import engine_for, make_model  # noqa: E402
 
 from appliance.engine.request import SamplingParams  # noqa: E402
+from appliance.models.attention import write_kv  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.paged_attention import paged_attention_decode  # noqa: E402
+from kernels.rms_norm import rms_norm  # noqa: E402
+from kernels.rope_kv import rope_write_kv  # noqa: E402
+from kernels.silu_mul import silu_mul  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
@@ -107,9 +115,98 @@ def attention_bench(res: dict) -> None:
               f"{r['torch_twin_us']:>8} {r['kv_gb_s']:>8}")
 
 
-def generate(eng, prompts: list[list[int]], lens: list[int]) -> dict[str, list[int]]:
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / (1 + |want|): one rounding step of the dtype at any magnitude."""
+    g, w = got.float().nan_to_num(), want.float().nan_to_num()
+    return ((g - w).abs() / (1 + w.abs())).max().item()
+
+
+def fused_section(res: dict) -> None:
+    """The fused kernels against their twins (same dtype) and their device time against the torch ops.
+    Errors are relative (rel_err), within 2x TOL: exp/rsqrt approximations may move a result one
+    rounding step of the dtype."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rn(*shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dtype)
+
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for T, H in ((64, 4096), (8192, 4096), (7, 576)):
+            x, r, w = rn(T, H, dtype=dtype, scale=2.0), rn(T, H, dtype=dtype), rn(H, dtype=dtype)
+            out, s = rms_norm(x, w, 1e-5, r)
+            want, want_s = ref.rms_norm(x, w, 1e-5, r)
+            err = rel_err(out, want)
+            rows.append({"op": "add+rms_norm", "shape": f"{T}x{H}", "dtype": str(dtype)[6:], "max_err": err,
+                         "residual_equal": bool(torch.equal(s, want_s)),
+                         "ok": err <= TOL[dtype] * 2 and torch.equal(s, want_s)})
+        for T, h, kvh, d in ((64, 32, 8, 128), (3000, 32, 8, 128), (17, 9, 3, 64)):
+            inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float64) / d))
+            f = torch.outer(torch.arange(8192, device=dev, dtype=torch.float64), inv).float()
+            cos, sin = f.cos(), f.sin()
+            qkv = rn(T, (h + 2 * kvh) * d, dtype=dtype)
+            pos = torch.randint(0, 8192, (T,), device=dev, generator=g)
+            nblk = -(-T // 16) + 4
+            slots = torch.randperm(nblk * 16, device=dev, generator=g)[:T]
+            kc = torch.full((nblk, 16, kvh, d), float("nan"), dtype=dtype, device=dev)
+            vc = torch.full_like(kc, float("nan"))
+            got_qkv, got_k, got_v = qkv.clone(), kc.clone(), vc.clone()
+            rope_write_kv(got_qkv, pos, cos, sin, got_k, got_v, slots, h, kvh)
+            ref.rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, h, kvh)
+            err = max(rel_err(got_qkv, qkv), rel_err(got_k, kc))
+            same_slots = bool(torch.equal(got_k.isnan(), kc.isnan())) and bool(torch.equal(got_v.isnan(), vc.isnan()))
+            v_equal = bool(torch.equal(got_v.nan_to_num(), vc.nan_to_num()))
+            rows.append({"op": "rope+kv_write", "shape": f"{T}x{h}/{kvh}x{d}", "dtype": str(dtype)[6:],
+                         "max_err": err, "ok": err <= TOL[dtype] * 2 and same_slots and v_equal})
+        for T, inter in ((64, 14336), (2048, 14336), (5, 1536)):
+            gu = rn(T, 2 * inter, dtype=dtype, scale=3.0)
+            err = rel_err(silu_mul(gu), ref.silu_mul(gu))
+            rows.append({"op": "silu_mul", "shape": f"{T}x{inter}", "dtype": str(dtype)[6:], "max_err": err,
+                         "ok": err <= TOL[dtype] * 2})
+    res["fused_parity"] = rows
+    bad = [r for r in rows if not r["ok"]]
+    print(f"fused kernels vs twins on cuda: {len(rows) - len(bad)}/{len(rows)} cases within tolerance")
+    for r in bad:
+        print("  FAIL", r)
+
+    # Device time at the 8B shape (bf16), per layer call, graph-replayed: kernel vs the torch ops.
+    timing = []
+    for T in (64, 2048):
+        x, r, w = rn(T, 4096, dtype=torch.bfloat16), rn(T, 4096, dtype=torch.bfloat16), rn(4096, dtype=torch.bfloat16)
+        timing.append(("add+rms_norm", T, time_cuda(lambda: rms_norm(x, w, 1e-5, r)),
+                       time_cuda(lambda: ref.rms_norm(x, w, 1e-5, r))))
+        inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=dev, dtype=torch.float64) / 128))
+        f = torch.outer(torch.arange(8192, device=dev, dtype=torch.float64), inv).float()
+        cos, sin = f.cos(), f.sin()
+        qkv = rn(T, 48 * 128, dtype=torch.bfloat16)
+        pos = torch.randint(0, 8192, (T,), device=dev, generator=g)
+        slots = torch.randperm(T + 64, device=dev, generator=g)[:T]
+        kc = torch.zeros(-(-(T + 64) // 16), 16, 8, 128, dtype=torch.bfloat16, device=dev)
+        vc = torch.zeros_like(kc)
+
+        def torch_rope() -> None:  # the model's torch path: views, table gathers, rotate, index_put
+            q, k, v = qkv.split([4096, 1024, 1024], dim=-1)
+            c, s_ = cos[pos][:, None, :], sin[pos][:, None, :]
+            ref.rope_rotate(q.view(T, 32, 128), c, s_)
+            write_kv(ref.rope_rotate(k.view(T, 8, 128), c, s_), v.view(T, 8, 128), kc, vc, slots)
+
+        timing.append(("rope+kv_write", T, time_cuda(lambda: rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, 32, 8)),
+                       time_cuda(torch_rope)))
+        gu = rn(T, 2 * 14336, dtype=torch.bfloat16)
+        timing.append(("silu_mul", T, time_cuda(lambda: silu_mul(gu)), time_cuda(lambda: ref.silu_mul(gu))))
+    res["fused_timing_us"] = [{"op": o, "tokens": T, "fused_us": round(a * 1e3, 1), "torch_us": round(b * 1e3, 1)}
+                              for o, T, a, b in timing]
+    print("\nfused kernels vs torch ops, 8B shape, bf16, device us per call (graph-replayed)")
+    for o, T, a, b in timing:
+        print(f"  {o:>14} T={T:>5}: fused {a * 1e3:7.1f}  torch {b * 1e3:7.1f}")
+
+
+def generate(eng, prompts: list[list[int]], lens: list[int],
+             adapters: "list[str | None] | None" = None) -> dict[str, list[int]]:
     for i, (p, n) in enumerate(zip(prompts, lens)):
-        eng.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        eng.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                        adapter=None if adapters is None else adapters[i])
     out: dict[str, list[int]] = {}
     while eng.has_unfinished():
         for o in eng.step():
@@ -137,52 +234,84 @@ def decode_step_ms(eng, prompts: list[list[int]], steps: int = 10) -> float:
 
 
 def engine_section(res: dict, tokenizer: Path) -> None:
+    from appliance.bench.adapters import make_adapters
+    from appliance.models.llama import ModelArgs
+    from appliance.models.weights import read_hf_config
+
     with tempfile.TemporaryDirectory() as td:
-        d = Path(td)
+        d = Path(td) / "model"
+        d.mkdir()
         make_model(d, tokenizer)
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 49000, (int(n),), generator=g).tolist() for n in torch.randint(20, 200, (64,), generator=g)]
         lens = [4 + (i * 7) % 29 for i in range(12)]  # the batch shrinks over the graph sizes
+        # Graphs + fused kernels (the cuda defaults) against the eager engine on the torch ops.
         graphs = engine_for(d, "float32", 16)
         assert graphs.runner.static_decode is not None and graphs.runner.static_decode.capture
-        eager = engine_for(d, "float32", 16, "engine.enforce_eager=true")
+        assert graphs.runner.fused_kernels == "triton"
+        eager = engine_for(d, "float32", 16, "engine.enforce_eager=true", "engine.fused_kernels=torch")
         a, b = generate(graphs, prompts[:12], lens), generate(eager, prompts[:12], lens)
         same = sum(a[k] == b[k] for k in b)
-        res["graphs_vs_eager_fp32_identical"] = f"{same}/12"
-        print(f"\nfp32 greedy, CUDA graphs vs eager engine: {same}/12 requests identical ({sum(lens)} tokens)")
+        res["graphs_fused_vs_eager_torch_fp32_identical"] = f"{same}/12"
+        print(f"\nfp32 greedy, CUDA graphs + fused kernels vs eager engine + torch ops: {same}/12 requests "
+              f"identical ({sum(lens)} tokens)")
         del graphs, eager
         torch.cuda.empty_cache()
-        rows = []
-        for mode in ("eager", "graphs"):
-            extra = ("engine.enforce_eager=true",) if mode == "eager" else ()
-            eng = engine_for(d, "bfloat16", 64, *extra)
-            for bsz in (1, 8, 64):
-                rows.append({"mode": mode, "batch": bsz, "step_ms": round(decode_step_ms(eng, prompts[:bsz]), 3)})
+        # The same with 4 LoRA adapters (rank 8, all 7 projections) on 8 requests, 4 base; the two
+        # longest requests (4 and 8) are base, so the last steps replay the graphs without LoRA launches.
+        root = Path(td) / "adapters"
+        names = list(make_adapters(root, ModelArgs.from_hf_config(read_hf_config(d)), 8, 4,
+                                   ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                                   0.05, torch.float32, torch.device("cuda"), progress=False).items())
+        lora = ("lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
+                "lora.max_loras_per_batch=4", "lora.backend=triton")
+        keys = [None if i in (4, 8, 9, 10) else names[i % 4][0] for i in range(12)]
+        toks = []
+        for extra in ((), ("engine.enforce_eager=true", "engine.fused_kernels=torch")):
+            eng = engine_for(d, "float32", 16, *lora, *extra)
+            for name, path in names:
+                eng.lora.load(name, str(path))
+            toks.append(generate(eng, prompts[:12], lens, keys))
             del eng
             torch.cuda.empty_cache()
-        res["smollm2_decode_step"] = rows
-        print("SmolLM2-135M shape, bf16, decode step ms (median of 10):")
+        same = sum(toks[0][k] == toks[1][k] for k in toks[1])
+        res["lora_graphs_fused_vs_eager_torch_fp32_identical"] = f"{same}/12"
+        print(f"fp32 greedy with 4 LoRA adapters (triton), graphs + fused vs eager + torch ops: {same}/12 identical")
+        rows = []
+        for fused in ("torch", "triton"):
+            eng = engine_for(d, "bfloat16", 64, f"engine.fused_kernels={fused}")
+            for bsz in (1, 8, 64):
+                rows.append({"fused_kernels": fused, "batch": bsz,
+                             "step_ms": round(decode_step_ms(eng, prompts[:bsz]), 3)})
+            del eng
+            torch.cuda.empty_cache()
+        res["smollm2_decode_step_graphs"] = rows
+        print("SmolLM2-135M shape, bf16, CUDA graphs, decode step ms (median of 10):")
         for r in rows:
-            print(f"  {r['mode']:>6} batch {r['batch']:>3}: {r['step_ms']:8.3f}")
+            print(f"  fused_kernels={r['fused_kernels']:>6} batch {r['batch']:>3}: {r['step_ms']:8.3f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--sections", nargs="+", default=["kernels", "attention", "fused", "engine"],
+                    choices=["kernels", "attention", "fused", "engine"])
     args = ap.parse_args()
     print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
     res: dict = {}
-    for section in (kernels_section, attention_bench, lambda r: engine_section(r, args.tokenizer)):
+    sections = {"kernels": kernels_section, "attention": attention_bench, "fused": fused_section,
+                "engine": lambda r: engine_section(r, args.tokenizer)}
+    for name in args.sections:
         try:
-            section(res)
+            sections[name](res)
         except Exception as e:  # noqa: BLE001 - report and go on to the next section
             import traceback
 
             traceback.print_exc()
             res.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
-    if args.out:
-        args.out.write_text(json.dumps(res, indent=1))
+        if args.out:  # after every section: a timeout later keeps what was measured
+            args.out.write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

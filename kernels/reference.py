@@ -1,4 +1,8 @@
-"""Pure-torch twins of the multi-LoRA ops: the oracle for the Triton kernels and the `torch` backend.
+"""Pure-torch twins of the Triton kernels: the oracles of the kernels' tests, the `torch` backends of
+the multi-LoRA ops and of decode attention, and the model's own elementwise path when the fused
+kernels are off (engine.fused_kernels, appliance/models/fused_ops.py).
+
+Multi-LoRA ops:
 
 Shapes (S = GPU slots, n = slices of a fused projection, R = max_lora_rank, T = tokens in the step):
     x [T, in], A [S, n, R, in], B [S, out, R], token_slots [T] (-1 = base token, no adapter)
@@ -144,3 +148,66 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),
         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True).squeeze(2)
     return torch.where((context_lens > 0)[:, None, None], o, torch.zeros_like(o))
+
+
+# ---------------------------------------------------------------- the model's fused elementwise ops
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (rounded to x's dtype; s = x without a residual);
+    out = weight * (s / sqrt(mean(s²) + eps)) -> (out, s). The twin of kernels/rms_norm.py.
+
+    x, residual [T, H]; weight [H]. The rms is taken in fp32 and the normalised value rounded to
+    x's dtype before the scale, as HF Llama's LlamaRMSNorm does; the add rounds like the model's
+    `x + h` in its own dtype. Returns out [T, H] and s [T, H] (s is x itself without a residual).
+    """
+    s = x if residual is None else x + residual
+    dt = s.dtype
+    sf = s.float()
+    sf = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * sf.to(dt), s
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF Llama): x * [cos, cos] + [-x2, x1] * [sin, sin], in fp32, rounded to x's
+    dtype. x [T, heads, d]; cos, sin [T, 1, d/2] fp32 (the tables at each token's position)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    c = torch.cat([cos, cos], dim=-1)
+    s = torch.cat([sin, sin], dim=-1)
+    return (xf * c + torch.cat([-x2, x1], dim=-1) * s).to(x.dtype)
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """q, k = rope(q, pos), rope(k, pos) in place in qkv; k_cache[slot] = k, v_cache[slot] = v.
+    The twin of kernels/rope_kv.py.
+
+    qkv [T, (H + 2*KVH) * d] = q | k | v of each token (rows may be strided, columns contiguous);
+    positions [T] int; cos, sin [max_pos, d/2] fp32; k_cache, v_cache [blocks, BS, KVH, d];
+    slot_mapping [T] int: cache slot (block * BS + offset) of each token, -1 = not cached. Returns qkv.
+    """
+    T = qkv.shape[0]
+    d = k_cache.shape[-1]
+    q_end, k_end = num_heads * d, (num_heads + num_kv_heads) * d
+    c = cos[positions.long()][:, None, :]
+    s = sin[positions.long()][:, None, :]
+    q = qkv[:, :q_end].view(T, num_heads, d)
+    k = qkv[:, q_end:k_end].view(T, num_kv_heads, d)
+    v = qkv[:, k_end:].view(T, num_kv_heads, d)
+    q.copy_(rope_rotate(q, c, s))
+    k.copy_(rope_rotate(k, c, s))
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, num_kv_heads, d)[slots] = k[keep]
+    v_cache.view(-1, num_kv_heads, d)[slots] = v[keep]
+    return qkv
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """out = silu(gate) * up for gate_up [T, 2I] = gate | up -> out [T, I] in gate_up's dtype (silu
+    rounded to the dtype before the product, as `F.silu(gate) * up` does). The twin of
+    kernels/silu_mul.py."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

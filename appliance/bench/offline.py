@@ -109,7 +109,7 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
             times.append(time.perf_counter() - t0)
             if len(outs) != len(ids):
                 raise RuntimeError(f"a decode step advanced {len(outs)} of {len(ids)} sequences")
-        top = _profile_steps(engine, 2) if profile else None
+        prof = _profile_steps(engine, 2) if profile else None
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -129,11 +129,14 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
             "weight_gb": round(weights * elt / 1e9, 3), "kv_gb": round(kv * elt / 1e9, 3),
             "adapter_gb": round(lora * elt / 1e9, 3), "adapter_bytes": int(lora * elt),
             "floor_ms": round(floor_s * 1e3, 4),
-            "x_floor": round(step_s / floor_s, 2), **({"top_kernels": top} if top is not None else {})}
+            "x_floor": round(step_s / floor_s, 2), **(prof if prof is not None else {})}
 
 
-def _profile_steps(engine: LLMEngine, steps: int) -> list[dict]:
-    """Device time per step of the kernels that take most of it: [{name, us_per_step, calls_per_step}]."""
+def _profile_steps(engine: LLMEngine, steps: int) -> dict:
+    """Device time per step of the kernels that take most of it, "top_kernels": [{name, us_per_step,
+    calls_per_step}], and over every kernel, "kernels_per_step" and "kernel_us_per_step" (what the
+    step's launches add up to: the part that is not bytes shows as many short kernels)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.runner.device.type == "cuda" else [])
@@ -142,13 +145,18 @@ def _profile_steps(engine: LLMEngine, steps: int) -> list[dict]:
             engine.step()
         sync(engine.runner.device)
     rows = []
+    n_kernels, kernel_us = 0, 0.0
     for e in prof.key_averages():
         dev_us = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
         if dev_us > 0:
             rows.append({"name": e.key[:90], "us_per_step": round(dev_us / steps, 1),
                          "calls_per_step": e.count / steps})
+        if getattr(e, "device_type", None) == DeviceType.CUDA:  # the kernels themselves, not the CPU ops
+            n_kernels += e.count
+            kernel_us += dev_us
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:12]
+    return {"top_kernels": rows[:16], "kernels_per_step": n_kernels / steps,
+            "kernel_us_per_step": round(kernel_us / steps, 1)}
 
 
 def prefill(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],

@@ -62,6 +62,8 @@ class ModelConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Not on/off: YAML reads those as booleans.
+FUSED_KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -88,6 +90,10 @@ class EngineConfig:
     # Decode attention: triton = the Triton paged kernel (kernels/paged_attention.py), torch = its
     # pure-torch twin; auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
     attention_backend: str = "auto"
+    # The model's elementwise ops: triton = fused kernels (residual add + RMSNorm, RoPE + K/V cache
+    # write, SiLU x up; kernels/rms_norm.py, rope_kv.py, silu_mul.py), torch = the plain torch ops
+    # (their twins); auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
+    fused_kernels: str = "auto"
     # true = no CUDA graphs: every step runs eagerly. Graphs are used on cuda only, for decode-only steps,
     # with attention_backend triton and a LoRA backend triton/csgmv (or LoRA off).
     enforce_eager: bool = False
@@ -117,6 +123,11 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"engine.attention_backend: {self.attention_backend!r} is not one of "
                               f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.fused_kernels not in FUSED_KERNELS:
+            raise ConfigError(f"engine.fused_kernels: {self.fused_kernels!r} is not one of {', '.join(FUSED_KERNELS)}"
+                              + (" (write auto, triton or torch; YAML reads on/off as booleans)"
+                                 if isinstance(self.fused_kernels, bool) or self.fused_kernels in ("True", "False")
+                                 else ""))
         for n in self.cuda_graph_batch_sizes:
             if not 1 <= n <= self.max_num_seqs:
                 raise ConfigError(f"engine.cuda_graph_batch_sizes: {n} must be in [1, engine.max_num_seqs = "

@@ -15,6 +15,10 @@ integer of this step, and nothing syncs with the host:
 - adapter slot loads only change the contents of the A/B slot tensors and of `slot_ranks` (a loader
   that replaced those tensors instead of copying into them would invalidate the graphs).
 
+With LoRA on, each size is captured twice: with the LoRA launches, and without them for steps whose
+rows are all base (the launches would exit at once, but 4 x 2 per layer still cost ~0.45 ms per
+step on the 8B shape; docs/benchmarks.md). The two share one memory pool and never run at once.
+
 Padding rows write their K/V into a block reserved for them (ModelRunner.pad_block) and have context
 length 0 (attention output 0). With `capture=False` (CPU, tests) the same static-buffer step runs
 eagerly, so the CPU tests cover the buffer filling, the padding and the fixed LoRA layout.
@@ -83,8 +87,9 @@ class StaticDecode:
         self._h64 = torch.zeros(3 * bm, dtype=torch.long, pin_memory=pin)
         self._h32 = torch.zeros(2 * bm + num_slots + bm * self.max_blocks, dtype=torch.int32, pin_memory=pin)
         self._copied: Optional[torch.cuda.Event] = None  # the last copy out of the staging buffers
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # size -> [b, vocab] float32, written by its graph
+        # (size, with LoRA launches) -> graph; without LoRA on, only the False variant exists.
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}  # -> [b, vocab] float32, written by its graph
         if capture:
             self._capture_all()
 
@@ -106,14 +111,15 @@ class StaticDecode:
         b = self.size_for(n)
         if plan.prefills or b is None:
             raise ValueError(f"static decode takes decode-only steps of at most {self.max_size} sequences")
-        max_len = self._fill(plan, b)
+        max_len, with_lora = self._fill(plan, b)
         if self.capture:
-            self.graphs[b].replay()
-            return self.logits[b][:n]
-        return self._forward(b, max_len)[:n]
+            self.graphs[(b, with_lora)].replay()
+            return self.logits[(b, with_lora)][:n]
+        return self._forward(b, max_len, with_lora)[:n]
 
-    def _fill(self, plan: SchedulerOutput, b: int) -> int:
-        """Copy the step into the first b rows of the buffers; padding rows go to the pad block."""
+    def _fill(self, plan: SchedulerOutput, b: int) -> tuple[int, bool]:
+        """Copy the step into the first b rows of the buffers; padding rows go to the pad block.
+        Returns the longest context and whether any row has an adapter (the graph variant)."""
         r = self.runner
         bs = r.block_size
         pad_slot = r.pad_block * bs
@@ -145,7 +151,7 @@ class StaticDecode:
         if r.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return max(ctx)
+        return max(ctx), any(sl >= 0 for sl in lora_slots)
 
     def _meta(self, b: int, max_len: int) -> AttentionMetadata:
         r = self.runner
@@ -165,11 +171,12 @@ class StaticDecode:
         return LoRABatchInfo(seg_indptr=empty, seg_slots=d.lora_slots[:b], slot_ranks=d.slot_ranks,
                              token_slots=empty, groups=[], segments=segs)
 
-    def _forward(self, b: int, max_len: int) -> torch.Tensor:
-        """The step over the first b rows: float32 logits [b, vocab]."""
+    def _forward(self, b: int, max_len: int, with_lora: bool) -> torch.Tensor:
+        """The step over the first b rows: float32 logits [b, vocab]. with_lora False: no LoRA
+        launches (every row is base or padding)."""
         r = self.runner
         if r.lora is not None:
-            r.lora.ctx.info = self._lora_info(b)
+            r.lora.ctx.info = self._lora_info(b) if with_lora else None
         d = self.buf
         hidden = r.model(d.input_ids[:b], d.positions[:b], r.kv_cache, self._meta(b, max_len))
         return r.model.compute_logits(hidden)
@@ -184,18 +191,20 @@ class StaticDecode:
         d.context_lens.zero_()
         d.lora_slots.fill_(-1)
         pool = None
+        variants = (True, False) if r.lora is not None else (False,)
         for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compiles the Triton kernels of this size outside the capture
-                    self._forward(b, 1)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.logits[b] = self._forward(b, 1)
-            if pool is None:
-                pool = g.pool()
-            self.graphs[b] = g
+            for with_lora in variants:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # compiles the Triton kernels of this size outside the capture
+                        self._forward(b, 1, with_lora)
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self.logits[(b, with_lora)] = self._forward(b, 1, with_lora)
+                if pool is None:
+                    pool = g.pool()
+                self.graphs[(b, with_lora)] = g
         torch.cuda.synchronize()
         log.info("decode CUDA graphs captured for batch sizes %s", self.sizes)

@@ -52,6 +52,17 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def resolve_fused_kernels(name: str, device: torch.device) -> str:
+    """engine.fused_kernels -> "triton" | "torch"; triton must be able to run on `device`."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _triton_reason(device) is None else "torch"
+    if name == "triton":
+        why = _triton_reason(device)
+        if why is not None:
+            raise ConfigError(f"engine.fused_kernels: 'triton' cannot run here: {why}")
+    return name
+
+
 def _triton_reason(device: torch.device) -> Optional[str]:
     from kernels.platform import triton_unavailable_reason
 
@@ -118,6 +129,8 @@ class ModelRunner:
         else:
             self.model = load_model(model_path, self.dtype, self.device, self.max_model_len)
         self.attention_backend = resolve_attention_backend(cfg.engine.attention_backend, self.device)
+        self.fused_kernels = resolve_fused_kernels(cfg.engine.fused_kernels, self.device)
+        self.model.use_fused_kernels(self.fused_kernels == "triton")
         self.num_blocks = self._num_kv_blocks(cfg)
         if tp is not None:
             self.num_blocks = tp.min_int(self.num_blocks)  # block ids mean the same on every rank
@@ -135,8 +148,9 @@ class ModelRunner:
                      if self.device.type == "cuda" else 0)
         # TP rank 0: sends each step's batch to the other ranks (set by the engine, parallel/launcher.py).
         self.broadcast_step: Optional[Callable[[StepBatch], None]] = None
-        log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB)", self.device, self.dtype,
-                 self.num_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**30)
+        log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB); fused kernels %s", self.device,
+                 self.dtype, self.num_blocks, self.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.fused_kernels)
 
     def bytes_per_block(self) -> int:
         a = self.model.args

@@ -3,6 +3,13 @@
 Tokens arrive flattened ([T], several sequences back to back), with their positions and the step's
 AttentionMetadata. q/k/v and gate/up are fused into one linear each (`MergedLinear`, which records its
 output slices) so LoRA and tensor parallelism can later wrap the linears without touching this file.
+
+The residual stream is carried beside each block's output (layer i returns (h, residual)) so the next
+norm adds and normalises in one op. The elementwise ops have two implementations, picked once by
+`LlamaModel.use_fused_kernels` (engine.fused_kernels): the torch ops (kernels/reference.py's twins,
+the CPU path and the oracle), or one Triton kernel each for residual add + RMSNorm, RoPE + K/V cache
+write and SiLU x up (kernels/rms_norm.py, rope_kv.py, silu_mul.py): 4 launches per layer instead of
+~40, which was most of a CUDA-graph decode step's small-kernel time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from torch import nn
 
 from appliance.models.args import ModelArgs
 from appliance.models.attention import AttentionMetadata, paged_attention, write_kv
+from kernels import reference as ref
 
 
 class RMSNorm(nn.Module):
@@ -22,13 +30,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # set by LlamaModel.use_fused_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the reference implementation, scale in the model dtype.
-        dt = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dt)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (a block's output), residual [T, H] or None -> (norm(x + residual), x + residual).
+        Normalised in fp32 like the reference implementation, scaled in the model dtype."""
+        if self.fused:
+            from kernels.rms_norm import rms_norm  # needs triton: only when chosen
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        return ref.rms_norm(x, self.weight, self.eps, residual)
 
 
 class MergedLinear(nn.Linear):
@@ -80,15 +91,7 @@ class RotaryEmbedding(nn.Module):
         # q [T, h, d], k [T, kvh, d]; rotate-half convention (HF Llama), computed in fp32.
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    c = torch.cat([cos, cos], dim=-1)
-    s = torch.cat([sin, sin], dim=-1)
-    return (xf * c + torch.cat([-x2, x1], dim=-1) * s).to(x.dtype)
+        return ref.rope_rotate(q, cos, sin), ref.rope_rotate(k, cos, sin)
 
 
 class Attention(nn.Module):
@@ -99,17 +102,27 @@ class Attention(nn.Module):
                                      bias=args.attention_bias)
         self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_proj_bias)
         self.scale = args.head_dim ** -0.5
+        self.fused = False  # set by LlamaModel.use_fused_kernels
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         a = self.args
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # [T, q | k | v]
+        if self.fused:
+            from kernels.rope_kv import rope_write_kv  # needs triton: only when chosen
+
+            # q and k rotated in place (prefill attention reads the fresh K/V from qkv), k and v
+            # stored in their cache slots: one launch.
+            rope_write_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                          a.num_heads, a.num_kv_heads)
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = q.view(T, a.num_heads, a.head_dim)
         k = k.view(T, a.num_kv_heads, a.head_dim)
         v = v.view(T, a.num_kv_heads, a.head_dim)
-        q, k = rope(positions, q, k)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not self.fused:
+            q, k = rope(positions, q, k)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, a.q_size))
 
@@ -120,10 +133,15 @@ class MLP(nn.Module):
         self.inter = args.intermediate_size
         self.gate_up_proj = MergedLinear(args.hidden_size, {"gate": self.inter, "up": self.inter}, bias=False)
         self.down_proj = nn.Linear(self.inter, args.hidden_size, bias=False)
+        self.fused = False  # set by LlamaModel.use_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, gate | up]
+        if self.fused:
+            from kernels.silu_mul import silu_mul  # needs triton: only when chosen
+
+            return self.down_proj(silu_mul(gate_up))
+        return self.down_proj(ref.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -134,10 +152,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                rope: RotaryEmbedding, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous block's output [T, H] (the embeddings for layer 0, residual None);
+        residual: the stream before that block. Returns this layer's MLP output and the stream
+        before it: the stream after this layer is their sum, added by the next norm."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -157,9 +181,17 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: [layers, 2, blocks, block_size, kvh, d] -> hidden [T, H]."""
         x = self.embed_tokens(input_ids)
+        residual: Optional[torch.Tensor] = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+        return self.norm(x, residual)[0]
+
+    def use_fused_kernels(self, on: bool) -> None:
+        """engine.fused_kernels resolved: the Triton kernels (True) or the torch ops for the norms,
+        RoPE + K/V write and SiLU x up of every layer."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.fused = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab]."""

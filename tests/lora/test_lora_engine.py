@@ -262,17 +262,29 @@ def test_triton_backends_refused_on_cpu_without_interpreter(tiny_model_dir: Path
 def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], oracle: dict,
                                                      tiny_model_dir: Path) -> None:
     """The CUDA-graph decode layout on CPU (engine/cuda_graph.py, not captured): one LoRA segment per
-    row, base and padding rows at slot -1, Triton attention; 6 requests padded to 8 rows."""
+    row, base and padding rows at slot -1, Triton attention and the fused kernels; 6 requests padded
+    to 8 rows. Then a base-only batch, which takes the variant without LoRA launches."""
     from appliance.engine.cuda_graph import StaticDecode
 
     root = next(iter(adapters.values())).parent
     engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=4", "lora.backend=triton",
-                         "engine.attention_backend=triton")
+                         "engine.attention_backend=triton", "engine.fused_kernels=triton")
     names = ["qv4", "all8rs", "pattern"]
     for name in names:
         engine.lora.load(name, str(adapters[name]))
-    engine.runner.static_decode = StaticDecode(engine.runner, [8], capture=False)
+    sd = StaticDecode(engine.runner, [8], capture=False)
+    engine.runner.static_decode = sd
+    variants: list[bool] = []
+    real_forward = sd._forward
+    sd._forward = lambda b, n, with_lora: (variants.append(with_lora), real_forward(b, n, with_lora))[1]  # type: ignore[method-assign]
     jobs = [(None, 0), ("qv4", 1), ("all8rs", 2), ("pattern", 3), ("all8rs", 0), (None, 3)]
     got = run_mixed(engine, jobs)
     for j, (name, p) in enumerate(jobs):
         assert got[j] == oracle[name][0][p], f"{name} prompt {p}"
+    assert variants and all(variants)  # an adapter row in every decode step
+    variants.clear()
+    base_jobs = [(None, 1), (None, 2)]
+    got = run_mixed(engine, base_jobs)
+    for j, (_, p) in enumerate(base_jobs):
+        assert got[j] == oracle[None][0][p], f"base prompt {p}"
+    assert variants and not any(variants)  # base rows only: no LoRA launches
