@@ -15,6 +15,7 @@ write and SiLU x up (kernels/rms_norm.py, rope_kv.py, silu_mul.py): 4 launches p
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
