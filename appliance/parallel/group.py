@@ -4,6 +4,11 @@ Two groups over the same ranks: `device` for the model's collectives (nccl on cu
 `control`, always gloo on the host, for what rank 0 broadcasts (each step's batch, adapter operations)
 and what it gathers back (their results). Keeping control messages on the host means a step's inputs
 never make a GPU round trip before the forward, as vLLM's cpu_group does.
+
+Every control message starts with a fixed header of ints, [kind, *fields]: kind OBJECT is followed
+by one object (torch's broadcast_object_list: pickled, two broadcasts), kind DECODE by a static decode
+step's staged int tensors, whose sizes the fields give. The decode step is the message of every
+token, and as plain tensors it costs no pickling and no size round (engine/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +27,17 @@ from appliance.config.schema import ConfigError, ParallelConfig
 log = logging.getLogger(__name__)
 
 _IDLE_TIMEOUT = datetime.timedelta(days=3650)
+
+# Control header: [kind, field...]; DECODE carries engine.cuda_graph.DecodeStep's ints.
+_HEADER_LEN = 8
+OBJECT, DECODE = 0, 1
+
+
+@dataclass(frozen=True)
+class DecodeHeader:
+    """What `receive` returns for a DECODE message: the step's ints; its tensors follow (receive_into)."""
+
+    fields: tuple[int, ...]
 
 
 def _exit_now(reason: str) -> NoReturn:
@@ -66,11 +82,40 @@ class TPGroup:
         return int(t.item())
 
     # ------------------------------------------------------------------ control messages
-    def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0 sends `obj`; every rank returns it (pickled over the gloo control group)."""
-        box = [obj]
+    def broadcast(self, obj: Any) -> None:
+        """Rank 0: send `obj` to every other rank (their `receive` returns it)."""
+        self._header(OBJECT, [])
+        dist.broadcast_object_list([obj], src=0, group=self.control_group)
+
+    def broadcast_decode(self, fields: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Rank 0: send a decode step's ints, then its (cpu) tensors, which the others `receive_into`
+        tensors of the same sizes."""
+        self._header(DECODE, fields)
+        for t in tensors:
+            dist.broadcast(t, src=0, group=self.control_group)
+
+    def receive(self) -> Any:
+        """Ranks other than 0: the next message; a DecodeHeader for a decode step."""
+        head = torch.zeros(_HEADER_LEN, dtype=torch.long)
+        dist.broadcast(head, src=0, group=self.control_group)
+        kind, n, *rest = head.tolist()
+        if kind == DECODE:
+            return DecodeHeader(tuple(rest[:n]))
+        box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
+
+    def receive_into(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Ranks other than 0: the tensors of the decode step `receive` announced, in place."""
+        for t in tensors:
+            dist.broadcast(t, src=0, group=self.control_group)
+
+    def _header(self, kind: int, fields: Sequence[int]) -> None:
+        if len(fields) > _HEADER_LEN - 2:
+            raise ValueError(f"a control header holds at most {_HEADER_LEN - 2} ints, got {len(fields)}")
+        head = torch.zeros(_HEADER_LEN, dtype=torch.long)
+        head[:2 + len(fields)] = torch.tensor([kind, len(fields), *fields], dtype=torch.long)
+        dist.broadcast(head, src=0, group=self.control_group)
 
     def gather(self, obj: Any) -> Optional[list[Any]]:
         """Every rank's `obj`, in rank order, on rank 0; None elsewhere."""
