@@ -233,11 +233,14 @@ def main() -> int:
         root = Path(tmp)
         small = small_model(root / "small", o.smoke)
         models = [("small", small)] + ([] if o.smoke else [("llama-3.1-8b-shape", SHAPE_8B)])
-        print("parity (float32):", flush=True)
-        for name, d in models:
+        def check(name: str, d: Path) -> None:
             for mode, extra in parity_modes:
                 res["parity"].append(parity(name, d, o.tp, device, root, 8 if o.smoke else 24, mode, extra))
                 save()
+
+        # The small model's parity first (a broken capture shows in seconds), the 8B shape's last.
+        print("parity (float32):", flush=True)
+        check(*models[0])
         bw = copy_bandwidth(torch.device(device), 1 << 28)
         dec_name, dec_dir = models[-1]
         batches = [1, 4] if o.smoke else [1, 16, 64]
@@ -247,6 +250,9 @@ def main() -> int:
             res["decode"] += decode(dec_name, dec_dir, size, device, "float32" if o.smoke else "bfloat16", root,
                                     batches, steps, bw, mode, groups)
             save()
+        for name, d in models[1:]:
+            print("parity (float32):", flush=True)
+            check(name, d)
     save()
     print(f"\n| model | check | tp=1 | tp={o.tp} |")
     print("|---|---|---|---|")
