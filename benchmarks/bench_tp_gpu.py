@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tp_gpu.py --out tp.json              # N = 2 (NCCL); --tp 4 with 4 GPUs
     python benchmarks/bench_tp_gpu.py --smoke --out /tmp/tp.json # CPU, gloo, tiny shapes: checks the script
+    python benchmarks/bench_tp_gpu.py --decode-only --out tp.json  # graphed decode at tp 1 and N only
 
 1. Parity (float32, so that greedy tokens compare exactly): a small random Llama and a random
    Llama-3.1-8B-shaped model (configs/model/llama3-8b-shape.yaml, model.init=random), each with two
@@ -208,6 +209,8 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="JSON results file")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size to compare with 1 (default 2)")
     ap.add_argument("--smoke", action="store_true", help="CPU + gloo, tiny shapes: check the script runs")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="no parity, decode with graphs at tp 1 and tp N only (a quick check of a TP step change)")
     o = ap.parse_args()
     device = "cpu" if o.smoke else "cuda"
     if not o.smoke and torch.cuda.device_count() < o.tp:
@@ -229,6 +232,8 @@ def main() -> int:
     decode_runs = [("graphs", 1, fast), ("graphs", o.tp, fast), ("eager", o.tp, [*fast, "engine.enforce_eager=true"])]
     if o.smoke:
         decode_runs = [("cpu", 1, fast), ("cpu", o.tp, fast)]
+    if o.decode_only:
+        parity_modes, decode_runs = [], decode_runs[:2]
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
         root = Path(tmp)
         small = small_model(root / "small", o.smoke)

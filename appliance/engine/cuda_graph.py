@@ -23,7 +23,7 @@ Tensor parallelism: every rank builds a StaticDecode of the same sizes at the sa
 SetupDecode) and captures them in the same order, so each graph holds this rank's shard of the step
 with its NCCL collectives (block all-reduces, vocab-parallel embedding, logits all-gather) inside. A
 step is staged on rank 0 only; rank 0 sends its DecodeStep (four ints) and the staged rows (two int
-tensors, no pickling) over the control group, and every other rank copies them into its own buffers
+tensors, no pickling) in one control message, and every other rank copies them into its own buffers
 and replays the same graph (`follow`). The captured collectives keep the ranks in step on the GPU.
 """
 
@@ -43,6 +43,7 @@ from kernels.segments import LoRASegments
 
 if TYPE_CHECKING:
     from appliance.engine.model_runner import ModelRunner
+    from appliance.parallel.group import DecodeHeader
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +141,13 @@ class StaticDecode:
         assert logits is not None
         return logits[:n]
 
-    def follow(self, step: DecodeStep) -> None:
-        """A TP rank other than 0: take rank 0's staged rows of `step` and run the same step."""
+    def follow(self, head: "DecodeHeader") -> None:
+        """A TP rank other than 0: take rank 0's staged rows of the step `head` announced and run it."""
         tp = self.runner.tp
         assert tp is not None and tp.rank != 0
+        step = DecodeStep(*head.fields)
         self._staging_free()
-        tp.receive_into(self._staged(step))
+        tp.receive_into(head, self._staged(step))
         self._launch(step)
 
     def _staging_free(self) -> None:

@@ -26,7 +26,6 @@ import torch
 from appliance.config.compose import config_from_dict
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.model_runner import ModelRunner
-from appliance.engine.cuda_graph import DecodeStep
 from appliance.parallel.group import DecodeHeader, TPGroup, init_group, rank_device
 from appliance.parallel.layout import TPLayout
 from appliance.parallel.lora import WorkerAdapters
@@ -64,7 +63,7 @@ def follow(group: TPGroup, runner: ModelRunner, adapters: Optional[WorkerAdapter
         if isinstance(msg, DecodeHeader):  # the common case: a decode step over the static buffers
             if runner.static_decode is None:
                 raise RuntimeError("rank 0 sent a static decode step before SetupDecode")
-            runner.static_decode.follow(DecodeStep(*msg.fields))
+            runner.static_decode.follow(msg)
         elif isinstance(msg, RunStep):
             if adapters is not None:
                 adapters.begin_step(msg.batch.lora)
