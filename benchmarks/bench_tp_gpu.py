@@ -227,7 +227,9 @@ def main() -> int:
 
     fast = SMOKE_GROUPS if o.smoke else GPU_GROUPS
     # Parity: both configurations on GPU; --smoke only the default one (no graphs on CPU).
-    parity_modes = [("eager", [])] + ([] if o.smoke else [("graphs", GPU_GROUPS + ["engine.cuda_graph_batch_sizes=[1,2,4,8]"])])
+    parity_modes = [("eager", [])]
+    if not o.smoke:
+        parity_modes.append(("graphs", [*GPU_GROUPS, "engine.cuda_graph_batch_sizes=[1,2,4,8]"]))
     # Decode: (label, tp, groups); the label says what ran, checked against the engine (`graphs` in the JSON).
     decode_runs = [("graphs", 1, fast), ("graphs", o.tp, fast), ("eager", o.tp, [*fast, "engine.enforce_eager=true"])]
     if o.smoke:

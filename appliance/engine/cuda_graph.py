@@ -141,6 +141,7 @@ class StaticDecode:
         assert logits is not None
         return logits[:n]
 
+    @torch.inference_mode()
     def follow(self, head: "DecodeHeader") -> None:
         """A TP rank other than 0: take rank 0's staged rows of the step `head` announced and run it."""
         tp = self.runner.tp
