@@ -22,6 +22,13 @@ step on the 8B shape; docs/benchmarks.md). The two share one memory pool and nev
 Padding rows write their K/V into a block reserved for them (ModelRunner.pad_block) and have context
 length 0 (attention output 0). With `capture=False` (CPU, tests) the same static-buffer step runs
 eagerly, so the CPU tests cover the buffer filling, the padding and the fixed LoRA layout.
+
+Tensor parallelism: every rank builds a StaticDecode of the same sizes at the same point (rank 0 sends
+SetupDecode) and captures them in the same order, so each graph holds this rank's shard of the step
+with its NCCL collectives (block all-reduces, vocab-parallel embedding, logits all-gather) inside. A
+step is staged on rank 0 only; rank 0 sends its DecodeStep (five ints) and the staged rows (two int
+tensors, no pickling) in one control message, and every other rank copies them into its own buffers
+and replays the same graph (`follow`). The captured collectives keep the ranks in step on the GPU.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ import torch
 
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.lora.batch import LoRABatchInfo
+from appliance.lora.layers import LoRAContext
 from appliance.models.attention import AttentionMetadata
 from kernels.segments import LoRASegments
 
 if TYPE_CHECKING:
     from appliance.engine.model_runner import ModelRunner
+    from appliance.parallel.group import DecodeHeader
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +67,37 @@ class DecodeBuffers:
     slot_ranks: torch.Tensor  # [S] int32: rank of each LoRA slot (0 = empty)
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """The shape of one staged step: what TP rank 0 sends (as ints) ahead of the staged rows."""
+
+    size: int  # b: the captured size it is padded to
+    n: int  # real rows (sequences)
+    ncols: int  # block-table columns staged (the longest sequence's blocks)
+    max_len: int  # longest context; read only by the uncaptured step's torch attention
+    with_lora: int  # 1: some row has an adapter (the graph with LoRA launches); 0: all rows base
+
+    def ints(self) -> list[int]:
+        return [self.size, self.n, self.ncols, self.max_len, self.with_lora]
+
+
 class StaticDecode:
-    def __init__(self, runner: "ModelRunner", sizes: list[int], capture: bool) -> None:
+    def __init__(self, runner: "ModelRunner", sizes: list[int], capture: bool,
+                 lora: Optional[LoRAContext] = None) -> None:
+        """lora: the wrapped model's LoRA context (None = LoRA off). Rank 0 (and tp_size 1) also needs
+        runner.lora, the manager that maps each sequence's adapter to its slot."""
         if not sizes or any(b < 1 for b in sizes):
             raise ValueError(f"static decode batch sizes must be >= 1, got {sizes}")
         self.runner = runner
         self.sizes = sorted(set(sizes))
         self.capture = capture
+        if lora is None and runner.lora is not None:
+            lora = runner.lora.ctx  # never None while the model has LoRA layers: stale info would be read
+        self.lora = lora
         dev = runner.device
         bm = self.sizes[-1]
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        num_slots = len(runner.lora.slot_ranks) if runner.lora is not None else 0
+        num_slots = lora.num_slots if lora is not None else 0
         i32 = dict(dtype=torch.int32, device=dev)
         self.buf = DecodeBuffers(
             input_ids=torch.zeros(bm, dtype=torch.long, device=dev),
@@ -106,41 +135,72 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ one step
     def run(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Logits [n, vocab] float32 of a decode-only plan of n <= max_size sequences."""
+        """Logits [n, vocab] float32 of a decode-only plan of n <= max_size sequences (rank 0 under TP:
+        the other ranks get the staged rows first and replay with it)."""
         n = len(plan.decodes)
         b = self.size_for(n)
         if plan.prefills or b is None:
             raise ValueError(f"static decode takes decode-only steps of at most {self.max_size} sequences")
-        max_len, with_lora = self._fill(plan, b)
-        if self.capture:
-            self.graphs[(b, with_lora)].replay()
-            return self.logits[(b, with_lora)][:n]
-        return self._forward(b, max_len, with_lora)[:n]
+        step = self._stage(plan, b)
+        tp = self.runner.tp
+        if tp is not None:
+            tp.broadcast_decode(step.ints(), self._staged(step))
+        logits = self._launch(step)
+        assert logits is not None
+        return logits[:n]
 
-    def _fill(self, plan: SchedulerOutput, b: int) -> tuple[int, bool]:
-        """Copy the step into the first b rows of the buffers; padding rows go to the pad block.
-        Returns the longest context and whether any row has an adapter (the graph variant)."""
+    @torch.inference_mode()
+    def follow(self, head: "DecodeHeader") -> None:
+        """A TP rank other than 0: take rank 0's staged rows of the step `head` announced and run it."""
+        tp = self.runner.tp
+        assert tp is not None and tp.rank != 0
+        step = DecodeStep(*head.fields)
+        self._staging_free()
+        tp.receive_into(head, self._staged(step))
+        self._launch(step)
+
+    def _staging_free(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have left the staging buffers
+
+    def _staged(self, step: DecodeStep) -> list[torch.Tensor]:
+        """The staging rows a step uses: [ids | positions | slot mapping] and [context lens | lora
+        slots | slot ranks | the n x ncols tables]."""
+        b = step.size
+        return [self._h64[:3 * b], self._h32[:2 * b + len(self.buf.slot_ranks) + step.n * step.ncols]]
+
+    def _stage(self, plan: SchedulerOutput, b: int) -> DecodeStep:
+        """Write the step into the staging buffers for b rows; padding rows go to the pad block."""
         r = self.runner
         bs = r.block_size
         pad_slot = r.pad_block * bs
         hb = r.host_batch(plan)  # decode-only: one row per sequence, tables padded to the longest
         ids, pos, slots, ctx, tables = (hb.input_ids, hb.positions, hb.slot_mapping, hb.decode_context_lens,
                                         hb.decode_tables)
-        lora_slots = r.lora.step_slots([s.seq.adapter for s in plan.decodes]) if r.lora is not None else []
+        use_lora = self.lora is not None
+        if use_lora and r.lora is None:
+            raise RuntimeError("static decode with LoRA stages its steps through the LoRA manager (rank 0)")
+        lora_slots = r.lora.step_slots([s.seq.adapter for s in plan.decodes]) if use_lora else []
         n = len(ids)
         pad = b - n
         ncols = len(tables[0])
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have left the staging buffers
+        self._staging_free()
         h64, h32 = self._h64, self._h32
         h64[:3 * b] = torch.tensor(ids + [0] * pad + pos + [0] * pad + slots + [pad_slot] * pad, dtype=torch.long)
-        ranks = r.lora.slot_ranks if r.lora is not None else []
-        head = ctx + [0] * pad + (lora_slots + [-1] * pad if r.lora is not None else [-1] * b) + list(ranks)
+        ranks = r.lora.slot_ranks if use_lora else []
+        head = ctx + [0] * pad + (lora_slots + [-1] * pad if use_lora else [-1] * b) + list(ranks)
         h32[:len(head)] = torch.tensor(head, dtype=torch.int32)
         flat = [v for t in tables for v in t]
         h32[len(head):len(head) + n * ncols] = torch.tensor(flat, dtype=torch.int32)
+        return DecodeStep(b, n, ncols, max(ctx), int(any(sl >= 0 for sl in lora_slots)))
+
+    def _launch(self, step: DecodeStep) -> Optional[torch.Tensor]:
+        """Copy the staged step into the device buffers and run it: logits [b, vocab] float32 (None
+        on TP ranks other than 0)."""
+        b, n, ncols = step.size, step.n, step.ncols
+        h64, h32 = self._h64, self._h32
         d = self.buf
-        nb = len(head)
+        nb = 2 * b + len(d.slot_ranks)
         d.input_ids[:b].copy_(h64[:b], non_blocking=True)
         d.positions[:b].copy_(h64[b:2 * b], non_blocking=True)
         d.slot_mapping[:b].copy_(h64[2 * b:3 * b], non_blocking=True)
@@ -148,10 +208,14 @@ class StaticDecode:
         d.lora_slots[:b].copy_(h32[b:2 * b], non_blocking=True)
         d.slot_ranks.copy_(h32[2 * b:nb], non_blocking=True)
         d.block_tables[:n, :ncols].copy_(h32[nb:nb + n * ncols].view(n, ncols), non_blocking=True)
-        if r.device.type == "cuda":
+        if self.runner.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return max(ctx), any(sl >= 0 for sl in lora_slots)
+        with_lora = bool(step.with_lora)
+        if self.capture:
+            self.graphs[(b, with_lora)].replay()
+            return self.logits[(b, with_lora)]
+        return self._forward(b, step.max_len, with_lora)
 
     def _meta(self, b: int, max_len: int) -> AttentionMetadata:
         r = self.runner
@@ -163,7 +227,7 @@ class StaticDecode:
             decode_splits=r.decode_splits(b, r.max_model_len), decode_len_bound=r.max_model_len)
 
     def _lora_info(self, b: int) -> Optional[LoRABatchInfo]:
-        if self.runner.lora is None:
+        if self.lora is None:
             return None
         d = self.buf
         empty = torch.empty(0, dtype=torch.long, device=self.runner.device)
@@ -171,15 +235,17 @@ class StaticDecode:
         return LoRABatchInfo(seg_indptr=empty, seg_slots=d.lora_slots[:b], slot_ranks=d.slot_ranks,
                              token_slots=empty, groups=[], segments=segs)
 
-    def _forward(self, b: int, max_len: int, with_lora: bool) -> torch.Tensor:
-        """The step over the first b rows: float32 logits [b, vocab]. with_lora False: no LoRA
+    def _forward(self, b: int, max_len: int, with_lora: bool) -> Optional[torch.Tensor]:
+        """The step over the first b rows: float32 logits [b, vocab] (None on TP ranks other than 0,
+        whose vocabulary shard goes to rank 0 through the all-gather). with_lora False: no LoRA
         launches (every row is base or padding)."""
         r = self.runner
-        if r.lora is not None:
-            r.lora.ctx.info = self._lora_info(b) if with_lora else None
+        if self.lora is not None:
+            self.lora.info = self._lora_info(b) if with_lora else None
         d = self.buf
         hidden = r.model(d.input_ids[:b], d.positions[:b], r.kv_cache, self._meta(b, max_len))
-        return r.model.compute_logits(hidden)
+        logits = r.model.compute_logits(hidden)
+        return logits if r.tp is None else r.tp.gather_last_dim(logits)
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -191,9 +257,13 @@ class StaticDecode:
         d.context_lens.zero_()
         d.lora_slots.fill_(-1)
         pool = None
-        variants = (True, False) if r.lora is not None else (False,)
+        # Under TP the process group's watchdog thread polls its own events while we capture; only
+        # this thread's calls must be refused during the capture (the collectives themselves are
+        # captured: the warm-up below has already set up the communicator).
+        mode = "global" if r.tp is None else "thread_local"
+        variants = (True, False) if self.lora is not None else (False,)
         for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
-            for with_lora in variants:
+            for with_lora in variants:  # the same order on every rank (their collectives must match)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -201,10 +271,19 @@ class StaticDecode:
                         self._forward(b, 1, with_lora)
                 torch.cuda.current_stream().wait_stream(side)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self.logits[(b, with_lora)] = self._forward(b, 1, with_lora)
+                with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
+                    # None on TP ranks > 0
+                    self.logits[(b, with_lora)] = self._forward(b, 1, with_lora)  # type: ignore[assignment]
                 if pool is None:
                     pool = g.pool()
                 self.graphs[(b, with_lora)] = g
         torch.cuda.synchronize()
         log.info("decode CUDA graphs captured for batch sizes %s", self.sizes)
+
+    def release(self) -> None:
+        """Free the graphs. Under TP this must come before the process group is destroyed: NCCL's
+        communicator teardown waits for ever while a graph that captured it is alive."""
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs.clear()
+        self.logits.clear()

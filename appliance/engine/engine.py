@@ -74,7 +74,7 @@ class LLMEngine:
     def _build(self, cfg: ApplianceConfig, model_path: Path) -> None:
         self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group)
         if self.tp is not None:
-            self.runner.broadcast_step = self.tp.broadcast_step
+            self.runner.leader = self.tp
         self.tokenizer: Tokenizer | IdsOnlyTokenizer
         if cfg.model.init == "random" and not has_tokenizer(model_path):
             eos = read_hf_config(model_path).get("eos_token_id")
@@ -158,6 +158,7 @@ class LLMEngine:
         `graceful=False` kills them instead (a step may be stuck in a collective)."""
         if self.tp is not None:
             tp, self.tp = self.tp, None
+            self.runner.release_static_decode()  # graphs that captured NCCL collectives block its teardown
             tp.stop() if graceful else tp.kill()
 
     # ------------------------------------------------------------------ requests

@@ -5,7 +5,8 @@ positions and AttentionMetadata (built once, passed down), runs the model and re
 the sequences that sample. Decode-only steps go through StaticDecode (engine/cuda_graph.py) when it is
 set up: static buffers, replayed as CUDA graphs on cuda. Under tensor parallelism (`tp`,
 appliance/parallel/) the model is this rank's shard, rank 0 broadcasts each StepBatch and the other ranks
-run `forward` on it (parallel/worker.py); decode graphs are off there (the other ranks would not replay).
+run `forward` on it (parallel/worker.py); every rank builds the same StaticDecode when rank 0 does and
+replays its decode graphs (collectives inside) with the rows rank 0 staged.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from appliance.models.weights import load_model, random_model, read_hf_config
 
 if TYPE_CHECKING:
     from appliance.lora.batch import LoRAStepLayout
+    from appliance.lora.layers import LoRAContext
     from appliance.lora.manager import LoRAManager
     from appliance.parallel.group import TPGroup
+    from appliance.parallel.launcher import TPLeader
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +149,9 @@ class ModelRunner:
         self.static_decode: Optional[StaticDecode] = None
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 0)
-        # TP rank 0: sends each step's batch to the other ranks (set by the engine, parallel/launcher.py).
-        self.broadcast_step: Optional[Callable[[StepBatch], None]] = None
+        # TP rank 0: sends each step's batch and the decode setup to the other ranks (set by the
+        # engine, parallel/launcher.py).
+        self.leader: Optional["TPLeader"] = None
         log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB); fused kernels %s", self.device,
                  self.dtype, self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.fused_kernels)
@@ -185,8 +189,6 @@ class ModelRunner:
             return "lora.backend torch groups tokens on the host per step"
         if e.fault_injection_token_id is not None:
             return "engine.fault_injection_token_id checks the inputs on the host"
-        if self.tp is not None:
-            return "tensor parallelism (the other ranks would not replay the step)"
         return None
 
     def setup_decode_graphs(self, e: EngineConfig) -> None:
@@ -195,7 +197,21 @@ class ModelRunner:
         if why is not None:
             log.info("decode steps run eagerly: %s", why)
             return
-        self.static_decode = StaticDecode(self, e.graph_batch_sizes(), capture=True)
+        self.start_static_decode(e.graph_batch_sizes(), capture=True)
+
+    def start_static_decode(self, sizes: list[int], capture: bool, lora: Optional["LoRAContext"] = None) -> None:
+        """Decode-only steps of up to max(sizes) sequences over static buffers from now on, replayed as
+        CUDA graphs when `capture`. TP rank 0 tells the other ranks first, which call this with their
+        own LoRA context (`lora`; rank 0 and tp_size 1 use the manager's)."""
+        if self.leader is not None:
+            self.leader.setup_decode(sizes, capture)
+        self.static_decode = StaticDecode(self, sizes, capture, lora)
+
+    def release_static_decode(self) -> None:
+        """Free the decode graphs (before a TP process group is destroyed: StaticDecode.release)."""
+        if self.static_decode is not None:
+            self.static_decode.release()
+            self.static_decode = None
 
     def decode_splits(self, batch: int, len_bound: int) -> int:
         """Split-K parts of the Triton decode kernel: 1 unless batch x KV heads programs fill at most a
@@ -278,7 +294,8 @@ class ModelRunner:
                 raise RuntimeError(f"adapter weights could not be loaded: {failed}")
         sd = self.static_decode
         if sd is not None and not plan.prefills and sd.size_for(len(plan.decodes)) is not None:
-            return sd.run(plan)  # fills the LoRA info itself (fixed per-row layout)
+            # Fills the LoRA info itself (fixed per-row layout); under TP sends the staged rows first.
+            return self._on_all_ranks(lambda: sd.run(plan))
         batch = self.host_batch(plan)
         if self.lora is not None:
             steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in
@@ -289,15 +306,26 @@ class ModelRunner:
         """The model over `batch` on every rank: rank 0 broadcasts it first under tensor parallelism."""
         if self.tp is None:
             return self.forward(batch)  # type: ignore[return-value]
-        try:
-            if self.broadcast_step is not None:
-                self.broadcast_step(batch)
-            logits = self.forward(batch)
-        except Exception as e:  # noqa: BLE001 - the ranks' collectives are out of step: cannot go on
-            self.tp.fail(f"the step on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
-                         "cannot resynchronise")
-        assert logits is not None
-        return logits
+
+        def step() -> Optional[torch.Tensor]:
+            if self.leader is not None:
+                self.leader.broadcast_step(batch)
+            return self.forward(batch)
+
+        return self._on_all_ranks(step)
+
+    def _on_all_ranks(self, step: Callable[[], Optional[torch.Tensor]]) -> torch.Tensor:
+        """Run a step; under TP a failure on rank 0 ends every rank (tp.fail)."""
+        if self.tp is None:
+            out = step()
+        else:
+            try:
+                out = step()
+            except Exception as e:  # noqa: BLE001 - the ranks' collectives are out of step: cannot go on
+                self.tp.fail(f"the step on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
+                             "cannot resynchronise")
+        assert out is not None
+        return out
 
     @torch.inference_mode()
     def warm_step(self, batch: StepBatch, seg_lens: list[int], seg_slots: list[int]) -> None:

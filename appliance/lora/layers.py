@@ -38,6 +38,7 @@ class LoRAContext:
     info: Optional[LoRABatchInfo] = None
     wrappers: dict[str, "LoRALinear"] = field(default_factory=dict)  # "layers.{i}.{module}" -> wrapper
     backend: str = "torch"  # lora.backend: torch | triton | csgmv
+    num_slots: int = 0  # S: GPU slots of every wrapper's A/B buffers
 
 
 class LoRALinear(nn.Module):
@@ -109,7 +110,7 @@ class LoRALinear(nn.Module):
 def apply_lora(model: LlamaModel, targets: tuple[str, ...], num_slots: int, max_rank: int,
                backend: str = "torch") -> LoRAContext:
     """Wrap the projections that carry any of `targets`; return the context the runner fills per step."""
-    ctx = LoRAContext(backend=backend)
+    ctx = LoRAContext(backend=backend, num_slots=num_slots)
     for i, layer in enumerate(model.layers):
         for path, names in FUSED_SLICES.items():
             if not set(names) & set(targets):

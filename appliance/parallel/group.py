@@ -4,6 +4,13 @@ Two groups over the same ranks: `device` for the model's collectives (nccl on cu
 `control`, always gloo on the host, for what rank 0 broadcasts (each step's batch, adapter operations)
 and what it gathers back (their results). Keeping control messages on the host means a step's inputs
 never make a GPU round trip before the forward, as vLLM's cpu_group does.
+
+Every control message is one broadcast of a fixed buffer of `inline_ints` int64s: [kind, number of
+fields, fields..., payload]. Kind OBJECT is followed by one object (torch's broadcast_object_list:
+pickled, two more broadcasts); kind DECODE, the message of every decode token, carries a static decode
+step's staged int tensors in the same buffer (engine/cuda_graph.py), or in broadcasts of their own
+when they do not fit (long block tables). On 2 x H200 each gloo broadcast cost rank 0 about 0.35 ms
+whatever its size (docs/benchmarks.md): a decode step is one broadcast, not one per tensor.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,6 +29,18 @@ from appliance.config.schema import ConfigError, ParallelConfig
 log = logging.getLogger(__name__)
 
 _IDLE_TIMEOUT = datetime.timedelta(days=3650)
+
+# Control message: [kind, n, fields (n <= _HEADER - 2)..., payload...]
+_HEADER = 8
+OBJECT, DECODE = 0, 1
+
+
+@dataclass(frozen=True)
+class DecodeHeader:
+    """What `receive` returns for a DECODE message: the step's ints; `receive_into` takes its tensors."""
+
+    fields: tuple[int, ...]
+    inline: bool  # the tensors came in the message buffer (else they follow as broadcasts of their own)
 
 
 def _exit_now(reason: str) -> NoReturn:
@@ -39,6 +58,12 @@ class TPGroup:
     # Called when this rank cannot go on (a collective out of step); never returns. Rank 0's launcher
     # replaces it with one that also stops the workers.
     on_failure: Callable[[str], NoReturn] = field(default=_exit_now)
+    # int64s per control message, the same on every rank: 64 KiB, a decode step of 64 sequences with
+    # block tables up to ~120 blocks each.
+    inline_ints: int = 8192
+
+    def __post_init__(self) -> None:
+        self._msg = torch.zeros(self.inline_ints, dtype=torch.long)  # reused: one message at a time
 
     def fail(self, reason: str) -> NoReturn:
         self.on_failure(reason)
@@ -66,11 +91,54 @@ class TPGroup:
         return int(t.item())
 
     # ------------------------------------------------------------------ control messages
-    def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0 sends `obj`; every rank returns it (pickled over the gloo control group)."""
-        box = [obj]
+    def broadcast(self, obj: Any) -> None:
+        """Rank 0: send `obj` to every other rank (their `receive` returns it)."""
+        dist.broadcast(self._head(OBJECT, []), src=0, group=self.control_group)
+        dist.broadcast_object_list([obj], src=0, group=self.control_group)
+
+    def broadcast_decode(self, fields: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        """Rank 0: send a decode step's ints and its (cpu, integer) tensors, which the others take with
+        `receive_into` into tensors of the same sizes."""
+        n = sum(t.numel() for t in tensors)
+        inline = _HEADER + n <= self.inline_ints
+        msg = self._head(DECODE, [int(inline), *fields])
+        if inline:
+            off = _HEADER
+            for t in tensors:
+                msg[off:off + t.numel()].copy_(t)
+                off += t.numel()
+        dist.broadcast(msg, src=0, group=self.control_group)
+        if not inline:
+            for t in tensors:
+                dist.broadcast(t, src=0, group=self.control_group)
+
+    def receive(self) -> Any:
+        """Ranks other than 0: the next message; a DecodeHeader for a decode step."""
+        msg = self._msg
+        dist.broadcast(msg, src=0, group=self.control_group)
+        kind, n, *fields = msg[:_HEADER].tolist()
+        if kind == DECODE:
+            return DecodeHeader(tuple(fields[1:n]), inline=bool(fields[0]))
+        box = [None]
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
+
+    def receive_into(self, head: DecodeHeader, tensors: Sequence[torch.Tensor]) -> None:
+        """Ranks other than 0: the tensors of the decode step `receive` returned `head` for, in place."""
+        off = _HEADER
+        for t in tensors:
+            if head.inline:
+                t.copy_(self._msg[off:off + t.numel()].view(t.shape))
+                off += t.numel()
+            else:
+                dist.broadcast(t, src=0, group=self.control_group)
+
+    def _head(self, kind: int, fields: Sequence[int]) -> torch.Tensor:
+        if len(fields) > _HEADER - 2:
+            raise ValueError(f"a control message holds at most {_HEADER - 2} ints of header, got {len(fields)}")
+        msg = self._msg
+        msg[:2 + len(fields)] = torch.tensor([kind, len(fields), *fields], dtype=torch.long)
+        return msg
 
     def gather(self, obj: Any) -> Optional[list[Any]]:
         """Every rank's `obj`, in rank order, on rank 0; None elsewhere."""

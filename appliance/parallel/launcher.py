@@ -33,7 +33,7 @@ from appliance.models.llama import ModelArgs
 from appliance.models.weights import read_hf_config
 from appliance.parallel.group import TPGroup, init_group, rank_device
 from appliance.parallel.layout import TPLayout
-from appliance.parallel.messages import RunStep, Stop
+from appliance.parallel.messages import RunStep, SetupDecode, Stop
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,9 @@ class TPLeader:
 
     def broadcast_step(self, batch: object) -> None:
         self.group.broadcast(RunStep(batch))  # type: ignore[arg-type]
+
+    def setup_decode(self, sizes: list[int], capture: bool) -> None:
+        self.group.broadcast(SetupDecode(list(sizes), capture))
 
     def stop(self) -> None:
         self.workers.stop(self.group)

@@ -19,6 +19,16 @@ class RunStep:
 
 
 @dataclass
+class SetupDecode:
+    """Build StaticDecode of these batch sizes now (captured as CUDA graphs when `capture`), as rank 0
+    does right after sending this: every rank captures the same graphs in the same order. The decode
+    steps themselves are sent as ints and tensors, not as messages (group.py, DECODE)."""
+
+    sizes: list[int]
+    capture: bool
+
+
+@dataclass
 class ReadAdapter:
     """Read (and verify) an adapter's files and keep this rank's shard under `key`. Answered."""
 

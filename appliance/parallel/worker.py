@@ -3,7 +3,8 @@ the server, on the other hosts by `appliance worker`).
 
 `python -m appliance.parallel.worker` reads {rank, config} as JSON on stdin, joins the process group,
 builds its shard of the model (the same ModelRunner as rank 0, with `tp`), then follows rank 0: each
-message rank 0 broadcasts is a step to run or an adapter operation (parallel/messages.py). It has no
+message rank 0 broadcasts is a step to run, an adapter operation (parallel/messages.py), the order to
+capture the decode graphs, or a decode step over them (engine/cuda_graph.py). It has no
 scheduler, registry or HTTP server. It exits 0 on `Stop`, and 1 (at once) when rank 0's process is
 gone (the process that started it, or rank 0's connection) or a collective fails, so it never outlives
 the server.
@@ -25,10 +26,10 @@ import torch
 from appliance.config.compose import config_from_dict
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.model_runner import ModelRunner
-from appliance.parallel.group import TPGroup, init_group, rank_device
+from appliance.parallel.group import DecodeHeader, TPGroup, init_group, rank_device
 from appliance.parallel.layout import TPLayout
 from appliance.parallel.lora import WorkerAdapters
-from appliance.parallel.messages import DropAdapter, FillSlot, ReadAdapter, RunStep, Stop
+from appliance.parallel.messages import DropAdapter, FillSlot, ReadAdapter, RunStep, SetupDecode, Stop
 
 log = logging.getLogger("appliance.parallel.worker")
 
@@ -58,11 +59,17 @@ def run_worker(cfg: ApplianceConfig, rank: int) -> None:
 def follow(group: TPGroup, runner: ModelRunner, adapters: Optional[WorkerAdapters]) -> None:
     """Run what rank 0 broadcasts until `Stop`."""
     while True:
-        msg = group.broadcast()
-        if isinstance(msg, RunStep):
+        msg = group.receive()
+        if isinstance(msg, DecodeHeader):  # the common case: a decode step over the static buffers
+            if runner.static_decode is None:
+                raise RuntimeError("rank 0 sent a static decode step before SetupDecode")
+            runner.static_decode.follow(msg)
+        elif isinstance(msg, RunStep):
             if adapters is not None:
                 adapters.begin_step(msg.batch.lora)
             runner.forward(msg.batch)
+        elif isinstance(msg, SetupDecode):
+            runner.start_static_decode(msg.sizes, msg.capture, adapters.ctx if adapters is not None else None)
         elif isinstance(msg, ReadAdapter):
             group.gather(adapters.read(msg) if adapters is not None else "lora.enabled is false on this rank")
         elif isinstance(msg, FillSlot):

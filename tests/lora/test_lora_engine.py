@@ -272,8 +272,9 @@ def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], 
     names = ["qv4", "all8rs", "pattern"]
     for name in names:
         engine.lora.load(name, str(adapters[name]))
-    sd = StaticDecode(engine.runner, [8], capture=False)
-    engine.runner.static_decode = sd
+    engine.runner.start_static_decode([8], capture=False)  # with the LoRA manager's context
+    sd = engine.runner.static_decode
+    assert isinstance(sd, StaticDecode) and sd.lora is engine.lora.ctx
     variants: list[bool] = []
     real_forward = sd._forward
     sd._forward = lambda b, n, with_lora: (variants.append(with_lora), real_forward(b, n, with_lora))[1]  # type: ignore[method-assign]

@@ -23,5 +23,6 @@ def test_bench_tp_gpu_smoke_runs_parity_and_decode_on_cpu(tmp_path: Path) -> Non
     assert all(len(t) == 8 for t in p["tokens_tp1"])
     rows = {(d["tp"], d["batch"]) for d in res["decode"]}
     assert rows == {(1, 1), (1, 4), (2, 1), (2, 4)}
-    assert all(d["step_ms"] > 0 and d["adapters"] >= 1 for d in res["decode"])
-    assert "| small | decode batch 4" in r.stdout
+    assert all(d["step_ms"] > 0 and d["adapters"] >= 1 and not d["graphs"] for d in res["decode"])
+    assert all(d["bcast_ms"] > 0 for d in res["decode"] if d["tp"] == 2)
+    assert "| cpu tp=2 | 4 |" in r.stdout

@@ -1,0 +1,63 @@
+"""The static-buffer decode step under tensor parallelism, on CPU ranks (gloo): the tokens of eager steps.
+
+On CUDA every rank captures the same decode graphs and replays them with the rows rank 0 staged and
+sent (engine/cuda_graph.py); gloo cannot capture, so here the same static-buffer step runs uncaptured
+on both ranks: SetupDecode, the DECODE control message with its int tensors, each rank's buffers and
+padding, the fixed per-row LoRA layout over each rank's shard, and the logits all-gather. Requests of
+different lengths shrink the batch across the padded sizes; base and adapter rows are mixed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance.engine.engine import LLMEngine
+from appliance.engine.request import SamplingParams
+from tests.lora.test_lora_engine import ADAPTERS, PROMPTS, make_adapter
+from tests.parallel.test_tp_engine import tp_engine
+
+JOBS = [(None, 0), ("qv4", 1), ("down2", 2), (None, 3), ("down2", 0)]  # (adapter, prompt)
+
+
+def run_lengths(engine: LLMEngine) -> list[list[int]]:
+    """Greedy, job i gets 2 + i new tokens, all submitted at once: decode batches of 5 down to 1."""
+    for i, (name, p) in enumerate(JOBS):
+        engine.add_request(str(i), engine.tokenizer.encode(PROMPTS[p]),
+                           SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True), adapter=name)
+    out: dict[int, list[int]] = {i: [] for i in range(len(JOBS))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[int(o.request_id)] += o.token_ids
+    assert engine.block_manager.num_used == 0
+    return [out[i] for i in range(len(JOBS))]
+
+
+def test_tp2_static_decode_gives_the_eager_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
+    adapters = {n: make_adapter(tiny_model_dir, tmp_path / n, seed=i, **ADAPTERS[n])
+                for i, n in enumerate(("qv4", "down2"))}  # column- and row-parallel targets
+    # lora.backend triton: the static step's fixed per-row layout is the kernels' (Triton's interpreter
+    # on CPU, slow: only the projections the two adapters use are wrapped).
+    lora = ("lora.enabled=true", "lora.max_lora_rank=8", "lora.max_loras_per_batch=3", "lora.backend=triton",
+            "lora.target_modules=[q_proj,v_proj,down_proj]", f"lora.adapter_roots=[{tmp_path}]")
+    one = tp_engine(tiny_model_dir, 1, *lora)
+    try:
+        for name, path in adapters.items():
+            one.lora.load(name, str(path))
+        want = run_lengths(one)  # tp 1, eager (tp 2 eager = tp 1: test_tp_engine.py)
+    finally:
+        one.close()
+    engine = tp_engine(tiny_model_dir, 2, *lora)
+    try:
+        for name, path in adapters.items():
+            engine.lora.load(name, str(path))
+        assert engine.runner.static_decode is None  # cpu: eager unless asked
+        engine.runner.start_static_decode([1, 2, 4, 8], capture=False)  # rank 1 builds its own
+        sd = engine.runner.static_decode
+        assert sd is not None
+        used: list[int] = []
+        real_run = sd.run
+        sd.run = lambda plan: (used.append(len(plan.decodes)), real_run(plan))[1]  # type: ignore[method-assign]
+        assert run_lengths(engine) == want  # tp 2, static buffers on both ranks
+        assert max(used) == 5 and min(used) == 1  # sizes 8 down to 1
+    finally:
+        engine.close()
