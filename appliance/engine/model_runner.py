@@ -44,26 +44,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """engine.attention_backend -> "triton" | "torch"; triton must be able to run on `device`."""
+def resolve_triton_or_torch(key: str, name: str, device: torch.device) -> str:
+    """An `auto|triton|torch` setting (engine.attention_backend, engine.fused_kernels) -> "triton" |
+    "torch": auto is triton on cuda where Triton runs; an explicit triton must be able to run here."""
     if name == "auto":
         return "triton" if device.type == "cuda" and _triton_reason(device) is None else "torch"
     if name == "triton":
         why = _triton_reason(device)
         if why is not None:
-            raise ConfigError(f"engine.attention_backend: 'triton' cannot run here: {why}")
+            raise ConfigError(f"{key}: 'triton' cannot run here: {why}")
     return name
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    return resolve_triton_or_torch("engine.attention_backend", name, device)
 
 
 def resolve_fused_kernels(name: str, device: torch.device) -> str:
-    """engine.fused_kernels -> "triton" | "torch"; triton must be able to run on `device`."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_reason(device) is None else "torch"
-    if name == "triton":
-        why = _triton_reason(device)
-        if why is not None:
-            raise ConfigError(f"engine.fused_kernels: 'triton' cannot run here: {why}")
-    return name
+    return resolve_triton_or_torch("engine.fused_kernels", name, device)
 
 
 def _triton_reason(device: torch.device) -> Optional[str]:

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from appliance.config.schema import ConfigError
-from appliance.engine.cuda_graph import StaticDecode
 from appliance.engine.engine import LLMEngine
 from appliance.engine.model_runner import resolve_fused_kernels
 from tests.conftest import default_config
-from tests.engine.test_static_decode import run_lengths
+from tests.engine.test_static_decode import run_lengths, uncaptured_static_decode
 
 
 def engine_for(model_dir: Path, fused: str, *extra: str) -> LLMEngine:
@@ -39,11 +38,7 @@ def test_fused_kernels_give_the_torch_tokens(tiny_model_dir: Path, torch_tokens:
     eng = engine_for(tiny_model_dir, "triton", "engine.attention_backend=triton")
     layer = eng.runner.model.layers[0]
     assert layer.input_layernorm.fused and layer.self_attn.fused and layer.mlp.fused and eng.runner.model.norm.fused
-    sd = StaticDecode(eng.runner, [1, 2, 4, 8], capture=False)
-    eng.runner.static_decode = sd
-    used: list[int] = []
-    real_run = sd.run
-    sd.run = lambda plan: (used.append(len(plan.decodes)), real_run(plan))[1]  # type: ignore[method-assign]
+    _, used = uncaptured_static_decode(eng)
     assert run_lengths(eng) == torch_tokens
     assert used and max(used) == 5
 

@@ -46,14 +46,22 @@ def eager_tokens(tiny_model_dir: Path) -> dict[str, list[int]]:
     return run_lengths(eng)
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
-def test_static_decode_gives_the_eager_tokens(tiny_model_dir: Path, eager_tokens: dict, attention: str) -> None:
-    eng = engine_for(tiny_model_dir, attention)
-    sd = StaticDecode(eng.runner, [1, 2, 4, 8], capture=False)
-    eng.runner.static_decode = sd
+def uncaptured_static_decode(eng: LLMEngine, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[StaticDecode, list[int]]:
+    """The static-buffer decode step a CUDA graph replays, run uncaptured (cpu) for `eng` from now on,
+    and the list that records the sequences of every step it runs."""
+    eng.runner.start_static_decode(list(sizes), capture=False)
+    sd = eng.runner.static_decode
+    assert sd is not None
     used: list[int] = []
     real_run = sd.run
     sd.run = lambda plan: (used.append(len(plan.decodes)), real_run(plan))[1]  # type: ignore[method-assign]
+    return sd, used
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_static_decode_gives_the_eager_tokens(tiny_model_dir: Path, eager_tokens: dict, attention: str) -> None:
+    eng = engine_for(tiny_model_dir, attention)
+    sd, used = uncaptured_static_decode(eng)
     assert run_lengths(eng) == eager_tokens
     assert used and max(used) == 5 and min(used) == 1  # the static path ran at sizes 8 down to 1
     assert sd.size_for(5) == 8 and sd.size_for(9) is None

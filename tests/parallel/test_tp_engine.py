@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from appliance.config.schema import ConfigError
 from appliance.engine.engine import LLMEngine
-from appliance.engine.request import AdapterNotFoundError
+from appliance.engine.request import AdapterNotFoundError, SamplingParams
 from appliance.lora.adapter import AdapterError
 from appliance.lora.registry import LoRAStateError
 from tests.conftest import REPO, default_config, make_tiny_model
@@ -38,10 +39,14 @@ def tp_engine(model_dir: Path, tp: int, *overrides: str) -> LLMEngine:
                                     f"parallel.tp_size={tp}", f"parallel.master_port={free_port()}", *overrides))
 
 
-def generate(engine: LLMEngine, jobs: list[tuple[str | None, int]]) -> list[list[int]]:
-    """Every (adapter, prompt index) submitted at once, stepped to the end: greedy tokens per job."""
+def generate(engine: LLMEngine, jobs: list[tuple[str | None, int]],
+             lengths: Optional[list[int]] = None) -> list[list[int]]:
+    """Every (adapter, prompt index) submitted at once, stepped to the end: greedy tokens per job
+    (GREEDY's max_tokens, or job j's lengths[j] with EOS ignored)."""
     for j, (name, p) in enumerate(jobs):
-        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY, adapter=name)
+        params = GREEDY if lengths is None else SamplingParams(max_tokens=lengths[j], temperature=0.0,
+                                                               ignore_eos=True)
+        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), params, adapter=name)
     out: dict[int, list[int]] = {j: [] for j in range(len(jobs))}
     while engine.has_unfinished():
         for o in engine.step():

@@ -12,24 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from appliance.engine.engine import LLMEngine
-from appliance.engine.request import SamplingParams
-from tests.lora.test_lora_engine import ADAPTERS, PROMPTS, make_adapter
-from tests.parallel.test_tp_engine import tp_engine
+from tests.lora.test_lora_engine import ADAPTERS, make_adapter
+from tests.parallel.test_tp_engine import generate, tp_engine
 
 JOBS = [(None, 0), ("qv4", 1), ("down2", 2), (None, 3), ("down2", 0)]  # (adapter, prompt)
 
 
 def run_lengths(engine: LLMEngine) -> list[list[int]]:
     """Greedy, job i gets 2 + i new tokens, all submitted at once: decode batches of 5 down to 1."""
-    for i, (name, p) in enumerate(JOBS):
-        engine.add_request(str(i), engine.tokenizer.encode(PROMPTS[p]),
-                           SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True), adapter=name)
-    out: dict[int, list[int]] = {i: [] for i in range(len(JOBS))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[int(o.request_id)] += o.token_ids
+    out = generate(engine, JOBS, [2 + i for i in range(len(JOBS))])
     assert engine.block_manager.num_used == 0
-    return [out[i] for i in range(len(JOBS))]
+    return out
 
 
 def test_tp2_static_decode_gives_the_eager_tokens(tmp_path: Path, tiny_model_dir: Path) -> None:
