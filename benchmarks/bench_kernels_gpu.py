@@ -438,9 +438,15 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
             print(f"variant failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             return math.nan
 
+    def out_of_budget(name: str, T: int) -> bool:
+        """The tune budget is spent: say so in the table; no shape starts after it."""
+        if time.time() - t0 <= args.tune_budget_s:
+            return False
+        lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
+        return True
+
     for name, T, D in TUNE_DECODE:
-        if time.time() - t0 > args.tune_budget_s:
-            lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
+        if out_of_budget(name, T):
             return lines
         K, slices = LLAMA_8B[name]
         p = Proj(K, slices, T)
@@ -453,8 +459,7 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
             emit("apply", name, T, D, cfg, t, nbytes)
         p = None  # frees the buffers before the next shape
     for name, T, D in TUNE_PREFILL:
-        if time.time() - t0 > args.tune_budget_s:
-            lines.append(f"(tune budget of {args.tune_budget_s} s spent: stopped before {name} T={T})")
+        if out_of_budget(name, T):
             return lines
         K, slices = LLAMA_8B[name]
         p = Proj(K, slices, T)
