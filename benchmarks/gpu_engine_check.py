@@ -11,8 +11,10 @@
 4. The engine (SmolLM2-135M architecture, random weights): greedy tokens with CUDA graphs and the fused
    kernels equal to the eager engine's with the torch ops (fp32), base and with 4 LoRA adapters
    (lora.backend triton); the decode step with graphs, fused kernels off vs on (bf16, batch 1/8/64).
+5. Async scheduling (engine/async_step.py) on vs off, both with graphs: identical tokens (fp32, LoRA,
+   greedy, seeded sampling, stop tokens), and the decode step back to back vs serial.
 
-    python benchmarks/gpu_engine_check.py --tokenizer DIR [--out FILE.json] [--sections kernels attention fused engine]
+    python benchmarks/gpu_engine_check.py --tokenizer DIR [--out FILE.json] [--sections kernels attention fused engine async]
 """
 
 from __future__ import annotations
@@ -291,17 +293,99 @@ def engine_section(res: dict, tokenizer: Path) -> None:
             print(f"  fused_kernels={r['fused_kernels']:>6} batch {r['batch']:>3}: {r['step_ms']:8.3f}")
 
 
+def run_params(eng, prompts: list[list[int]], params: list[SamplingParams],
+               adapters: "list[str | None]") -> dict[str, tuple[list[int], str]]:
+    """id -> (token ids, finish reason) of every request, all submitted at once."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(str(i), p, sp, adapter=adapters[i])
+    out: dict[str, tuple[list[int], str]] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            ids, _ = out.get(o.request_id, ([], ""))
+            out[o.request_id] = (ids + o.token_ids, o.finish_reason or "")
+    return out
+
+
+def async_section(res: dict, tokenizer: Path) -> None:
+    """engine.async_scheduling on vs off, both with CUDA graphs (fp32, 4 LoRA adapters on 8 of 12
+    requests): greedy and seeded sampling, stop tokens that end requests while their next step is
+    already launched; then the SmolLM2 decode step back to back vs serial (bf16)."""
+    from appliance.bench.adapters import make_adapters
+    from appliance.bench.offline import decode_step
+    from appliance.models.llama import ModelArgs
+    from appliance.models.weights import read_hf_config
+
+    with tempfile.TemporaryDirectory() as td:
+        d = Path(td) / "model"
+        d.mkdir()
+        make_model(d, tokenizer)
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(3, 49000, (int(n),), generator=g).tolist() for n in torch.randint(20, 200, (64,), generator=g)]
+        root = Path(td) / "adapters"
+        names = [n for n, _ in make_adapters(root, ModelArgs.from_hf_config(read_hf_config(d)), 8, 4,
+                                             ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"), 0.05, torch.float32, torch.device("cuda"),
+                                             progress=False).items()]
+        lora = ("lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
+                "lora.max_loras_per_batch=4", "lora.backend=triton")
+        keys = [None if i in (4, 8, 9, 10) else names[i % 4] for i in range(12)]
+
+        def params(stop: "list[int]") -> list[SamplingParams]:
+            out = []
+            for i in range(12):
+                n = 4 + (i * 7) % 29
+                if i % 3 == 0:
+                    out.append(SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+                elif i % 3 == 1:
+                    out.append(SamplingParams(max_tokens=n, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True))
+                else:
+                    out.append(SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=stop))
+            return out
+
+        engines = {}
+        for on in (False, True):
+            engines[on] = engine_for(d, "float32", 16, *lora, f"engine.async_scheduling={str(on).lower()}")
+            assert engines[on].async_scheduling is on and engines[on].runner.static_decode.capture
+            for name in names:
+                engines[on].lora.load(name, str(root / name))
+        first = run_params(engines[False], prompts[:12], params([]), keys)
+        # A token each stop-token request produced at its third position ends it there the second time.
+        stop = sorted({first[str(i)][0][2] for i in range(12) if i % 3 == 2 and len(first[str(i)][0]) > 3})
+        want = run_params(engines[False], prompts[:12], params(stop), keys)
+        got = run_params(engines[True], prompts[:12], params(stop), keys)
+        same = sum(got[k] == want[k] for k in want)
+        stopped = sum(r == "stop" for _, r in want.values())
+        res["async_vs_sync_fp32_lora_identical"] = f"{same}/12"
+        print(f"\nfp32, graphs, 4 LoRA adapters, greedy + seeded sampling + stop tokens ({stopped} ended on "
+              f"a stop): async scheduling vs sync {same}/12 requests identical")
+        del engines
+        torch.cuda.empty_cache()
+        rows = []
+        for on in (False, True):
+            eng = engine_for(d, "bfloat16", 64, f"engine.async_scheduling={str(on).lower()}")
+            for bsz in (8, 64):
+                r = decode_step(eng, prompts[:bsz], [None] * bsz, 16, 1.0, 0, ())
+                rows.append({"async": on, "batch": bsz, "step_ms": r["step_ms"], "step_ms_serial": r["step_ms_serial"]})
+            del eng
+            torch.cuda.empty_cache()
+        res["smollm2_decode_async"] = rows
+        print("SmolLM2-135M shape, bf16, graphs: decode step ms, back to back (mean of 16) / serial (median of 16):")
+        for r in rows:
+            print(f"  async {str(r['async']):>5} batch {r['batch']:>3}: {r['step_ms']:7.3f} / {r['step_ms_serial']:7.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--sections", nargs="+", default=["kernels", "attention", "fused", "engine"],
-                    choices=["kernels", "attention", "fused", "engine"])
+    ap.add_argument("--sections", nargs="+", default=["kernels", "attention", "fused", "engine", "async"],
+                    choices=["kernels", "attention", "fused", "engine", "async"])
     args = ap.parse_args()
     print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
     res: dict = {}
     sections = {"kernels": kernels_section, "attention": attention_bench, "fused": fused_section,
-                "engine": lambda r: engine_section(r, args.tokenizer)}
+                "engine": lambda r: engine_section(r, args.tokenizer),
+                "async": lambda r: async_section(r, args.tokenizer)}
     for name in args.sections:
         try:
             sections[name](res)

@@ -82,7 +82,11 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
                 steps: int, copy_bw: float, rank: int, targets: Sequence[str], progress: bool = False,
                 profile: bool = False) -> dict:
-    """Prefill len(prompts) sequences, then time `steps` pure decode steps of all of them together.
+    """Prefill len(prompts) sequences, then time pure decode steps of all of them together: `steps`
+    steps back to back (step_ms: their mean, what a serving loop gets; with async scheduling the host's
+    work for a step overlaps the device's run of the one before), then `steps` steps each read and
+    synchronised before the next starts (step_ms_serial: their median, host and device one after the
+    other, as without async scheduling).
 
     floor = bytes one decode step must read (weights except the embedding table, KV of every sequence,
     the A/B of each distinct adapter) / copy bandwidth measured in the same run. profile: 2 more steps
@@ -94,21 +98,36 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
     # Sequences that finish their prefill early decode while the others prefill (at most one step each
     # per sequence still prefilling), so max_tokens leaves room for that and for the timed steps.
     for rid, p, a in zip(ids, prompts, adapters):
-        engine.add_request(rid, p, greedy(steps + len(prompts) + 4), adapter=a)
-    times = []
+        engine.add_request(rid, p, greedy(2 * steps + len(prompts) + 8), adapter=a)
+    serial = []
     try:
         started: set[str] = set()
         while len(started) < len(ids):  # prefill (chunked) until every sequence has its first token
             for o in engine.step():
                 started.add(o.request_id)
-        for _ in tqdm(range(steps), desc="decode steps", disable=not progress, leave=False):
+        engine.settle()
+        bar = tqdm(total=2 * steps, desc="decode steps", disable=not progress, leave=False)
+        sync(dev)
+        t0 = time.perf_counter()
+        got = 0
+        for _ in range(steps):
+            got += sum(len(o.token_ids) for o in engine.step())
+            bar.update()
+        got += sum(len(o.token_ids) for o in engine.settle())
+        sync(dev)
+        piped = (time.perf_counter() - t0) / steps
+        if got != steps * len(ids):
+            raise RuntimeError(f"{steps} decode steps of {len(ids)} sequences gave {got} tokens")
+        for _ in range(steps):
             sync(dev)
             t0 = time.perf_counter()
-            outs = engine.step()
+            outs = engine.step() + engine.settle()
             sync(dev)
-            times.append(time.perf_counter() - t0)
+            serial.append(time.perf_counter() - t0)
+            bar.update()
             if len(outs) != len(ids):
                 raise RuntimeError(f"a decode step advanced {len(outs)} of {len(ids)} sequences")
+        bar.close()
         prof = _profile_steps(engine, 2) if profile else None
     finally:
         for rid in ids:
@@ -118,14 +137,15 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
     shapes = hf_weight_shapes(a)
     weights = sum(_numel(s) for k, s in shapes.items() if k != "model.embed_tokens.weight" or a.tie_word_embeddings)
     weights += len(ids) * a.hidden_size  # the embedding rows looked up
-    ctx = statistics.mean(len(p) for p in prompts) + 1 + steps / 2  # mean context over the timed steps
+    ctx = statistics.mean(len(p) for p in prompts) + 1 + steps / 2  # mean context over the pipelined steps
     kv = len(ids) * ctx * 2 * a.num_layers * a.kv_size
     distinct = {x for x in adapters if x is not None}
     lora = len(distinct) * adapter_numel(a, rank, targets)
     floor_s = (weights + kv + lora) * elt / copy_bw
-    step_s = statistics.median(times)
+    step_s = piped
     return {"batch": len(ids), "context": len(prompts[0]), "adapters": len(distinct), "rank": rank if distinct else 0,
-            "step_ms": round(step_s * 1e3, 3), "step_ms_min": round(min(times) * 1e3, 3),
+            "step_ms": round(step_s * 1e3, 3), "step_ms_serial": round(statistics.median(serial) * 1e3, 3),
+            "async_scheduling": engine.async_scheduling,
             "weight_gb": round(weights * elt / 1e9, 3), "kv_gb": round(kv * elt / 1e9, 3),
             "adapter_gb": round(lora * elt / 1e9, 3), "adapter_bytes": int(lora * elt),
             "floor_ms": round(floor_s * 1e3, 4),
@@ -143,6 +163,7 @@ def _profile_steps(engine: LLMEngine, steps: int) -> dict:
     with profile(activities=acts) as prof:
         for _ in range(steps):
             engine.step()
+        engine.settle()
         sync(engine.runner.device)
     rows = []
     n_kernels, kernel_us = 0, 0.0

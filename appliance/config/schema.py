@@ -104,6 +104,11 @@ class EngineConfig:
     # a first-seen compile (seconds each on an H200). null = on for cuda, off on cpu (Triton's
     # interpreter gains nothing from it and is slow); true / false force it.
     warmup: Optional[bool] = None
+    # Overlap the host's work for the next decode step with the device's run of this one (a decode step
+    # over the static buffers is launched before the tokens of the one before are read; engine/async_step.py).
+    # null = on wherever decode steps run as CUDA graphs at parallel.tp_size 1; true also runs it on the
+    # uncaptured static step (tests); not available with tp_size > 1 yet.
+    async_scheduling: Optional[bool] = None
 
     def graph_batch_sizes(self) -> list[int]:
         """The sizes to capture, ascending."""
@@ -391,6 +396,10 @@ class ApplianceConfig:
             # only; the ranks' slot fills go through rank 0's collective fill instead.
             raise ConfigError("lora.overlap_loading: not available with parallel.tp_size > 1 yet; "
                               "set lora.overlap_loading=false")
+        if self.parallel.tp_size > 1 and self.engine.async_scheduling:
+            # Refused, not ignored: the next step's input tokens stay on rank 0's device (the sampler's).
+            raise ConfigError("engine.async_scheduling: not available with parallel.tp_size > 1 yet; "
+                              "set it to null or false")
         self.reconcile.check()
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")

@@ -193,6 +193,10 @@ class AsyncEngine:
                     to_add, self._to_add = self._to_add, []
                     to_abort, self._to_abort = self._to_abort, []
                     calls, self._calls = self._calls, []
+                if calls:
+                    # Admin operations see a quiet engine: no step of ours still queued on the device
+                    # (async scheduling leaves one in flight between iterations).
+                    self._deliver(self.engine.settle())
                 for fn, loop, fut in calls:
                     try:
                         result: Any = fn()

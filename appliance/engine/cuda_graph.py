@@ -4,8 +4,10 @@ A decode step of n sequences is padded to the smallest captured size b >= n. Eve
 reads lives in buffers allocated once for the largest size: input ids, positions, slot mapping, block
 tables, context lengths, the LoRA segments (one per row, slot -1 = base or padding row) and the slot
 ranks; the logits come out in a buffer the graph owns. A step only copies its values into them (from
-two pinned staging buffers, int64 and int32, queued without a host wait), then replays; nothing inside the replayed step depends on a host
-integer of this step, and nothing syncs with the host:
+pinned staging buffers, int64 and int32, queued without a host wait), then replays; nothing inside the
+replayed step depends on a host integer of this step, and nothing syncs with the host. The input ids
+are gathered inside the graph from the staged ids or from the last step's sampled tokens (`publish`),
+so with async scheduling (engine/async_step.py) a step can decode on tokens the host has not read yet:
 
 - attention: the Triton decode kernel reads the lengths on the device; its split-K count is fixed per
   size from max_model_len (ModelRunner.decode_splits);
@@ -56,7 +58,11 @@ log = logging.getLogger(__name__)
 class DecodeBuffers:
     """Static device buffers for the largest batch size Bm; a size b uses the first b rows."""
 
-    input_ids: torch.Tensor  # [Bm] long
+    # The step's input ids are gathered inside the graph, tokens[token_index[:b]]: rows [0, Bm) of
+    # `tokens` hold the last step's sampled tokens (written on the device, `publish`: async scheduling
+    # decodes on them before the host has read them), rows [Bm, 2 Bm) the ids staged from the host.
+    tokens: torch.Tensor  # [2 Bm] long
+    token_index: torch.Tensor  # [Bm] long: the row of `tokens` each input row reads
     positions: torch.Tensor  # [Bm] long
     slot_mapping: torch.Tensor  # [Bm] long: cache slot of each row's new K/V
     context_lens: torch.Tensor  # [Bm] int32: tokens in the cache incl. this step's (0 = padding)
@@ -100,7 +106,8 @@ class StaticDecode:
         num_slots = lora.num_slots if lora is not None else 0
         i32 = dict(dtype=torch.int32, device=dev)
         self.buf = DecodeBuffers(
-            input_ids=torch.zeros(bm, dtype=torch.long, device=dev),
+            tokens=torch.zeros(2 * bm, dtype=torch.long, device=dev),
+            token_index=torch.arange(bm, 2 * bm, dtype=torch.long, device=dev),
             positions=torch.zeros(bm, dtype=torch.long, device=dev),
             slot_mapping=torch.zeros(bm, dtype=torch.long, device=dev),
             context_lens=torch.zeros(bm, **i32),
@@ -110,12 +117,16 @@ class StaticDecode:
             seg_lens=torch.ones(bm, **i32),
             slot_ranks=torch.zeros(num_slots, **i32),
         )
-        # Host staging, pinned on cuda so the copies are queued without blocking the host:
-        # long rows [ids | positions | slot mapping], int32 rows [context lens | lora slots | ranks | tables].
+        # Host staging, pinned on cuda so the copies are queued without blocking the host: long rows
+        # [ids | positions | slot mapping | token index], int32 rows [context lens | lora slots | ranks |
+        # tables]. Two sets used in turn: with async scheduling a step is staged while the one before is
+        # still queued, and its copies must not wait for that one's.
         pin = dev.type == "cuda"
-        self._h64 = torch.zeros(3 * bm, dtype=torch.long, pin_memory=pin)
-        self._h32 = torch.zeros(2 * bm + num_slots + bm * self.max_blocks, dtype=torch.int32, pin_memory=pin)
-        self._copied: Optional[torch.cuda.Event] = None  # the last copy out of the staging buffers
+        self._h64s = [torch.zeros(4 * bm, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._h32s = [torch.zeros(2 * bm + num_slots + bm * self.max_blocks, dtype=torch.int32, pin_memory=pin)
+                      for _ in range(2)]
+        self._copied: list[Optional[torch.cuda.Event]] = [None, None]  # the last copy out of each set
+        self._set = 0  # the staging set of the step being staged or launched
         # (size, with LoRA launches) -> graph; without LoRA on, only the False variant exists.
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}  # -> [b, vocab] float32, written by its graph
@@ -134,14 +145,15 @@ class StaticDecode:
         return None
 
     # ------------------------------------------------------------------ one step
-    def run(self, plan: SchedulerOutput) -> torch.Tensor:
+    def run(self, plan: SchedulerOutput, sources: Optional[list[int]] = None) -> torch.Tensor:
         """Logits [n, vocab] float32 of a decode-only plan of n <= max_size sequences (rank 0 under TP:
-        the other ranks get the staged rows first and replay with it)."""
+        the other ranks get the staged rows first and replay with it). sources[i] >= 0: row i's input
+        token is row sources[i] of the last `publish`ed tokens (not known on the host yet)."""
         n = len(plan.decodes)
         b = self.size_for(n)
         if plan.prefills or b is None:
             raise ValueError(f"static decode takes decode-only steps of at most {self.max_size} sequences")
-        step = self._stage(plan, b)
+        step = self._stage(plan, b, sources)
         tp = self.runner.tp
         if tp is not None:
             tp.broadcast_decode(step.ints(), self._staged(step))
@@ -155,26 +167,36 @@ class StaticDecode:
         tp = self.runner.tp
         assert tp is not None and tp.rank != 0
         step = DecodeStep(*head.fields)
-        self._staging_free()
+        self._next_staging()
         tp.receive_into(head, self._staged(step))
         self._launch(step)
 
-    def _staging_free(self) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have left the staging buffers
+    def publish(self, tokens: torch.Tensor) -> None:
+        """The tokens sampled from this step's rows (long [n], on the device): the next step's rows
+        may name them as sources (async scheduling). Queued on the device, no host sync."""
+        self.buf.tokens[:tokens.shape[0]].copy_(tokens)
+
+    def _next_staging(self) -> None:
+        """Take the other staging set, once the copies out of it (two steps ago) have left."""
+        self._set ^= 1
+        done = self._copied[self._set]
+        if done is not None:
+            done.synchronize()
 
     def _staged(self, step: DecodeStep) -> list[torch.Tensor]:
-        """The staging rows a step uses: [ids | positions | slot mapping] and [context lens | lora
-        slots | slot ranks | the n x ncols tables]."""
+        """The staging rows a step uses: [ids | positions | slot mapping | token index] and [context
+        lens | lora slots | slot ranks | the n x ncols tables]."""
         b = step.size
-        return [self._h64[:3 * b], self._h32[:2 * b + len(self.buf.slot_ranks) + step.n * step.ncols]]
+        return [self._h64s[self._set][:4 * b],
+                self._h32s[self._set][:2 * b + len(self.buf.slot_ranks) + step.n * step.ncols]]
 
-    def _stage(self, plan: SchedulerOutput, b: int) -> DecodeStep:
+    def _stage(self, plan: SchedulerOutput, b: int, sources: Optional[list[int]] = None) -> DecodeStep:
         """Write the step into the staging buffers for b rows; padding rows go to the pad block."""
         r = self.runner
         bs = r.block_size
         pad_slot = r.pad_block * bs
-        hb = r.host_batch(plan)  # decode-only: one row per sequence, tables padded to the longest
+        # decode-only: one row per sequence, tables padded to the longest; -1 = an id still on the device
+        hb = r.host_batch(plan, allow_pending=True)
         ids, pos, slots, ctx, tables = (hb.input_ids, hb.positions, hb.slot_mapping, hb.decode_context_lens,
                                         hb.decode_tables)
         use_lora = self.lora is not None
@@ -184,9 +206,18 @@ class StaticDecode:
         n = len(ids)
         pad = b - n
         ncols = len(tables[0])
-        self._staging_free()
-        h64, h32 = self._h64, self._h32
-        h64[:3 * b] = torch.tensor(ids + [0] * pad + pos + [0] * pad + slots + [pad_slot] * pad, dtype=torch.long)
+        bm = self.max_size
+        index = list(range(bm, bm + b))
+        for i, tok in enumerate(ids):
+            if tok < 0:
+                src = -1 if sources is None else sources[i]
+                if src < 0:
+                    raise ValueError(f"decode row {i}: its input token is pending and no source row was given")
+                index[i], ids[i] = src, 0
+        self._next_staging()
+        h64, h32 = self._h64s[self._set], self._h32s[self._set]
+        h64[:4 * b] = torch.tensor(ids + [0] * pad + pos + [0] * pad + slots + [pad_slot] * pad + index,
+                                   dtype=torch.long)
         ranks = r.lora.slot_ranks if use_lora else []
         head = ctx + [0] * pad + (lora_slots + [-1] * pad if use_lora else [-1] * b) + list(ranks)
         h32[:len(head)] = torch.tensor(head, dtype=torch.int32)
@@ -198,19 +229,22 @@ class StaticDecode:
         """Copy the staged step into the device buffers and run it: logits [b, vocab] float32 (None
         on TP ranks other than 0)."""
         b, n, ncols = step.size, step.n, step.ncols
-        h64, h32 = self._h64, self._h32
+        h64, h32 = self._h64s[self._set], self._h32s[self._set]
         d = self.buf
         nb = 2 * b + len(d.slot_ranks)
-        d.input_ids[:b].copy_(h64[:b], non_blocking=True)
+        bm = self.max_size
+        d.tokens[bm:bm + b].copy_(h64[:b], non_blocking=True)
         d.positions[:b].copy_(h64[b:2 * b], non_blocking=True)
         d.slot_mapping[:b].copy_(h64[2 * b:3 * b], non_blocking=True)
+        d.token_index[:b].copy_(h64[3 * b:4 * b], non_blocking=True)
         d.context_lens[:b].copy_(h32[:b], non_blocking=True)
         d.lora_slots[:b].copy_(h32[b:2 * b], non_blocking=True)
         d.slot_ranks.copy_(h32[2 * b:nb], non_blocking=True)
         d.block_tables[:n, :ncols].copy_(h32[nb:nb + n * ncols].view(n, ncols), non_blocking=True)
         if self.runner.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            done = torch.cuda.Event()
+            done.record()
+            self._copied[self._set] = done
         with_lora = bool(step.with_lora)
         if self.capture:
             self.graphs[(b, with_lora)].replay()
@@ -243,7 +277,8 @@ class StaticDecode:
         if self.lora is not None:
             self.lora.info = self._lora_info(b) if with_lora else None
         d = self.buf
-        hidden = r.model(d.input_ids[:b], d.positions[:b], r.kv_cache, self._meta(b, max_len))
+        ids = d.tokens[d.token_index[:b]]
+        hidden = r.model(ids, d.positions[:b], r.kv_cache, self._meta(b, max_len))
         logits = r.model.compute_logits(hidden)
         return logits if r.tp is None else r.tp.gather_last_dim(logits)
 

@@ -12,6 +12,13 @@ lora.overlap_loading, a cold adapter is read in the background while steps go on
 fails the waiting requests of that adapter, at the start of the next step. The engine never stops itself over
 failed steps: a request that triggers a failure could otherwise be sent a few times to take the server
 down; a broken device shows as every request failing with its message (logged with the traceback).
+
+Async scheduling (`engine.async_scheduling`, engine/async_step.py): a decode step over the static
+buffers is launched and left running; the next call schedules and launches the following step, then
+reads the first one's tokens and hands them out while the device runs. A step that cannot run that
+way (a prefill, an eager size) first `settle`s: the step in flight is read, so every token is known on
+the host. So `step()` returns the tokens of the step before the one it launched; callers loop while
+`has_unfinished()`, and call `settle()` before anything that needs a quiet engine (admin operations).
 """
 
 from __future__ import annotations
@@ -24,10 +31,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from appliance.config.schema import ApplianceConfig, ConfigError
+from appliance.engine.async_step import LaunchedStep
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import AdapterNotFoundError, RequestError, RequestOutput, SamplingParams
-from appliance.engine.sampler import sample
+from appliance.engine.sampler import sample, sample_on_device
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.models.weights import read_hf_config
 from appliance.engine.sequence import Sequence, SeqStatus
@@ -125,6 +133,12 @@ class LLMEngine:
         self.warmup: Optional[WarmupReport] = None
         if cfg.engine.warmup_on(self.runner.device.type):
             self.warmup = self._warm_up(cfg)
+        # Async scheduling applies to steps over the static decode buffers (module docstring); null = on
+        # wherever those are set up (cuda graphs) at tp_size 1. Under TP the other ranks would need the
+        # sampled tokens, which only rank 0 has (the config check refuses true with tp_size > 1).
+        a = cfg.engine.async_scheduling
+        self.async_scheduling = (self.runner.static_decode is not None and self.tp is None) if a is None else a
+        self._inflight: Optional[LaunchedStep] = None
 
     def _warm_up(self, cfg: ApplianceConfig) -> WarmupReport:
         e = cfg.engine
@@ -171,7 +185,7 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the request can never be served by this engine."""
@@ -247,10 +261,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._take_loads()
         plan = self.scheduler.schedule()
+        if not plan.empty:
+            outputs += self._load_adapters(plan)
         if plan.empty:
-            return outputs
-        outputs += self._load_adapters(plan)
-        if plan.empty:
+            return outputs + self.settle()
+        if self.async_scheduling and self.runner.runs_static(plan):
+            return outputs + self._step_async(plan)
+        outputs += self.settle()
+        if self._drop_finished(plan):
             return outputs
         try:
             logits = self.runner.execute(plan)
@@ -261,6 +279,66 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - sampling already advanced the step: fail all of it
             return outputs + self._fail_step(plan, e)
         return outputs + self._append_tokens(sampling, tokens)
+
+    def settle(self) -> list[RequestOutput]:
+        """Read the tokens of the step still in flight (async scheduling) and hand them out; after it
+        every sampled token is known on the host and the device has no step of ours queued."""
+        launched, self._inflight = self._inflight, None
+        return [] if launched is None else self._resolve(launched)
+
+    def _step_async(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Launch `plan` (decode-only, static buffers), then hand out the tokens of the step before."""
+        prev = self._inflight
+        sources = None if prev is None else prev.source_rows([s.seq for s in plan.decodes])
+        try:
+            logits = self.runner.execute(plan, sources)
+        except Exception as e:  # noqa: BLE001 - as in step(): run its requests alone
+            outputs = self.settle()
+            return outputs + ([] if self._drop_finished(plan) else self._isolate(plan, e))
+        try:
+            sampling = [s.seq for s in plan.decodes]
+            self.scheduler.after_step(plan)
+            banned = [self._banned(seq) for seq in sampling]
+            tokens = sample_on_device(logits, [q.params for q in sampling], [q.generator for q in sampling], banned)
+            self.runner.static_decode.publish(tokens)  # type: ignore[union-attr]
+            launched = LaunchedStep.start(sampling, tokens)
+        except Exception as e:  # noqa: BLE001 - the step advanced: fail it (after the one before)
+            return self.settle() + self._fail_step(plan, e)
+        for seq in sampling:
+            seq.num_pending += 1
+            p = seq.params
+            if len(seq.output_token_ids) + seq.num_pending >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finishing = True  # its pending token is its last: never scheduled again
+        self._inflight = launched
+        return [] if prev is None else self._resolve(prev)
+
+    def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Append a launched step's tokens. A sequence that finished meanwhile (aborted, or ended on
+        a stop at the step before) drops its token; a device error fails the step's requests."""
+        try:
+            tokens = launched.tokens()
+        except Exception as e:  # noqa: BLE001 - as a failed sampling: its requests fail, the engine goes on
+            live = [q for q in launched.sampling if q.status is not SeqStatus.FINISHED]
+            return self._fail_seqs(live, e)
+        now = time.monotonic()
+        outputs = []
+        for seq, tok in zip(launched.sampling, tokens):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.num_pending -= 1
+            out = self._append_token(seq, tok, now)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def _drop_finished(plan: SchedulerOutput) -> bool:
+        """Take out of `plan` the sequences that finished since it was scheduled (while `settle` read
+        the step before); True when nothing is left to run. Their cache slots were freed: they must
+        not run."""
+        plan.prefills = [s for s in plan.prefills if s.seq.status is not SeqStatus.FINISHED]
+        plan.decodes = [s for s in plan.decodes if s.seq.status is not SeqStatus.FINISHED]
+        return plan.empty
 
     def _isolate(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
         """A forward over several requests failed: run each alone, so that only the ones that fail by
@@ -332,7 +410,10 @@ class LLMEngine:
         return reads > 0 and copies == 0
 
     def _fail_step(self, plan: SchedulerOutput, e: Exception) -> list[RequestOutput]:
-        seqs = [s.seq for s in plan.prefills + plan.decodes]
+        return self._fail_seqs([s.seq for s in plan.prefills + plan.decodes], e)
+
+    def _fail_seqs(self, seqs: list[Sequence], e: Exception) -> list[RequestOutput]:
+        seqs = [q for q in seqs if q.status is not SeqStatus.FINISHED]  # e.g. ended while settling
         self.failed_steps += 1
         log.exception("engine step failed; failing its %d request(s): %s", len(seqs),
                       ", ".join(q.request_id for q in seqs))
@@ -360,7 +441,7 @@ class LLMEngine:
 
     def _banned(self, seq: Sequence) -> list[int]:
         p = seq.params
-        if len(seq.output_token_ids) < p.min_tokens:
+        if len(seq.output_token_ids) + seq.num_pending < p.min_tokens:  # tokens sampled before this one
             return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.tokenizer.eos_token_ids))
         return []
 
@@ -382,7 +463,7 @@ class LLMEngine:
         else:
             ev.generation_tokens += 1
             seq.text += seq.detok.add(tok)
-            if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            if len(seq.output_token_ids) >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
                 finish = "length"
         if finish is not None:
             seq.text += seq.detok.flush()  # an unfinished character at the very end goes out as is

@@ -223,8 +223,9 @@ class ModelRunner:
         return max(1, min(64, -(-len_bound // 512)))
 
     # ------------------------------------------------------------------ one step
-    def host_batch(self, plan: SchedulerOutput) -> StepBatch:
-        """Flatten the plan: prefill chunks first, then one token per decoding sequence."""
+    def host_batch(self, plan: SchedulerOutput, allow_pending: bool = False) -> StepBatch:
+        """Flatten the plan: prefill chunks first, then one token per decoding sequence. allow_pending:
+        a decode whose input token is not known on the host yet (async scheduling) gets id -1."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -248,7 +249,7 @@ class ModelRunner:
         for s in plan.decodes:
             seq = s.seq
             p = seq.num_computed_tokens
-            ids.append(seq.token_at(p))
+            ids.append(-1 if allow_pending and seq.is_pending(p) else seq.token_at(p))
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
@@ -280,9 +281,15 @@ class ModelRunner:
             logits_indices=torch.tensor(b.logits_indices, dtype=torch.long, device=dev),
         )
 
+    def runs_static(self, plan: SchedulerOutput) -> bool:
+        """The plan runs over the static decode buffers (decode-only, a captured size)."""
+        sd = self.static_decode
+        return sd is not None and not plan.prefills and sd.size_for(len(plan.decodes)) is not None
+
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> torch.Tensor:
-        """Run one step; float32 logits [N, vocab] for the sampling sequences, prefills then decodes."""
+    def execute(self, plan: SchedulerOutput, sources: Optional[list[int]] = None) -> torch.Tensor:
+        """Run one step; float32 logits [N, vocab] for the sampling sequences, prefills then decodes.
+        sources: for a static step, where each decode row's pending input token is (StaticDecode.run)."""
         if self.lora is not None:
             # LLMEngine.step loads newly assigned adapters first (a failed read fails only that
             # adapter's requests, which needs the engine's bookkeeping) and empties plan.slot_loads.
@@ -291,9 +298,9 @@ class ModelRunner:
             if failed:
                 raise RuntimeError(f"adapter weights could not be loaded: {failed}")
         sd = self.static_decode
-        if sd is not None and not plan.prefills and sd.size_for(len(plan.decodes)) is not None:
+        if sd is not None and self.runs_static(plan):
             # Fills the LoRA info itself (fixed per-row layout); under TP sends the staged rows first.
-            return self._on_all_ranks(lambda: sd.run(plan))
+            return self._on_all_ranks(lambda: sd.run(plan, sources))
         batch = self.host_batch(plan)
         if self.lora is not None:
             steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in

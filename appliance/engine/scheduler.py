@@ -10,6 +10,10 @@ tokens are kept and re-prefilled with the prompt). Nothing is ever dropped.
 With overlap loading, `adapter_ready` gates admission before the slot: a request whose adapter's
 weights are still being read or copied stays waiting (reason "load") and the scan goes on.
 
+With async scheduling a running sequence may have a sampled token the host has not read yet
+(`Sequence.num_pending`): it counts, so the sequence decodes on it in the next step; one whose pending
+token is its last by length (`finishing`) is not scheduled again.
+
 Pure Python, no torch: tested in milliseconds.
 """
 
@@ -122,7 +126,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            n = 0 if seq.finishing else min(seq.num_uncomputed, budget)
             if n <= 0:
                 i += 1
                 continue

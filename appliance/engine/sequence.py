@@ -48,18 +48,38 @@ class Sequence:
     text: str = ""  # all output text decoded so far (stop strings are searched here)
     sent_chars: int = 0  # how much of `text` has been handed to the caller
     sent_tokens: int = 0  # how many output tokens have been handed to the caller
+    # Async scheduling (engine.async_scheduling): tokens sampled by launched steps whose values the host
+    # has not read yet. They count as tokens (the next step is scheduled on them) but have no id here;
+    # a step over static buffers takes them from the device (engine/cuda_graph.py).
+    num_pending: int = 0
+    # Its last pending token ends it by length (max_tokens or the context): it is not scheduled again.
+    finishing: bool = False
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_known_tokens + self.num_pending
 
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def is_pending(self, i: int) -> bool:
+        """Token i is sampled but its id is still on the device."""
+        return self.num_known_tokens <= i < self.num_tokens
+
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)
+        if i >= self.num_known_tokens:
+            raise IndexError(f"request {self.request_id}: token {i} is not known on the host "
+                             f"({self.num_known_tokens} known, {self.num_pending} pending)")
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        if end > self.num_known_tokens:
+            raise IndexError(f"request {self.request_id}: tokens up to {end} asked for, "
+                             f"{self.num_known_tokens} known on the host")
         return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -32,11 +32,19 @@ class Tokenizer:
             eos.update([g] if isinstance(g, int) else (g or []))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size = len(self.hf)
+        # transformers' decode is the Rust tokenizer's plus argument handling and an optional clean-up
+        # pass; with no clean-up to do, the Rust call alone gives the same text in a third of the time
+        # (two decodes per generated token: ~0.5 ms of host time per step at batch 64).
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        self._rust_decode = (backend.decode if backend is not None
+                             and not getattr(self.hf, "clean_up_tokenization_spaces", False) else None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._rust_decode is not None:
+            return self._rust_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property

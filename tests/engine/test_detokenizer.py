@@ -31,6 +31,15 @@ def test_streamed_text_equals_full_decode(tok: Tokenizer, text: str) -> None:
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_decode_is_transformers_decode(tok: Tokenizer) -> None:
+    """decode() calls the Rust tokenizer directly when transformers would add nothing to it."""
+    assert tok._rust_decode is not None  # SmolLM2: a fast tokenizer without clean-up
+    chat = tok.apply_chat_template([{"role": "user", "content": TEXTS[1]}])
+    for ids in [tok.encode(t) for t in TEXTS] + [chat, chat[3:9], list(range(0, 40)), [tok.vocab_size - 1]]:
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
 def test_stop_helpers() -> None:
     assert find_stop("abc STOP def", ["STOP"], 0) == 4
     assert find_stop("abc STOP def", ["STOP"], 9) is None

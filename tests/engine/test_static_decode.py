@@ -54,7 +54,7 @@ def uncaptured_static_decode(eng: LLMEngine, sizes: tuple[int, ...] = (1, 2, 4, 
     assert sd is not None
     used: list[int] = []
     real_run = sd.run
-    sd.run = lambda plan: (used.append(len(plan.decodes)), real_run(plan))[1]  # type: ignore[method-assign]
+    sd.run = lambda plan, *a: (used.append(len(plan.decodes)), real_run(plan, *a))[1]  # type: ignore[method-assign]
     return sd, used
 
 

@@ -259,16 +259,19 @@ def test_triton_backends_refused_on_cpu_without_interpreter(tiny_model_dir: Path
     assert lora_engine(tiny_model_dir, tmp_path, "lora.backend=torch", "model.device=cpu").lora is not None
 
 
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
 def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], oracle: dict,
-                                                     tiny_model_dir: Path) -> None:
+                                                     tiny_model_dir: Path, async_on: bool) -> None:
     """The CUDA-graph decode layout on CPU (engine/cuda_graph.py, not captured): one LoRA segment per
     row, base and padding rows at slot -1, Triton attention and the fused kernels; 6 requests padded
-    to 8 rows. Then a base-only batch, which takes the variant without LoRA launches."""
+    to 8 rows. Then a base-only batch, which takes the variant without LoRA launches. async: each
+    decode step launched before the last one's tokens are read (engine/async_step.py)."""
     from appliance.engine.cuda_graph import StaticDecode
 
     root = next(iter(adapters.values())).parent
     engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=4", "lora.backend=triton",
-                         "engine.attention_backend=triton", "engine.fused_kernels=triton")
+                         "engine.attention_backend=triton", "engine.fused_kernels=triton",
+                         f"engine.async_scheduling={str(async_on).lower()}")
     names = ["qv4", "all8rs", "pattern"]
     for name in names:
         engine.lora.load(name, str(adapters[name]))

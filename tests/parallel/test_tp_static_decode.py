@@ -49,7 +49,7 @@ def test_tp2_static_decode_gives_the_eager_tokens(tmp_path: Path, tiny_model_dir
         assert sd is not None
         used: list[int] = []
         real_run = sd.run
-        sd.run = lambda plan: (used.append(len(plan.decodes)), real_run(plan))[1]  # type: ignore[method-assign]
+        sd.run = lambda plan, *a: (used.append(len(plan.decodes)), real_run(plan, *a))[1]  # type: ignore[method-assign]
         assert run_lengths(engine) == want  # tp 2, static buffers on both ranks
         assert max(used) == 5 and min(used) == 1  # sizes 8 down to 1
     finally:

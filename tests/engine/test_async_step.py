@@ -1,0 +1,134 @@
+"""Async scheduling (engine/async_step.py) against the synchronous engine, on CPU.
+
+Both engines run decode steps over the uncaptured static buffers (what a CUDA graph replays); with
+async scheduling on, a decode step is launched before the tokens of the one before are read, and its
+pending input tokens come from the device. Every request must get exactly the tokens, text and finish
+reason of the synchronous run: greedy and seeded sampling, stop tokens, stop strings, min_tokens,
+requests arriving mid-decode (a prefill step settles the step in flight), aborts in flight.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.config.schema import ConfigError
+from appliance.engine.engine import LLMEngine
+from appliance.engine.request import SamplingParams
+from tests.conftest import default_config
+from tests.engine.test_static_decode import uncaptured_static_decode
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
+           "Water boils at", "1, 2, 3,", "Roses are red,"]
+
+
+def make_engine(model_dir: Path, async_on: bool) -> tuple[LLMEngine, list[int]]:
+    eng = LLMEngine(default_config(f"model.path={model_dir}", "engine.num_kv_blocks=64",
+                                   f"engine.async_scheduling={str(async_on).lower()}"))
+    _, used = uncaptured_static_decode(eng)
+    assert eng.async_scheduling is async_on
+    return eng, used
+
+
+def params_for(i: int, stop_token: int | None = None, stop: list[str] | None = None) -> SamplingParams:
+    """A mix: greedy to a length, sampled with a seed, top-k/top-p, min_tokens, stops."""
+    kinds = [
+        dict(max_tokens=3, temperature=0.0, ignore_eos=True),
+        dict(max_tokens=9, temperature=0.9, seed=7, ignore_eos=True),
+        dict(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token] if stop_token else []),
+        dict(max_tokens=7, temperature=1.0, top_k=20, top_p=0.9, seed=3, min_tokens=5,
+             stop_token_ids=[stop_token] if stop_token else []),
+        dict(max_tokens=10, temperature=0.0, stop=stop or []),
+        dict(max_tokens=5, temperature=0.7, ignore_eos=True),  # unseeded: seeded by the engine's model.seed
+    ]
+    return SamplingParams(**kinds[i % len(kinds)])
+
+
+def run(eng: LLMEngine, late: int = 0, **kw) -> dict[str, tuple[list[int], str, str]]:
+    """All but the last `late` prompts at once, those after a few steps; id -> (ids, text, finish)."""
+    res: dict[str, tuple[list[int], str, str]] = {}
+    pending = list(enumerate(PROMPTS))
+    first, rest = pending[:len(pending) - late], pending[len(pending) - late:]
+    for i, p in first:
+        eng.add_request(str(i), eng.tokenizer.encode(p), params_for(i, **kw))
+    steps = 0
+    while eng.has_unfinished() or rest:
+        steps += 1
+        if steps == 4:
+            for i, p in rest:
+                eng.add_request(str(i), eng.tokenizer.encode(p), params_for(i, **kw))
+            rest = []
+        for out in eng.step():
+            ids, text, _ = res.get(out.request_id, ([], "", ""))
+            res[out.request_id] = (ids + out.token_ids, text + out.text, out.finish_reason or "")
+    assert eng.block_manager.num_used == 0 and not eng.scheduler.running and eng._inflight is None
+    return res
+
+
+@pytest.fixture(scope="module")
+def sync_run(tiny_model_dir: Path) -> dict:
+    eng, used = make_engine(tiny_model_dir, False)
+    return run(eng)
+
+
+def test_async_gives_the_sync_tokens(tiny_model_dir: Path, sync_run: dict) -> None:
+    eng, used = make_engine(tiny_model_dir, True)
+    assert run(eng) == sync_run
+    assert used and max(used) == len(PROMPTS)
+
+
+def test_async_with_stops_and_late_arrivals(tiny_model_dir: Path, sync_run: dict) -> None:
+    """Stop tokens and strings end requests at a step whose next one is already launched (its row is
+    dropped); late requests make prefill steps that settle the step in flight."""
+    stop_token = sync_run["2"][0][4]  # request 2's fifth greedy token: it stops there
+    text4 = sync_run["4"][1]
+    stop = [text4[len(text4) // 2:len(text4) // 2 + 2]] if len(text4) > 4 else []
+    want = run(make_engine(tiny_model_dir, False)[0], late=2, stop_token=stop_token, stop=stop)
+    assert len(want["2"][0]) <= 4 and want["2"][2] == "stop"
+    eng, used = make_engine(tiny_model_dir, True)
+    assert run(eng, late=2, stop_token=stop_token, stop=stop) == want
+
+
+def test_pipeline_keeps_one_step_in_flight_and_wastes_no_row_on_length(tiny_model_dir: Path) -> None:
+    """After a decode step call the next step is queued and the last one's tokens are out; requests
+    that end by length are not given a row past their last token."""
+    eng, used = make_engine(tiny_model_dir, True)
+    lengths = [2, 4, 6]
+    for i, n in enumerate(lengths):
+        eng.add_request(str(i), eng.tokenizer.encode(PROMPTS[i]),
+                        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    got: dict[str, int] = {}
+    saw_in_flight = False
+    while eng.has_unfinished():
+        for out in eng.step():
+            got[out.request_id] = got.get(out.request_id, 0) + len(out.token_ids)
+        saw_in_flight |= eng._inflight is not None
+    assert got == {str(i): n for i, n in enumerate(lengths)}
+    assert saw_in_flight
+    # The first token of each comes from its prefill; every other token from exactly one decode row.
+    assert sum(used) == sum(n - 1 for n in lengths)
+
+
+def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
+    eng, _ = make_engine(tiny_model_dir, True)
+    for i in range(3):
+        eng.add_request(str(i), eng.tokenizer.encode(PROMPTS[i]),
+                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    got: dict[str, int] = {}
+    steps = 0
+    while eng.has_unfinished():
+        steps += 1
+        for out in eng.step():
+            got[out.request_id] = got.get(out.request_id, 0) + len(out.token_ids)
+            assert out.request_id != "1" or steps <= 3
+        if steps == 3:
+            assert eng._inflight is not None and eng.seqs["1"].num_pending == 1
+            eng.abort("1")  # its token in flight is dropped
+    assert got["0"] == 8 and got["2"] == 8 and got["1"] < 8
+    assert eng.block_manager.num_used == 0
+
+
+def test_async_scheduling_refused_with_tp() -> None:
+    with pytest.raises(ConfigError, match="engine.async_scheduling"):
+        default_config("parallel=tp2", "engine.async_scheduling=true")
