@@ -10,7 +10,9 @@ streams A[slot, i] against x to get h_i in registers, then streams B[slot, slice
 y. No h round trip through memory, no zeroing, no atomics, one launch instead of two or three.
 Longer segments, and steps with fewer than ~1.5 (token, slice) pairs per SM (a program would stream
 a whole A slice alone), go through lora_shrink + lora_expand; for one-token segments the shrink's K
-splits then leave planes of partial sums that the expand adds (no memset, no atomics).
+splits then leave planes of partial sums that the expand adds (no memset, no atomics), and on
+sm90+ the expand is a programmatic dependent of the shrink, loading B while the shrink reads A
+(kernels/lora_expand.py).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     Unfused: lora_shrink then lora_expand; for one-token segments the shrink's K splits go to planes
     of partial sums that the expand adds (no memset, no atomics); split_k overrides the number of
     splits (benchmarks).
-    block_k, block_n, cols_per_prog, num_warps, num_stages: fused-kernel overrides for benchmarks.
+    block_k, block_n, cols_per_prog, num_warps, num_stages: fused-kernel overrides for benchmarks
+    (unfused with pdl, block_n is the expand's column block).
     pdl (unfused only): the expand launched as a programmatic dependent of the shrink, loading its B
     tiles while the shrink streams A (kernels/lora_expand.py); None = where the device has PDL.
     True off such devices runs the same bodies in plain launches (how the CPU tests reach them).

@@ -226,11 +226,13 @@ def test_apply_unfused_pdl(dtype: torch.dtype, strategy: str) -> None:
 def test_expand_pdl(body: str) -> None:
     # lora_expand(pdl=True) on its own: the one-token add path takes the one-block-a-program body
     # (planes summed, a block that ends mid-slice); the dot body and write mode only wait (a no-op here).
+    # b_first=False: the one-token add path keeps the column-loop body, waiting first.
     lens = [1, 1, 1, 1] if body == "gemv" else [1, 6, 1]
     for write in ((False,) if body == "gemv" else (False, True)):
-        check_case("triton", torch.float32, lens, [1, -1, 0, 1][:len(lens)], ranks=[16, 5], K=96, slices=[40, 24],
-                   R=16, split_k=2, partials=True, write=write,
-                   expand_kw=dict(pdl=True, block_n=16 if body == "gemv" else None))
+        for b_first in (True, False):
+            check_case("triton", torch.float32, lens, [1, -1, 0, 1][:len(lens)], ranks=[16, 5], K=96,
+                       slices=[40, 24], R=16, split_k=2, partials=True, write=write,
+                       expand_kw=dict(pdl=True, b_first=b_first, block_n=16 if body == "gemv" else None))
 
 
 @pytest.mark.parametrize("ranks,R", [([1, 1], 1), ([64, 3], 64)], ids=["r1", "r64"])
