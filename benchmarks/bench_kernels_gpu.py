@@ -4,12 +4,13 @@ Not a test. Imports only torch, triton and the repo's `kernels` package (the GPU
 starlette). Run from the repo root:
 
     python3 benchmarks/bench_kernels_gpu.py [--budget-s 240] [--out FILE] [--tune-first] [--skip-torch]
-        [--before-pkg kernels_old]
+        [--before-pkg kernels_old[,kernels_mid]] [--prefill-t 4096,16384] [--decode-rows N]
 
 1. Correctness: both strategies against kernels/reference.py on the GPU (compiled, not interpreted):
-   bf16/fp16/fp32, decode (through lora_apply's fused kernel and through shrink + expand) and
-   prefill (lora_apply; lora_linear with the shrink's K splits in planes or atomics), mixed ranks
-   with NaN in B's rank padding, base tokens.
+   bf16/fp16/fp32, decode (through lora_apply's fused kernel and through shrink + expand, the expand
+   a programmatic dependent of the shrink or not, the former also replayed from a CUDA graph) and
+   prefill (lora_apply; lora_linear with the shrink's K splits in planes or atomics, with and without
+   PDL), mixed ranks with NaN in B's rank padding, base tokens.
 2. Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and a
    bf16 matrix product.
 3. Prefill: 64 to 16k tokens in sequences of up to 4k, 1 or 4 adapters: LoRA time against the base
@@ -25,8 +26,8 @@ starlette). Run from the repo root:
    256 slots across the replayed iterations so they come from HBM, not from the 60 MB L2.
    "adapter GB/s" counts the A and B bytes of the D adapters, the bytes the op must read; "% copy" is
    that against the measured copy bandwidth (the target is >= 70 %).
---before-pkg NAME: an earlier copy of the kernels/ package, importable as NAME (its own imports
-rewritten to NAME), timed in "before" columns in the same run: an A/B free of run-to-run drift.
+--before-pkg NAME[,NAME2]: earlier copies of the kernels/ package, importable as NAME (their own imports
+rewritten to NAME), each timed in a "before" column in the same run: an A/B free of run-to-run drift.
 The torch reference is the engine's `torch` backend (gathered below 64 tokens, grouped above).
 """
 
@@ -66,7 +67,7 @@ DECODE = [(256, 256), (64, 64), (1, 1), (256, 16), (16, 16), (256, 1), (64, 8), 
 PREFILL = [(64, 1), (128, 1), (256, 1), (1024, 1), (4096, 1), (16384, 1), (16384, 4)]
 PREFILL_SEQ = 4096  # tokens per prefill sequence
 STRATEGIES = {"triton": None, "csgmv16": 16, "csgmv64": 64}
-BEFORE = None  # --before-pkg: (lora_apply, lora_linear) of an earlier kernels package
+BEFORE: list = []  # --before-pkg: (name, lora_apply, lora_linear) of each earlier kernels package
 
 
 def offsets(slices: list[int]) -> list[int]:
@@ -114,6 +115,15 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
     segs = make_segments(strategy, seg_lens, seg_slots)
     y = y0.clone()
     lora_apply(y, x, A, B, segs, ranks_t, offs, **apply_kw)  # fused None: when every segment is one token
+    if apply_kw.get("pdl") and DEV.type == "cuda":
+        # the programmatic dependent launch captured in a CUDA graph (as the engine's decode graphs
+        # run it): warm-up above, capture, then one replay on a fresh copy of y
+        g_ = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_):
+            lora_apply(y, x, A, B, segs, ranks_t, offs, **apply_kw)
+        y.copy_(y0)
+        g_.replay()
+        torch.cuda.synchronize()
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
     tol = CHECK_TOL[dtype]
     base = token_slots < 0
@@ -122,14 +132,14 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
 
 
 def check_linear(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
-                 K: int, slices: list[int], R: int, partials: bool) -> tuple[bool, float]:
+                 K: int, slices: list[int], R: int, partials: bool, pdl=None) -> tuple[bool, float]:
     """kernels/lora_linear.py against its torch twin, NaN in B's rank padding, base tokens in between."""
     g = torch.Generator(device=DEV).manual_seed(1)
     A, B, x, ranks_t, token_slots, offs = check_case(g, dtype, seg_lens, seg_slots, ranks, K, slices, R)
     W = (torch.randn(offs[-1], K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
     want = ref.lora_linear(x, W, A, B, token_slots, offs, ranks_t)
     segs = make_segments(strategy, seg_lens, seg_slots)
-    y = lora_linear(x, W, A, B, segs, ranks_t, offs, split_k=4, partials=partials)
+    y = lora_linear(x, W, A, B, segs, ranks_t, offs, split_k=4, partials=partials, pdl=pdl)
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
     tol = CHECK_TOL[dtype]
     return err <= tol, err
@@ -141,7 +151,9 @@ def run_checks(smoke: bool) -> bool:
     strategies = ["triton", "csgmv64"]  # csgmv16 differs from csgmv64 by its chunk size only
     dtypes = (torch.bfloat16, torch.float16, torch.float32) if not smoke else (torch.bfloat16,)
     # decode: the fused kernel (the launcher's tiles, then 512-column steps), then lora_shrink + lora_expand
-    decode_kws = [dict(fused=None), dict(fused=True, block_n=512), dict(fused=False)]
+    # (the unfused path with and without the expand as a programmatic dependent of the shrink)
+    decode_kws = [dict(fused=None), dict(fused=True, block_n=512), dict(fused=False, pdl=True),
+                  dict(fused=False, pdl=True, block_n=256), dict(fused=False, pdl=False)]
     for strategy in strategies:
         for dtype in dtypes:
             slots = [(i * 7) % 9 - 1 for i in range(40)]
@@ -150,17 +162,20 @@ def run_checks(smoke: bool) -> bool:
                     continue  # csgmv merges one adapter's tokens into multi-token chunks: no fused kernel
                 cases.append((strategy, dtype, [1] * 40, slots, "decode", kw))
             cases.append((strategy, dtype, [300, 1, 700, 45], [0, -1, 3, 0], "prefill", dict(fused=None)))
+            cases.append((strategy, dtype, [300, 1, 700, 45], [0, -1, 3, 0], "prefill", dict(pdl=False)))
     all_ok, n_checked = True, 0
     for strategy in strategies:  # the prefill path: delta written, base GEMM accumulated into it
         for dtype in dtypes:
             for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
-                for partials in (True, False):  # the shrink's K splits: planes of partial sums, atomics
+                # the shrink's K splits: planes of partial sums, atomics; the expand a programmatic
+                # dependent of the shrink (the launcher's default on sm90+) or not
+                for partials, pdl in ((True, None), (False, None), (True, False)):
                     ok, err = check_linear(strategy, dtype, [300, 1, 700, 45, 20], [0, -1, 3, 0, -1],
-                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, partials)
+                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, partials, pdl)
                     n_checked += 1
                     all_ok &= ok
                     if not ok:
-                        print(f"FAIL lora_linear {strategy} {dtype} partials={partials} K={K} {slices}: "
+                        print(f"FAIL lora_linear {strategy} {dtype} partials={partials} pdl={pdl} K={K} {slices}: "
                               f"max rel err {err:.2e}")
     for strategy, dtype, lens, slots, shape, kw in cases:
         # bf16 (the serving dtype) on every shape; fp16 and fp32 on qkv (each shape compiles anew)
@@ -334,17 +349,18 @@ def bench(args: argparse.Namespace) -> list[str]:
              f"{2 * m**3 / mm / 1e12:.0f} TFLOP/s", ""]
     # lora_linear's ways of writing the delta (triton strategy), then the csgmv strategies' default path
     variants = {"K split atomic": dict(partials=False), "K split planes": dict(partials=True),
-                "no K split": dict(split_k=1)}
+                "no K split": dict(split_k=1), "no PDL": dict(pdl=False)}
     head = ("| proj | T | D | base µs | base, C read (beta=1) µs | add-after LoRA µs (% base) | "
             + " | ".join(f"{v} LoRA µs (% base)" for v in variants)
             + " | csgmv16 LoRA µs (% base) | csgmv64 LoRA µs (% base)"
-            + (" | before LoRA µs (% base)" if BEFORE else "") + " | torch LoRA µs (% base) | TFLOP/s (best) |")
+            + "".join(f" | before ({b[0]}) LoRA µs (% base)" for b in BEFORE) + " | torch LoRA µs (% base) | TFLOP/s (best) |")
     lines += ["Prefill (sequences of up to 4096 tokens, rank 16, bf16; base = x @ Wᵀ through cuBLAS; LoRA µs = "
               "the wrapped projection's time minus the base's; kernels/lora_linear.py with the shrink's K "
               "splits (launcher's count) atomic or in planes, or no K split (triton strategy); csgmv: "
               "lora_linear's default; add-after: the GEMM, then lora_apply):", "", head,
               "|" + "---|" * (head.count("|") - 1)]
-    rows = [(name, K, slices, T, D) for name, (K, slices) in LLAMA_8B.items() for T, D in PREFILL]
+    rows = [(name, K, slices, T, D) for name, (K, slices) in LLAMA_8B.items() for T, D in PREFILL
+            if not args.prefill_t or T in args.prefill_t]
     for name, K, slices, T, D in rows:
         if time.time() - t_start > args.prefill_share * args.budget_s:  # leave the rest of the budget to decode
             lines.append(f"(prefill's share of the budget spent: stopped before {name} T={T} D={D})")
@@ -355,7 +371,7 @@ def bench(args: argparse.Namespace) -> list[str]:
         fns = ([p.base_fn(), p.base_fn(accumulate=True), p.add_after_fn(segs["triton"])]
                + [p.linear_fn(segs["triton"], **kw) for kw in variants.values()]
                + [p.linear_fn(segs[strategy]) for strategy in ("csgmv16", "csgmv64")]
-               + ([p.linear_fn(segs["triton"], BEFORE[1])] if BEFORE else []))
+               + [p.linear_fn(segs["triton"], b[2]) for b in BEFORE])
         base, acc, *lin = interleaved_times(fns)
         flops = 2 * T * RANK * (p.n * K + p.offs[-1])
         tt = math.nan if args.skip_torch else graph_time([p.torch_fn(*its[0])])
@@ -370,7 +386,7 @@ def bench(args: argparse.Namespace) -> list[str]:
         print(row, flush=True)
         del p
     head = ("| proj | T | D | " + " | ".join(f"{s} µs | {s} adapter GB/s (% copy)" for s in STRATEGIES)
-            + " | triton b2b µs (% copy)" + (" | triton, before µs (% copy)" if BEFORE else "")
+            + " | triton b2b µs (% copy)" + "".join(f" | triton, before ({b[0]}) µs (% copy)" for b in BEFORE)
             + " | torch µs | TFLOP/s (best) |")
     lines += ["", "Decode (lora_apply, rank 16, bf16; CUDA-graph replay, weights rotated past the L2"
               + ("; before = the --before-pkg kernels, same run" if BEFORE else "") + "):", "",
@@ -393,8 +409,8 @@ def bench(args: argparse.Namespace) -> list[str]:
             fns = [p.kernel_fn(make_segments("triton", *it)) for it in its]
             tb = graph_time(fns * triton.cdiv(8, len(fns)))  # >= 8 applications back to back per graph
             cells.append(f"{tb * 1e6:.1f} ({100 * n_bytes / tb / bw:.0f} %)")
-            if BEFORE:
-                to = graph_time([p.kernel_fn(make_segments("triton", *it), BEFORE[0]) for it in its])
+            for b in BEFORE:
+                to = graph_time([p.kernel_fn(make_segments("triton", *it), b[1]) for it in its])
                 cells.append(f"{to * 1e6:.1f} ({100 * n_bytes / to / bw:.0f} %)")
             tt = math.nan if args.skip_torch else graph_time([p.torch_fn(*it) for it in its])
             row = f"| {name} | {T} | {D} | " + " | ".join(cells) + f" | {tt * 1e6:.1f} | {flops / best / 1e12:.2f} |"
@@ -404,11 +420,13 @@ def bench(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-# lora_apply, one-token segments: (fused, block_k, block_n, cols_per_prog, num_warps, num_stages); None = the
-# launchers' choice
-APPLY_DECODE = [(None,) * 6, (True, None, 512, None, None, None), (True, None, 128, None, None, None),
-                (True,) + (None,) * 4 + (1,)]
-TUNE_DECODE = [("o", 256, 256), ("down", 256, 256), ("qkv", 256, 256), ("gate_up", 256, 256)]
+# lora_apply, one-token segments: (fused, block_k, block_n, cols_per_prog, num_warps, num_stages, pdl, split_k);
+# None = the launchers' choice. Unfused: block_n is the PDL expand's column block, split_k the shrink's.
+APPLY_DECODE = [(None,) * 8, (True,) + (None,) * 7, (True, None, None, 16384) + (None,) * 4,
+                (False,) + (None,) * 5 + (False, None), (False,) + (None,) * 5 + (True, None),
+                (False, None, 256) + (None,) * 3 + (True, None), (False,) + (None,) * 5 + (True, 1)]
+TUNE_DECODE = [("o", 256, 256), ("down", 256, 256), ("qkv", 256, 256), ("gate_up", 256, 256),
+               ("o", 64, 64), ("down", 64, 64), ("qkv", 64, 64), ("gate_up", 64, 64)]
 # where the time of a prefill delta goes: a memset of y, lora_shrink, lora_expand (write) apart
 TUNE_PREFILL = [("o", 16384, 1)]
 
@@ -420,7 +438,7 @@ def tiles(cfg: tuple) -> str:
 def tune(args: argparse.Namespace, bw: float) -> list[str]:
     """Other tile and path choices than the launchers' (marked *), at the shapes that miss the targets."""
     lines = ["", "Tile and path choices (triton strategy; * = the launchers' default). apply: fused/"
-             "block_k/block_n/cols_per_prog/warps/stages; shrink, expand (write): the launchers' tiles:", "",
+             "block_k/block_n/cols_per_prog/warps/stages/pdl/split_k; shrink, expand (write): the launchers' tiles:", "",
              "| op | proj | T | D | tiles | µs | GB/s moved (% copy) |", "|---|---|---|---|---|---|---|"]
     t0 = time.time()
 
@@ -452,9 +470,15 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         p = Proj(K, slices, T)
         segs = [make_segments("triton", *it) for it in layouts(T, D, T)]
         nbytes = D * (p.n * RANK * K + p.offs[-1] * RANK) * 2
+        # the unfused path with the expand a programmatic dependent but its column-loop body (all after the wait)
+        t = timed([lambda sg=sg: lora_expand(p.y, lora_shrink(p.x, p.A, sg, p.ranks, partials=True,
+                                                              launch_dependents=True),
+                                             p.B, sg, p.ranks, p.offs, pdl=True, b_first=False) for sg in segs])
+        emit("shrink + expand (PDL, loop body)", name, T, D, ("",), t, nbytes)
         for cfg in APPLY_DECODE:
-            fu, bk, bn, cp, w, st = cfg
-            kw = dict(fused=fu, block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st)
+            fu, bk, bn, cp, w, st, pdl, sk = cfg
+            kw = dict(fused=fu, block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st, pdl=pdl,
+                      split_k=sk)
             t = timed([lambda sg=sg: lora_apply(p.y, p.x, p.A, p.B, sg, p.ranks, p.offs, **kw) for sg in segs])
             emit("apply", name, T, D, cfg, t, nbytes)
         p = None  # frees the buffers before the next shape
@@ -486,16 +510,19 @@ def main() -> None:
     ap.add_argument("--skip-torch", action="store_true", help="no timing of the torch reference")
     ap.add_argument("--decode-rows", type=int, default=len(DECODE), help="time only the first N (T, D) decode rows")
     ap.add_argument("--prefill-share", type=float, default=0.4, help="share of --budget-s for the prefill rows")
-    ap.add_argument("--before-pkg", help="an earlier kernels package (importable name) for the 'before' columns")
+    ap.add_argument("--prefill-t", type=lambda v: [int(t) for t in v.split(",")], default=None,
+                    help="time only these prefill token counts (comma-separated)")
+    ap.add_argument("--before-pkg", help="earlier kernels packages (importable names, comma-separated) for the "
+                    "'before' columns")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes: check the script itself (CPU + interpreter)")
     args = ap.parse_args()
     if args.before_pkg:
-        BEFORE = (importlib.import_module(f"{args.before_pkg}.lora_apply").lora_apply,
-                  importlib.import_module(f"{args.before_pkg}.lora_linear").lora_linear)
+        BEFORE = [(pkg, importlib.import_module(f"{pkg}.lora_apply").lora_apply,
+                   importlib.import_module(f"{pkg}.lora_linear").lora_linear) for pkg in args.before_pkg.split(",")]
     if args.smoke:
         SLOTS, DECODE, PREFILL, PREFILL_SEQ = 8, [(1, 1), (4, 2), (8, 8)], [(64, 1), (128, 2)], 64
         TUNE_DECODE, TUNE_PREFILL = [("o", 8, 8)], [("qkv", 128, 1)]
-        APPLY_DECODE = APPLY_DECODE[:2]
+        APPLY_DECODE = [APPLY_DECODE[0], APPLY_DECODE[4]]
         for name, (K, slices) in list(LLAMA_8B.items()):
             LLAMA_8B[name] = (K // 64, [s // 64 for s in slices])
     gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)"

@@ -10,7 +10,9 @@ streams A[slot, i] against x to get h_i in registers, then streams B[slot, slice
 y. No h round trip through memory, no zeroing, no atomics, one launch instead of two or three.
 Longer segments, and steps with fewer than ~1.5 (token, slice) pairs per SM (a program would stream
 a whole A slice alone), go through lora_shrink + lora_expand; for one-token segments the shrink's K
-splits then leave planes of partial sums that the expand adds (no memset, no atomics).
+splits then leave planes of partial sums that the expand adds (no memset, no atomics), and on
+sm90+ the expand is a programmatic dependent of the shrink, loading B while the shrink reads A
+(kernels/lora_expand.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kernels.lora_expand import check_out_slices, lora_expand
 from kernels.lora_shrink import lora_shrink
 from kernels.lora_bodies import gemv_expand, gemv_shrink
 from kernels.segment_tile import segment_row, segment_tile
+from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
 
 
@@ -82,7 +85,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                slot_ranks: torch.Tensor, out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
-               num_stages: Optional[int] = None) -> torch.Tensor:
+               num_stages: Optional[int] = None, pdl: Optional[bool] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -91,13 +94,21 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     Unfused: lora_shrink then lora_expand; for one-token segments the shrink's K splits go to planes
     of partial sums that the expand adds (no memset, no atomics); split_k overrides the number of
     splits (benchmarks).
-    block_k, block_n, cols_per_prog, num_warps, num_stages: fused-kernel overrides for benchmarks.
+    block_k, block_n, cols_per_prog, num_warps, num_stages: fused-kernel overrides for benchmarks
+    (unfused with pdl, block_n is the expand's column block).
+    pdl (unfused only): the expand launched as a programmatic dependent of the shrink, loading its B
+    tiles while the shrink streams A (kernels/lora_expand.py); None = where the device has PDL.
+    True off such devices runs the same bodies in plain launches (how the CPU tests reach them).
     """
     if fused is None:
         fused = segs.max_len == 1 and _fuse_pays(segs.num_segs * A.shape[1], x.device)
     if not fused:
-        h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=segs.max_len == 1)
-        return lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings)
+        if pdl is None:
+            pdl = pdl_available(x.device)
+        h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=segs.max_len == 1,
+                        launch_dependents=pdl)
+        return lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings, pdl=pdl,
+                           block_n=block_n if pdl else None)
     if segs.max_len > 1:
         raise ValueError(f"lora_apply: the fused kernel takes one-token segments, the longest is {segs.max_len}")
     if x.dim() != 2 or A.dim() != 4 or y.dim() != 2 or B.dim() != 3:

@@ -4,7 +4,8 @@
     gemv_expand(...)                         y[row, c_lo:c_hi] (+)= B[c, :] · h       one token
 
 Callers: lora_shrink and lora_expand for one-token segments (BLOCK_M = 1), and lora_apply's fused
-kernel (both). One body per loop, so a tuning or rounding fix lands in every kernel at once.
+kernel (both). gdc_wait / gdc_launch_dependents (programmatic dependent launch) are re-exported from
+here for the kernels that use them, with stand-ins on a triton without them. One body per loop, so a tuning or rounding fix lands in every kernel at once.
 
 The GEMV bodies read the weights in their own layout (A: [BLOCK_N, BLOCK_K] tiles, K contiguous;
 B: [BLOCK_N, BLOCK_R] tiles, R contiguous) and reduce in fp32 registers: a one-token tl.dot would
@@ -17,6 +18,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # griddepcontrol (programmatic dependent launch), sm90+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older triton: kernels.platform.pdl_available is False, the calls sit under a
+    # constexpr flag that is off, and these stand-ins are never compiled in
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
 
 @triton.jit
 def gemv_shrink(x_row_ptr, a_rows, row_mask, k_lo, k_hi, stride_xk, stride_ak,
@@ -24,7 +38,10 @@ def gemv_shrink(x_row_ptr, a_rows, row_mask, k_lo, k_hi, stride_xk, stride_ak,
     """sum_k x[k] * A[n, k] over k_lo <= k < k_hi for the BLOCK_N rows a_rows (masked by row_mask).
 
     Products are summed elementwise in a [BLOCK_N, BLOCK_K] fp32 tile and reduced over K once at the
-    end (no cross-thread reduction inside the loop)."""
+    end (no cross-thread reduction inside the loop). Double-buffering this loop (and gemv_expand's)
+    by hand, tile k+1 loaded before tile k's products, was much slower on the H200 (fused decode
+    kernel, 256 tokens / 256 adapters: o_proj 41 against 33 µs, down_proj 85 against 54;
+    docs/benchmarks.md, round 4): the compiler pipelines these loads itself (num_stages)."""
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)

@@ -16,6 +16,15 @@ Two bodies, picked by BLOCK_M:
   registers; no tensor-core tile 15/16 empty and no layout shuffle through shared memory. The loop is
   kernels/lora_bodies.py's gemv_expand, shared with lora_apply's fused kernel.
 - BLOCK_M >= 16: tl.dot of h [BLOCK_M, R] with B [R, BLOCK_N] on the tensor cores.
+
+pdl=True: launched as a programmatic dependent (PDL, sm90+) of the kernel before it, lora_shrink,
+which lets it start as soon as every shrink program runs. A program then does all it can before
+waiting for the shrink's h (`griddepcontrol.wait`): for one-token segments a separate body,
+_lora_expand_gemv_kernel, takes one BLOCK_N-column block of one token per program and loads its
+whole B tile [BLOCK_N, R] before the wait, so the B half of the adapter bytes streams while the
+shrink still streams A, in one overlapped pass instead of two launches one after the other. Only
+B, the segment metadata and the scalings are read before the wait: the kernel right before must
+not write them (lora_shrink does not). Without PDL on the device the same bodies run in a plain launch.
 """
 
 from __future__ import annotations
@@ -26,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_bodies import gemv_expand
-from kernels.platform import dot_upcast
+from kernels.lora_bodies import gdc_wait, gemv_expand
+from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
 
@@ -51,8 +60,10 @@ def _lora_expand_kernel(
     N_SLICES: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, ZERO_M: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
     WRITE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # launched early (PDL): everything below waits for the shrink's h to be complete
     pid = tl.program_id(0)
     p_lo = tl.program_id(1) * cols_per_prog
     p_hi = tl.minimum(p_lo + cols_per_prog, OUT)
@@ -132,11 +143,60 @@ def _lora_expand_kernel(
                     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=y_mask)
 
 
+@triton.jit(do_not_specialize=["stride_hp"])
+def _lora_expand_gemv_kernel(
+    y_ptr,  # [T, OUT] base output, updated in place
+    h_ptr,  # [P, T, n*R] fp32 planes of partial sums from lora_shrink, summed here
+    b_ptr,  # [S, OUT, R] B of every slot
+    scale_ptr,  # [S] fp32 scale per slot (HAS_SCALE only)
+    tok_ptr,  # [P] int32 token row per position (GATHER only)
+    seg_start_ptr,  # [G] int32 position of each (one-token) segment
+    seg_len_ptr,  # [G] int32 (all 1)
+    seg_slot_ptr,  # [G] int32
+    rank_ptr,  # [S] int32 true rank per slot
+    OUT, R, o1, o2,  # output width, max rank, first column of slices 1 and 2 (= OUT when absent)
+    stride_yt, stride_yo, stride_ht, stride_hn, stride_hp, stride_bs, stride_bo, stride_br,
+    N_SLICES: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
+):
+    """One token, one BLOCK_N block of output columns (any slices it spans): B tile first, then the wait."""
+    seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
+    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = offs_c < OUT
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank  # rank 0 (empty slot, padding row): nothing loaded
+    row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
+    # B [BLOCK_N, R] in its own layout (R contiguous: one contiguous run of BLOCK_N * R elements)
+    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
+                 mask=c_mask[:, None] & r_mask[None, :], other=0.0)
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + tl.maximum(slot, 0))
+    if PDL:
+        gdc_wait()  # h (and y) are the shrink's and earlier kernels' output: only from here on
+    if rank == 0:
+        return
+    # each column's slice: h of that slice, rounded to the weights' dtype as the torch twin does
+    sl = (offs_c >= o1).to(tl.int32) + (offs_c >= o2).to(tl.int32)
+    h_row = h_ptr + row * stride_ht
+    hsel = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for i in tl.static_range(N_SLICES):
+        hv = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for p in tl.static_range(N_PARTS):  # K splits' partial sums, added in a fixed order
+            hv += tl.load(h_row + p * stride_hp + (i * R + offs_r) * stride_hn, mask=r_mask, other=0.0)
+        hv = hv.to(b_ptr.dtype.element_ty).to(tl.float32) * scale
+        hsel = tl.where((sl == i)[:, None], hv[None, :], hsel)
+    y_ptrs = y_ptr + row * stride_yt + offs_c * stride_yo
+    yv = tl.load(y_ptrs, mask=c_mask, other=0.0)
+    acc = tl.sum(bt.to(tl.float32) * hsel, axis=1)  # [BLOCK_N] fp32
+    tl.store(y_ptrs, (yv.to(tl.float32) + acc).to(yv.dtype), mask=c_mask)
+
+
 def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASegments, slot_ranks: torch.Tensor,
                 out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *, write: bool = False,
                 block_m: Optional[int] = None, block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, cols_per_prog: Optional[int] = None,
-                num_stages: Optional[int] = None) -> torch.Tensor:
+                num_stages: Optional[int] = None, pdl: bool = False, b_first: bool = True) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i, :r] @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, every slice i, in place.
 
     y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink,
@@ -150,6 +210,11 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     it (kernels/lora_linear.py). Every row of y must be an adapter or a listed base token.
     block_m (1 = the GEMV body, else a power of two >= 16), block_n, num_warps, cols_per_prog (a
     multiple of block_n), num_stages: tile overrides for benchmarks (None = the launcher's choice).
+    pdl: launched as a programmatic dependent of the kernel just before it (lora_shrink; see the
+    module docstring): B, segs and scalings must not be written by that kernel. One-token segments in
+    add mode then take _lora_expand_gemv_kernel (one block_n-column block a program, B loaded before
+    the wait; cols_per_prog ignored); b_first=False keeps the column-loop body there, all of it after
+    the wait (benchmarks). Off the devices with PDL the same bodies run in a plain launch.
     """
     if y.dim() != 2 or h.dim() not in (3, 4) or B.dim() != 3:
         raise ValueError(f"lora_expand: y must be [T, out], h [T, n, R] or [P, T, n, R], B [S, out, R]; got "
@@ -179,6 +244,10 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     if block_m is None:
         # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
         block_m = 1 if segs.max_len == 1 else (16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64))
+    launch_pdl = pdl and pdl_available(y.device)
+    if pdl and b_first and block_m == 1 and not write:
+        return _expand_gemv_pdl(y, h4, B, segs, slot_ranks, offs, scalings, block_n, num_warps, num_stages,
+                                launch_pdl)
     if block_n is None:
         block_n = 256 if block_m == 1 else 128
     block_n = min(block_n, max(16, triton.next_power_of_2(OUT)))
@@ -210,8 +279,40 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         max(tiles_per_seg, 1), num_base,
         N_SLICES=n, N_PARTS=P, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ZERO_M=zero_m,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, WRITE=write,
-        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype), PDL=launch_pdl,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}),
+    )
+    return y
+
+
+# Output columns per program of the PDL GEMV body: its whole B tile [BLOCK_N, R] is loaded before the
+# wait, so it is held in registers (512 x 16 bf16: 64 values a thread at 4 warps).
+PDL_BLOCK_N = 512
+
+
+def _expand_gemv_pdl(y: torch.Tensor, h4: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
+                     slot_ranks: torch.Tensor, offs: list[int], scalings: Optional[torch.Tensor],
+                     block_n: Optional[int], num_warps: Optional[int], num_stages: Optional[int],
+                     launch_pdl: bool) -> torch.Tensor:
+    """lora_expand's one-token, add-mode path under pdl=True (checks done by the caller)."""
+    G = segs.num_segs
+    if G == 0:
+        return y
+    T, OUT = y.shape
+    n, R = h4.shape[2], B.shape[2]
+    block_n = min(block_n or PDL_BLOCK_N, max(16, triton.next_power_of_2(OUT)))
+    check_tile(block_n=block_n)
+    o1 = offs[1] if n > 1 else OUT
+    o2 = offs[2] if n > 2 else OUT
+    tok = segs.token_index if segs.token_index is not None else segs.starts
+    grid = (G, triton.cdiv(OUT, block_n))
+    _lora_expand_gemv_kernel[grid](
+        y, h4, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots,
+        slot_ranks, OUT, R, o1, o2,
+        y.stride(0), y.stride(1), h4.stride(1), h4.stride(3), h4.stride(0), B.stride(0), B.stride(1), B.stride(2),
+        N_SLICES=n, N_PARTS=h4.shape[0], BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)),
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, PDL=launch_pdl,
+        num_warps=num_warps or 4, num_stages=num_stages or 1, **({"launch_pdl": True} if launch_pdl else {}),
     )
     return y
 

@@ -24,6 +24,7 @@ import torch
 
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
+from kernels.platform import pdl_available
 from kernels.segments import LoRASegments
 
 # Tokens in a step from which the write-then-accumulate order is used on CUDA. H200,
@@ -51,7 +52,7 @@ def lora_linear_pays(num_tokens: int, segs: LoRASegments, device: torch.device) 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
                 slot_ranks: torch.Tensor, out_offsets: Sequence[int],
                 scalings: Optional[torch.Tensor] = None, *, split_k: Optional[int] = None,
-                partials: Optional[bool] = None) -> torch.Tensor:
+                partials: Optional[bool] = None, pdl: Optional[bool] = None) -> torch.Tensor:
     """y = x @ weightᵀ + the multi-LoRA delta of every slice (lora_apply's math), as a new [T, out] tensor.
 
     x [T, in], weight [out, in] (no bias: the caller keeps the add-after order for biased linears),
@@ -59,7 +60,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
     builders (they list the base tokens' rows); slot_ranks [S] int32; out_offsets [n + 1];
     scalings [S] fp32 or None. split_k, partials: the shrink's K split (None = its launcher's choice)
     and how the splits combine (True: planes of partial sums, False: atomics; None = planes up to
-    PLANES_MAX_OUT output columns); overrides for benchmarks.
+    PLANES_MAX_OUT output columns); overrides for benchmarks. pdl: the expand launched as a
+    programmatic dependent of the shrink (its launch under the shrink's tail; None = where the device
+    has PDL).
     """
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"lora_linear: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
@@ -72,6 +75,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
     y = torch.empty(T, OUT, dtype=x.dtype, device=x.device)
     if partials is None:
         partials = OUT <= PLANES_MAX_OUT
-    h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=partials)  # [(P,) T, n, R] fp32
-    lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings, write=True)
+    if pdl is None:
+        pdl = pdl_available(x.device)
+    h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=partials,
+                    launch_dependents=pdl)  # [(P,) T, n, R] fp32
+    lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings, write=True, pdl=pdl)
     return y.addmm_(x, weight.t())  # beta = 1: cuBLAS reads the delta in its epilogue

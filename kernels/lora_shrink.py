@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_bodies import gemv_shrink
-from kernels.platform import dot_upcast
+from kernels.lora_bodies import gdc_launch_dependents, gemv_shrink
+from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
 
@@ -53,7 +53,12 @@ def _lora_shrink_kernel(
     k_per_split,  # K range of one program along grid axis 2 (a multiple of BLOCK_K)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr,
 ):
+    if LAUNCH_DEPS:
+        # The next kernel (lora_expand, pdl=True) may launch once every program here has started: it
+        # loads its B tiles meanwhile and waits for this grid's h in-kernel.
+        gdc_launch_dependents()
     seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), tiles_per_seg, seg_len_ptr, seg_slot_ptr,
                                                 rank_ptr, BLOCK_M)
     if m0 >= seg_len:
@@ -103,7 +108,8 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
                 out: Optional[torch.Tensor] = None, split_k: Optional[int] = None, *,
                 block_m: Optional[int] = None, block_k: Optional[int] = None,
                 num_warps: Optional[int] = None, block_n: Optional[int] = None,
-                num_stages: Optional[int] = None, partials: bool = False) -> torch.Tensor:
+                num_stages: Optional[int] = None, partials: bool = False,
+                launch_dependents: bool = False) -> torch.Tensor:
     """h[t, i, :r] = x[t] @ A[slot(t), i, :r]ᵀ for every slice i, r = slot_ranks[slot(t)].
 
     x [T, in] fp32/bf16/fp16; A [S, n, R, in] same dtype, contiguous; segs: segments over the
@@ -116,6 +122,8 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     partials: the K splits store their fp32 partial sums in planes of their own instead of adding
     them atomically: out is [P, T, n, R] (P = split_k; sum over P = h), no zeroing, no atomics;
     lora_expand sums the planes as it loads h. Every plane of an adapter token's h[:rank] is written.
+    launch_dependents: let the next kernel, launched as a programmatic dependent (lora_expand with
+    pdl=True), start as soon as every program of this one has (sm90+; else nothing changes).
     """
     if x.dim() != 2 or A.dim() != 4:
         raise ValueError(f"lora_shrink: x must be [T, in] and A [S, n, R, in], got {tuple(x.shape)}, {tuple(A.shape)}")
@@ -195,6 +203,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         GATHER=segs.token_index is not None, ATOMIC=split_k > 1 and not partials,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
+        LAUNCH_DEPS=launch_dependents and pdl_available(x.device),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

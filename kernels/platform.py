@@ -7,6 +7,7 @@ answer matches what a launch will actually do.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -42,6 +43,27 @@ def dot_upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreter_active()
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_on(device_index: int) -> bool:
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether kernels on `device` can be launched as programmatic dependents of the kernel before them
+    (PDL: the next grid starts while the previous one drains, and waits in-kernel, at
+    `griddepcontrol.wait`, only where it needs that grid's output). Hopper (sm90) and later, compiled
+    (never under the interpreter), on a triton that has the launch option and the GDC intrinsics."""
+    if device.type != "cuda" or interpreter_active():
+        return False
+    return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def compiled_variants() -> Optional[int]:
     """How many variants of the appliance's Triton kernels this process has compiled so far (every
     device); None under the interpreter (nothing is compiled) or on a triton whose JIT keeps its cache
@@ -49,12 +71,13 @@ def compiled_variants() -> Optional[int]:
     if interpreter_active():
         return None
     from kernels.lora_apply import _lora_fused_gemv_kernel
-    from kernels.lora_expand import _lora_expand_kernel
+    from kernels.lora_expand import _lora_expand_gemv_kernel, _lora_expand_kernel
     from kernels.lora_shrink import _lora_shrink_kernel
     from kernels.paged_attention import _paged_decode_kernel
 
     total = 0
-    for fn in (_lora_shrink_kernel, _lora_expand_kernel, _lora_fused_gemv_kernel, _paged_decode_kernel):
+    for fn in (_lora_shrink_kernel, _lora_expand_kernel, _lora_expand_gemv_kernel, _lora_fused_gemv_kernel,
+               _paged_decode_kernel):
         caches = getattr(fn, "device_caches", None)  # triton >= 3.3: device -> (kernel cache, ...)
         if caches is None:
             return None

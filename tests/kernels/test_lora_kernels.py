@@ -208,6 +208,33 @@ def test_apply_fused_decode(layout: str, dtype: torch.dtype, strategy: str) -> N
                    R=16, chunk=1, with_scale=dtype != torch.float32, apply_kw=kw)
 
 
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_apply_unfused_pdl(dtype: torch.dtype, strategy: str) -> None:
+    # The decode path with the expand as a programmatic dependent of the shrink (on the CPU: the same
+    # bodies in plain launches): K split into 3 planes, one column block of 16 per program, so blocks
+    # straddle the slice boundaries of 40/24/24 columns; mixed ranks, an empty slot, base rows, scales.
+    seg_slots = [0, -1, 1, 2, 4, 0, 3, -1, 1]
+    if strategy == "csgmv":
+        seg_slots = [s if s != 0 else 2 for s in seg_slots]
+    for kw in (dict(fused=False, pdl=True, split_k=3, block_n=16), dict(fused=False, pdl=True)):
+        check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[40, 24, 24],
+                   R=16, chunk=1, with_scale=dtype != torch.float32, apply_kw=kw)
+
+
+@pytest.mark.parametrize("body", ["gemv", "dot"])
+def test_expand_pdl(body: str) -> None:
+    # lora_expand(pdl=True) on its own: the one-token add path takes the one-block-a-program body
+    # (planes summed, a block that ends mid-slice); the dot body and write mode only wait (a no-op here).
+    # b_first=False: the one-token add path keeps the column-loop body, waiting first.
+    lens = [1, 1, 1, 1] if body == "gemv" else [1, 6, 1]
+    for write in ((False,) if body == "gemv" else (False, True)):
+        for b_first in (True, False):
+            check_case("triton", torch.float32, lens, [1, -1, 0, 1][:len(lens)], ranks=[16, 5], K=96,
+                       slices=[40, 24], R=16, split_k=2, partials=True, write=write,
+                       expand_kw=dict(pdl=True, b_first=b_first, block_n=16 if body == "gemv" else None))
+
+
 @pytest.mark.parametrize("ranks,R", [([1, 1], 1), ([64, 3], 64)], ids=["r1", "r64"])
 def test_apply_ranks_and_unfused(ranks: list[int], R: int) -> None:
     check_case("triton", torch.float32, [1, 1, 1], [0, -1, 1], ranks, K=48, slices=[32], R=R, apply_kw={})
