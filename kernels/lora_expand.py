@@ -41,10 +41,12 @@ from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
 
 
-@triton.jit(do_not_specialize=["tiles_per_seg", "num_base", "stride_hp"])  # vary every step: no recompiles
+# These vary every step: specialising on them (== 1, divisible by 16) or unrolling over them would
+# compile new variants while serving (the H200 online run compiled plane counts 11 and 14 mid-run).
+@triton.jit(do_not_specialize=["tiles_per_seg", "num_base", "stride_hp", "n_parts"])
 def _lora_expand_kernel(
     y_ptr,  # [T, OUT] base output, updated in place (WRITE: overwritten)
-    h_ptr,  # [P, T, n*R] fp32 from lora_shrink: P planes of partial sums (P = N_PARTS), summed here
+    h_ptr,  # [P, T, n*R] fp32 from lora_shrink: P planes of partial sums (P = n_parts), summed here
     b_ptr,  # [S, OUT, R] B of every slot
     scale_ptr,  # [S] fp32 scale per slot (HAS_SCALE only)
     tok_ptr,  # [P] int32 token row per position (GATHER only)
@@ -57,7 +59,8 @@ def _lora_expand_kernel(
     cols_per_prog,  # output columns of one program along grid axis 1
     stride_yt, stride_yo, stride_ht, stride_hn, stride_hp, stride_bs, stride_bo, stride_br,
     tiles_per_seg, num_base,
-    N_SLICES: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    n_parts,  # P: a loop bound, not a constexpr (the shrink's auto K split takes any count up to 16)
+    N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, ZERO_M: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
     WRITE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
@@ -113,7 +116,7 @@ def _lora_expand_kernel(
         if BLOCK_M == 1:
             h_ptrs1 = h_ptr + row * stride_ht + (i * R + offs_r) * stride_hn
             hv = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            for p in tl.static_range(N_PARTS):  # K splits' partial sums, added in a fixed order
+            for p in range(n_parts):  # K splits' partial sums, added in a fixed order
                 hv += tl.load(h_ptrs1 + p * stride_hp, mask=r_mask, other=0.0)
             hv = hv.to(b_ty).to(tl.float32) * scale  # h rounded to the weights' dtype, as the torch twin does
             gemv_expand(y_ptr + row * stride_yt, b_base, hv, offs_r, r_mask, c_lo, c_hi, stride_yo, stride_bo,
@@ -121,7 +124,7 @@ def _lora_expand_kernel(
         else:
             h_ptrs = h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn
             ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for p in tl.static_range(N_PARTS):
+            for p in range(n_parts):
                 ht += tl.load(h_ptrs + p * stride_hp, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
             ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
             if UPCAST:
@@ -276,8 +279,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         slot_ranks, base,
         OUT, R, o1, o2, cols_per_prog,
         y.stride(0), y.stride(1), h4.stride(1), h4.stride(3), h4.stride(0), B.stride(0), B.stride(1), B.stride(2),
-        max(tiles_per_seg, 1), num_base,
-        N_SLICES=n, N_PARTS=P, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ZERO_M=zero_m,
+        max(tiles_per_seg, 1), num_base, P,
+        N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ZERO_M=zero_m,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, WRITE=write,
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype), PDL=launch_pdl,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}),

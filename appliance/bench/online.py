@@ -13,6 +13,7 @@ The issue's target compares the churn's p99 TTFT with the same arrivals all on o
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -85,7 +86,7 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
     single: also run the very same arrivals and prompts with every request on this one adapter, on the
     same engine right after (no slot churn: it stays resident), under "single", and the ratio of the
     two p99 TTFTs as "ttft_p99_vs_single"."""
-    from kernels.platform import compiled_variants
+    from kernels.platform import compiled_keys, compiled_variants
 
     aeng = AsyncEngine(engine)
     loads: dict[str, list[float]] = {"cpu": [], "gpu": [], "cpu_failed": [], "gpu_failed": []}
@@ -103,12 +104,17 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
         for v in loads.values():
             v.clear()
         ev0 = pool.evictions if pool is not None else 0
-        c0 = compiled_variants()
+        c0, k0 = compiled_variants(), compiled_keys()
         st, wall = asyncio.run(_drive(aeng, prompts, keys, arrivals, new_tokens, show))
         asyncio.run(aeng.stats())
-        c1 = compiled_variants()
-        return _summary(st, wall, keys, loads, (pool.evictions - ev0) if pool is not None else 0,
-                        None if c0 is None or c1 is None else c1 - c0)
+        c1, k1 = compiled_variants(), compiled_keys()
+        out = _summary(st, wall, keys, loads, (pool.evictions - ev0) if pool is not None else 0,
+                       None if c0 is None or c1 is None else c1 - c0)
+        if k0 is not None and k1 is not None and k1 - k0:
+            out["compiled_kernels"] = sorted(k[:4000] for k in k1 - k0)  # what the warm-up missed
+            for k in out["compiled_kernels"]:
+                print(f"[bench] compiled during the run: {k}", file=sys.stderr)
+        return out
 
     try:
         # Warm-up, not counted: first-step allocations (and, without engine.warmup, kernel compilation
