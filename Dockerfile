@@ -60,6 +60,7 @@ RUN useradd --uid 10001 --gid 0 --home-dir /home/appliance --create-home --shell
 ENV APPLIANCE_HOST=0.0.0.0 \
     APPLIANCE_PORT=8000 \
     APPLIANCE_CACHE_DIR=/var/cache/appliance \
+    TRITON_CACHE_DIR=/var/cache/appliance/triton \
     HOME=/home/appliance
 
 VOLUME ["/srv/adapters", "/var/cache/appliance"]
