@@ -235,17 +235,33 @@ def decode_step_ms(eng, prompts: list[list[int]], steps: int = 10) -> float:
     return statistics.median(times) * 1e3
 
 
-def engine_section(res: dict, tokenizer: Path) -> None:
+ALL_7 = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def small_model(td: str, tokenizer: Path, seed: int) -> tuple[Path, list[list[int]]]:
+    """The SmolLM2-135M architecture with random weights in td/model, and 64 random prompts of 20 to
+    200 tokens."""
+    d = Path(td) / "model"
+    d.mkdir()
+    make_model(d, tokenizer)
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(20, 200, (64,), generator=g)
+    return d, [torch.randint(3, 49000, (int(n),), generator=g).tolist() for n in lens]
+
+
+def rank8_adapters(root: Path, model_dir: Path) -> dict[str, Path]:
+    """4 rank-8 adapters on all 7 projections (fp32) under root: name -> dir."""
     from appliance.bench.adapters import make_adapters
     from appliance.models.llama import ModelArgs
     from appliance.models.weights import read_hf_config
 
+    return make_adapters(root, ModelArgs.from_hf_config(read_hf_config(model_dir)), 8, 4, ALL_7, 0.05,
+                         torch.float32, torch.device("cuda"), progress=False)
+
+
+def engine_section(res: dict, tokenizer: Path) -> None:
     with tempfile.TemporaryDirectory() as td:
-        d = Path(td) / "model"
-        d.mkdir()
-        make_model(d, tokenizer)
-        g = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(3, 49000, (int(n),), generator=g).tolist() for n in torch.randint(20, 200, (64,), generator=g)]
+        d, prompts = small_model(td, tokenizer, 1)
         lens = [4 + (i * 7) % 29 for i in range(12)]  # the batch shrinks over the graph sizes
         # Graphs + fused kernels (the cuda defaults) against the eager engine on the torch ops.
         graphs = engine_for(d, "float32", 16)
@@ -262,9 +278,7 @@ def engine_section(res: dict, tokenizer: Path) -> None:
         # The same with 4 LoRA adapters (rank 8, all 7 projections) on 8 requests, 4 base; the two
         # longest requests (4 and 8) are base, so the last steps replay the graphs without LoRA launches.
         root = Path(td) / "adapters"
-        names = list(make_adapters(root, ModelArgs.from_hf_config(read_hf_config(d)), 8, 4,
-                                   ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                                   0.05, torch.float32, torch.device("cuda"), progress=False).items())
+        names = list(rank8_adapters(root, d).items())
         lora = ("lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
                 "lora.max_loras_per_batch=4", "lora.backend=triton")
         keys = [None if i in (4, 8, 9, 10) else names[i % 4][0] for i in range(12)]
@@ -310,22 +324,12 @@ def async_section(res: dict, tokenizer: Path) -> None:
     """engine.async_scheduling on vs off, both with CUDA graphs (fp32, 4 LoRA adapters on 8 of 12
     requests): greedy and seeded sampling, stop tokens that end requests while their next step is
     already launched; then the SmolLM2 decode step back to back vs serial (bf16)."""
-    from appliance.bench.adapters import make_adapters
     from appliance.bench.offline import decode_step
-    from appliance.models.llama import ModelArgs
-    from appliance.models.weights import read_hf_config
 
     with tempfile.TemporaryDirectory() as td:
-        d = Path(td) / "model"
-        d.mkdir()
-        make_model(d, tokenizer)
-        g = torch.Generator().manual_seed(2)
-        prompts = [torch.randint(3, 49000, (int(n),), generator=g).tolist() for n in torch.randint(20, 200, (64,), generator=g)]
+        d, prompts = small_model(td, tokenizer, 2)
         root = Path(td) / "adapters"
-        names = [n for n, _ in make_adapters(root, ModelArgs.from_hf_config(read_hf_config(d)), 8, 4,
-                                             ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                              "down_proj"), 0.05, torch.float32, torch.device("cuda"),
-                                             progress=False).items()]
+        names = list(rank8_adapters(root, d))
         lora = ("lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
                 "lora.max_loras_per_batch=4", "lora.backend=triton")
         keys = [None if i in (4, 8, 9, 10) else names[i % 4] for i in range(12)]
