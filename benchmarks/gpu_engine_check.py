@@ -13,8 +13,9 @@
    (lora.backend triton); the decode step with graphs, fused kernels off vs on (bf16, batch 1/8/64).
 5. Async scheduling (engine/async_step.py) on vs off, both with graphs: identical tokens (fp32, LoRA,
    greedy, seeded sampling, stop tokens), and the decode step back to back vs serial.
+6. lora.decode_side_stream on vs off with graphs: identical greedy tokens (fp32, LoRA).
 
-    python benchmarks/gpu_engine_check.py --tokenizer DIR [--out FILE.json] [--sections kernels attention fused engine async]
+    python benchmarks/gpu_engine_check.py --tokenizer DIR [--out FILE.json] [--sections kernels attention fused engine async aside]
 """
 
 from __future__ import annotations
@@ -378,18 +379,45 @@ def async_section(res: dict, tokenizer: Path) -> None:
             print(f"  async {str(r['async']):>5} batch {r['batch']:>3}: {r['step_ms']:7.3f} / {r['step_ms_serial']:7.3f}")
 
 
+def aside_section(res: dict, tokenizer: Path) -> None:
+    """lora.decode_side_stream on vs off, both with CUDA graphs (fp32, 4 LoRA adapters on 8 of 12
+    requests, greedy): the side-stream fork and join captured in the decode graphs give the tokens of
+    the single-stream step. Its speed: `appliance bench offline ... lora.decode_side_stream=true`."""
+    with tempfile.TemporaryDirectory() as td:
+        d, prompts = small_model(td, tokenizer, 3)
+        root = Path(td) / "adapters"
+        names = list(rank8_adapters(root, d))
+        lora = ("lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
+                "lora.max_loras_per_batch=4", "lora.backend=triton")
+        keys = [None if i in (4, 8, 9, 10) else names[i % 4] for i in range(12)]
+        params = [SamplingParams(max_tokens=4 + (i * 7) % 29, temperature=0.0, ignore_eos=True) for i in range(12)]
+        out = {}
+        for on in (False, True):
+            eng = engine_for(d, "float32", 16, *lora, f"lora.decode_side_stream={str(on).lower()}")
+            assert (eng.lora.ctx.side_stream is not None) is on and eng.runner.static_decode.capture
+            for name in names:
+                eng.lora.load(name, str(root / name))
+            out[on] = run_params(eng, prompts[:12], params, keys)
+            del eng
+            torch.cuda.empty_cache()
+        same = sum(out[True][k] == out[False][k] for k in out[False])
+        res["decode_side_stream_vs_off_fp32_lora_identical"] = f"{same}/12"
+        print(f"\nfp32, graphs, 4 LoRA adapters, greedy: lora.decode_side_stream on vs off {same}/12 identical")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--sections", nargs="+", default=["kernels", "attention", "fused", "engine", "async"],
-                    choices=["kernels", "attention", "fused", "engine", "async"])
+    ap.add_argument("--sections", nargs="+", default=["kernels", "attention", "fused", "engine", "async", "aside"],
+                    choices=["kernels", "attention", "fused", "engine", "async", "aside"])
     args = ap.parse_args()
     print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
     res: dict = {}
     sections = {"kernels": kernels_section, "attention": attention_bench, "fused": fused_section,
                 "engine": lambda r: engine_section(r, args.tokenizer),
-                "async": lambda r: async_section(r, args.tokenizer)}
+                "async": lambda r: async_section(r, args.tokenizer),
+                "aside": lambda r: aside_section(r, args.tokenizer)}
     for name in args.sections:
         try:
             sections[name](res)

@@ -228,6 +228,12 @@ class LoRAConfig:
     overlap_loading: bool = False
     # overlap_loading: threads that read cold adapters at once (more are queued).
     loader_threads: int = 2
+    # Experimental, not yet measured on a GPU: decode steps (one token per sequence, backends triton/
+    # csgmv) compute each projection's LoRA delta into its own buffer on a side CUDA stream while the
+    # base GEMM runs, then add it, so the adapter kernels overlap the base projection instead of
+    # following it (appliance/lora/layers.py). Same results up to one rounding of the delta. Not with
+    # parallel.tp_size > 1.
+    decode_side_stream: bool = False
     # Debug only: every cold read (disk -> CPU tier) sleeps this long first, as a slow disk would, to
     # exercise overlap loading end to end. 0 = off; never set it on a server that serves users.
     fault_injection_read_delay_s: float = 0.0
@@ -396,6 +402,9 @@ class ApplianceConfig:
             # only; the ranks' slot fills go through rank 0's collective fill instead.
             raise ConfigError("lora.overlap_loading: not available with parallel.tp_size > 1 yet; "
                               "set lora.overlap_loading=false")
+        if self.parallel.tp_size > 1 and self.lora.enabled and self.lora.decode_side_stream:
+            # Refused, not ignored: untested with the sharded projections' collectives.
+            raise ConfigError("lora.decode_side_stream: not available with parallel.tp_size > 1; set it to false")
         if self.parallel.tp_size > 1 and self.engine.async_scheduling:
             # Refused, not ignored: the next step's input tokens stay on rank 0's device (the sampler's).
             raise ConfigError("engine.async_scheduling: not available with parallel.tp_size > 1 yet; "

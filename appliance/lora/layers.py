@@ -39,6 +39,10 @@ class LoRAContext:
     wrappers: dict[str, "LoRALinear"] = field(default_factory=dict)  # "layers.{i}.{module}" -> wrapper
     backend: str = "torch"  # lora.backend: torch | triton | csgmv
     num_slots: int = 0  # S: GPU slots of every wrapper's A/B buffers
+    # lora.decode_side_stream: one-token layouts compute the delta aside (LoRALinear._decode_aside), on
+    # `side_stream` when there is one (cuda; None on cpu: the same order on one stream, for the tests).
+    decode_aside: bool = False
+    side_stream: Optional["torch.cuda.Stream"] = None
 
 
 class LoRALinear(nn.Module):
@@ -73,6 +77,8 @@ class LoRALinear(nn.Module):
             # Prefill-shaped step: the delta is written first and the base GEMM accumulates into it
             # (kernels/lora_linear.py), so y crosses HBM once less than with the add after.
             return self._linear(x, self.base.weight, self.A, self.B, segs, info.slot_ranks, self.out_offsets)
+        if segs is not None and segs.max_len == 1 and self.ctx.decode_aside:
+            return self._decode_aside(x, info)
         y = self.base(x)
         if info is None:
             return y
@@ -87,6 +93,30 @@ class LoRALinear(nn.Module):
         else:
             lora_apply_grouped(y, x, self.A, self.B, info.groups, self.out_offsets)
         return y
+
+    def _decode_aside(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+        """One-token segments (decode): the delta goes into its own buffer on the side stream while
+        the base GEMM runs on the current one (a decode GEMM at batch 64 leaves most SMs idle and the
+        adapter kernels are launch- and tail-bound), then y = base + delta. The buffer is allocated on
+        the current stream before the fork and read there after the join, so the caching allocator
+        never frees it under the side stream; under CUDA-graph capture the fork and join are captured."""
+        side = self.ctx.side_stream
+        delta = torch.empty(x.shape[0], self.base.out_features, dtype=x.dtype, device=x.device)
+
+        def lora() -> None:
+            delta.zero_()
+            self._apply(delta, x, self.A, self.B, info.segments, info.slot_ranks, self.out_offsets)
+
+        if side is None:
+            lora()
+            return self.base(x).add_(delta)
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            lora()
+        y = self.base(x)
+        main.wait_stream(side)
+        return y.add_(delta)
 
     def load_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str) -> None:
         """Fill `slot` from an adapter's weights {"layers.{i}.{proj}": (A [r, in], B·scale [out, r])}."""

@@ -102,6 +102,9 @@ class LoRAManager:
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, cfg.backend)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
+        if cfg.decode_side_stream and cfg.backend != "torch":
+            self.ctx.decode_aside = True
+            self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).
         self.reader: Optional[BackgroundReader[Weights]] = None
         self.copier = None

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config.schema import ConfigError
 from appliance.engine.engine import LLMEngine
 from appliance.engine.request import SamplingParams
 from tests.conftest import default_config
@@ -128,7 +127,3 @@ def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
     assert got["0"] == 8 and got["2"] == 8 and got["1"] < 8
     assert eng.block_manager.num_used == 0
 
-
-def test_async_scheduling_refused_with_tp() -> None:
-    with pytest.raises(ConfigError, match="engine.async_scheduling"):
-        default_config("parallel=tp2", "engine.async_scheduling=true")

@@ -29,10 +29,13 @@ def wrapped(bias: bool, backend: str) -> tuple[LoRALinear, LoRAContext]:
 
 
 def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
+    """aside: lora.decode_side_stream's path for the decode layout (the delta in its own buffer, then
+    added; on CPU without the side stream)."""
     ranks = [8, 4, 0]
     for backend in ("triton", "csgmv"):
-        for bias in (False, True):
+        for bias, aside in ((False, False), (True, False), (False, True)):
             lin, ctx = wrapped(bias, backend)
+            ctx.decode_aside = aside
             for seg_lens, seg_slots in (([5, 3, 7, 2], [0, -1, 1, 2]), ([1, 1, 1, 1], [1, 0, -1, 0])):
                 x = torch.randn(sum(seg_lens), 32, device=DEV)
                 ctx.info = LoRABatchInfo.build(seg_lens, seg_slots, ranks, DEV, backend=backend, max_chunk_size=4)
@@ -42,6 +45,6 @@ def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
                 with torch.no_grad():
                     got = lin(x)
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
-                                           msg=lambda m: f"{backend} bias={bias} {seg_lens}: {m}")
+                                           msg=lambda m: f"{backend} bias={bias} aside={aside} {seg_lens}: {m}")
                 base = token_slots < 0
                 torch.testing.assert_close(got[base], lin.base(x)[base].detach(), atol=1e-5, rtol=1e-5)

@@ -106,5 +106,10 @@ def test_overlap_loading_is_refused_under_tp_and_the_config_round_trips_as_json(
 
     with pytest.raises(ConfigError, match="lora.overlap_loading: not available with parallel.tp_size > 1"):
         default_config("parallel=tp2", "lora.enabled=true", "lora.overlap_loading=true")
+    # The same for the other single-rank options: async scheduling, the decode side stream.
+    with pytest.raises(ConfigError, match="engine.async_scheduling: not available with parallel.tp_size > 1"):
+        default_config("parallel=tp2", "engine.async_scheduling=true")
+    with pytest.raises(ConfigError, match="lora.decode_side_stream: not available with parallel.tp_size > 1"):
+        default_config("parallel=tp2", "lora.enabled=true", "lora.decode_side_stream=true")
     cfg = default_config("parallel=tp2", "lora.enabled=true", "lora.max_loras_per_batch=3")
     assert config_from_dict(config_to_dict(cfg)) == cfg
