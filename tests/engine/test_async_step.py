@@ -127,3 +127,49 @@ def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
     assert got["0"] == 8 and got["2"] == 8 and got["1"] < 8
     assert eng.block_manager.num_used == 0
 
+
+
+def test_async_engine_streams_settles_for_admin_calls_and_aborts(tiny_model_dir: Path, sync_run: dict) -> None:
+    """The server's loop with async scheduling: streamed requests get the sync tokens, an admin call
+    (run on the engine thread between steps) sees no step in flight, and a stream closed early aborts
+    its request while its step may be in flight; every KV block comes back."""
+    import asyncio
+
+    from appliance.engine.async_engine import AsyncEngine
+
+    eng, _ = make_engine(tiny_model_dir, True)
+    aeng = AsyncEngine(eng)
+    aeng.start()
+    seen_in_call: list[object] = []
+
+    async def one(i: int, stop_after: int | None = None) -> tuple[list[int], str]:
+        ids: list[int] = []
+        finish = ""
+        agen = aeng.generate(eng.tokenizer.encode(PROMPTS[i]), params_for(i), request_id=f"r{i}")
+        async for o in agen:
+            ids += o.token_ids
+            finish = o.finish_reason or ""
+            if stop_after is not None and len(ids) >= stop_after:
+                await agen.aclose()  # the client goes away: the request is aborted
+                break
+        return ids, finish
+
+    async def admin() -> None:
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+            seen_in_call.append(await aeng.call(lambda: eng._inflight))
+
+    async def main() -> list:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(PROMPTS) - 1)),
+                                                     one(len(PROMPTS) - 1, stop_after=2), admin()), 120)
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    for i in range(len(PROMPTS) - 1):
+        assert got[i] == (sync_run[str(i)][0], sync_run[str(i)][2]), i
+    last = len(PROMPTS) - 1
+    assert got[last][0] == sync_run[str(last)][0][:len(got[last][0])] and len(got[last][0]) >= 2
+    assert seen_in_call and all(x is None for x in seen_in_call)
+    assert eng.block_manager.num_used == 0 and not eng.has_unfinished()
