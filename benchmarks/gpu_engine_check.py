@@ -260,6 +260,22 @@ def rank8_adapters(root: Path, model_dir: Path) -> dict[str, Path]:
                          torch.float32, torch.device("cuda"), progress=False)
 
 
+def lora_engine(d: Path, adapters: "dict[str, Path]", *extra: str):
+    """An fp32 engine on the model in d with lora.backend triton and `adapters` loaded (4 slots)."""
+    root = next(iter(adapters.values())).parent
+    eng = engine_for(d, "float32", 16, "lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
+                     "lora.max_loras_per_batch=4", "lora.backend=triton", *extra)
+    for name, path in adapters.items():
+        eng.lora.load(name, str(path))
+    return eng
+
+
+def adapter_keys(names: "list[str]") -> "list[str | None]":
+    """The adapter of each of 12 requests: the 4 adapters on 8 of them, requests 4, 8, 9, 10 base (the
+    longest are base, so the last decode steps replay the graphs without LoRA launches)."""
+    return [None if i in (4, 8, 9, 10) else names[i % 4] for i in range(12)]
+
+
 def engine_section(res: dict, tokenizer: Path) -> None:
     with tempfile.TemporaryDirectory() as td:
         d, prompts = small_model(td, tokenizer, 1)
@@ -276,18 +292,12 @@ def engine_section(res: dict, tokenizer: Path) -> None:
               f"identical ({sum(lens)} tokens)")
         del graphs, eager
         torch.cuda.empty_cache()
-        # The same with 4 LoRA adapters (rank 8, all 7 projections) on 8 requests, 4 base; the two
-        # longest requests (4 and 8) are base, so the last steps replay the graphs without LoRA launches.
-        root = Path(td) / "adapters"
-        names = list(rank8_adapters(root, d).items())
-        lora = ("lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
-                "lora.max_loras_per_batch=4", "lora.backend=triton")
-        keys = [None if i in (4, 8, 9, 10) else names[i % 4][0] for i in range(12)]
+        # The same with 4 LoRA adapters (rank 8, all 7 projections) on 8 requests, 4 base.
+        adapters = rank8_adapters(Path(td) / "adapters", d)
+        keys = adapter_keys(list(adapters))
         toks = []
         for extra in ((), ("engine.enforce_eager=true", "engine.fused_kernels=torch")):
-            eng = engine_for(d, "float32", 16, *lora, *extra)
-            for name, path in names:
-                eng.lora.load(name, str(path))
+            eng = lora_engine(d, adapters, *extra)
             toks.append(generate(eng, prompts[:12], lens, keys))
             del eng
             torch.cuda.empty_cache()
@@ -329,11 +339,8 @@ def async_section(res: dict, tokenizer: Path) -> None:
 
     with tempfile.TemporaryDirectory() as td:
         d, prompts = small_model(td, tokenizer, 2)
-        root = Path(td) / "adapters"
-        names = list(rank8_adapters(root, d))
-        lora = ("lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
-                "lora.max_loras_per_batch=4", "lora.backend=triton")
-        keys = [None if i in (4, 8, 9, 10) else names[i % 4] for i in range(12)]
+        adapters = rank8_adapters(Path(td) / "adapters", d)
+        keys = adapter_keys(list(adapters))
 
         def params(stop: "list[int]") -> list[SamplingParams]:
             out = []
@@ -349,10 +356,8 @@ def async_section(res: dict, tokenizer: Path) -> None:
 
         engines = {}
         for on in (False, True):
-            engines[on] = engine_for(d, "float32", 16, *lora, f"engine.async_scheduling={str(on).lower()}")
+            engines[on] = lora_engine(d, adapters, f"engine.async_scheduling={str(on).lower()}")
             assert engines[on].async_scheduling is on and engines[on].runner.static_decode.capture
-            for name in names:
-                engines[on].lora.load(name, str(root / name))
         first = run_params(engines[False], prompts[:12], params([]), keys)
         # A token each stop-token request produced at its third position ends it there the second time.
         stop = sorted({first[str(i)][0][2] for i in range(12) if i % 3 == 2 and len(first[str(i)][0]) > 3})
@@ -385,18 +390,13 @@ def aside_section(res: dict, tokenizer: Path) -> None:
     the single-stream step. Its speed: `appliance bench offline ... lora.decode_side_stream=true`."""
     with tempfile.TemporaryDirectory() as td:
         d, prompts = small_model(td, tokenizer, 3)
-        root = Path(td) / "adapters"
-        names = list(rank8_adapters(root, d))
-        lora = ("lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
-                "lora.max_loras_per_batch=4", "lora.backend=triton")
-        keys = [None if i in (4, 8, 9, 10) else names[i % 4] for i in range(12)]
+        adapters = rank8_adapters(Path(td) / "adapters", d)
+        keys = adapter_keys(list(adapters))
         params = [SamplingParams(max_tokens=4 + (i * 7) % 29, temperature=0.0, ignore_eos=True) for i in range(12)]
         out = {}
         for on in (False, True):
-            eng = engine_for(d, "float32", 16, *lora, f"lora.decode_side_stream={str(on).lower()}")
+            eng = lora_engine(d, adapters, f"lora.decode_side_stream={str(on).lower()}")
             assert (eng.lora.ctx.side_stream is not None) is on and eng.runner.static_decode.capture
-            for name in names:
-                eng.lora.load(name, str(root / name))
             out[on] = run_params(eng, prompts[:12], params, keys)
             del eng
             torch.cuda.empty_cache()
