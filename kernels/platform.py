@@ -65,40 +65,29 @@ def pdl_available(device: torch.device) -> bool:
 
 
 def compiled_keys() -> Optional[set[str]]:
-    """"kernel name: specialization key" of every variant `compiled_variants` counts (None likewise):
-    a phase that compiled something can say which variant a warm-up missed."""
+    """"kernel name @ device: specialization key" of every variant of the appliance's Triton kernels this
+    process has compiled so far; None under the interpreter (nothing is compiled) or on a triton whose
+    JIT keeps its cache elsewhere. A phase that compiled something can say which variant a warm-up missed."""
     if interpreter_active():
         return None
-    out: set[str] = set()
-    for fn in _counted_kernels():
-        caches = getattr(fn, "device_caches", None)
-        if caches is None:
-            return None
-        for entry in caches.values():
-            out.update(f"{fn.fn.__name__ if hasattr(fn, 'fn') else fn}: {k}" for k in entry[0])
-    return out
-
-
-def _counted_kernels() -> tuple:
     from kernels.lora_apply import _lora_fused_gemv_kernel
     from kernels.lora_expand import _lora_expand_gemv_kernel, _lora_expand_kernel
     from kernels.lora_shrink import _lora_shrink_kernel
     from kernels.paged_attention import _paged_decode_kernel
 
-    return (_lora_shrink_kernel, _lora_expand_kernel, _lora_expand_gemv_kernel, _lora_fused_gemv_kernel,
-            _paged_decode_kernel)
-
-
-def compiled_variants() -> Optional[int]:
-    """How many variants of the appliance's Triton kernels this process has compiled so far (every
-    device); None under the interpreter (nothing is compiled) or on a triton whose JIT keeps its cache
-    elsewhere. Engine warm-up and the bench read it before and after, to see what a phase compiled."""
-    if interpreter_active():
-        return None
-    total = 0
-    for fn in _counted_kernels():
+    out: set[str] = set()
+    for fn in (_lora_shrink_kernel, _lora_expand_kernel, _lora_expand_gemv_kernel, _lora_fused_gemv_kernel,
+               _paged_decode_kernel):
         caches = getattr(fn, "device_caches", None)  # triton >= 3.3: device -> (kernel cache, ...)
         if caches is None:
             return None
-        total += sum(len(entry[0]) for entry in caches.values())
-    return total
+        for device, entry in caches.items():
+            out.update(f"{fn.fn.__name__} @ {device}: {k}" for k in entry[0])
+    return out
+
+
+def compiled_variants() -> Optional[int]:
+    """How many variants `compiled_keys` names (None likewise). Engine warm-up and the bench read it
+    before and after, to see what a phase compiled."""
+    keys = compiled_keys()
+    return None if keys is None else len(keys)

@@ -86,7 +86,7 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
     single: also run the very same arrivals and prompts with every request on this one adapter, on the
     same engine right after (no slot churn: it stays resident), under "single", and the ratio of the
     two p99 TTFTs as "ttft_p99_vs_single"."""
-    from kernels.platform import compiled_keys, compiled_variants
+    from kernels.platform import compiled_keys
 
     aeng = AsyncEngine(engine)
     loads: dict[str, list[float]] = {"cpu": [], "gpu": [], "cpu_failed": [], "gpu_failed": []}
@@ -104,14 +104,15 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
         for v in loads.values():
             v.clear()
         ev0 = pool.evictions if pool is not None else 0
-        c0, k0 = compiled_variants(), compiled_keys()
+        k0 = compiled_keys()
         st, wall = asyncio.run(_drive(aeng, prompts, keys, arrivals, new_tokens, show))
         asyncio.run(aeng.stats())
-        c1, k1 = compiled_variants(), compiled_keys()
+        k1 = compiled_keys()
+        new = None if k0 is None or k1 is None else k1 - k0
         out = _summary(st, wall, keys, loads, (pool.evictions - ev0) if pool is not None else 0,
-                       None if c0 is None or c1 is None else c1 - c0)
-        if k0 is not None and k1 is not None and k1 - k0:
-            out["compiled_kernels"] = sorted(k[:4000] for k in k1 - k0)  # what the warm-up missed
+                       None if new is None else len(new))
+        if new:
+            out["compiled_kernels"] = sorted(k[:4000] for k in new)  # what the warm-up missed
             for k in out["compiled_kernels"]:
                 print(f"[bench] compiled during the run: {k}", file=sys.stderr)
         return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -296,10 +296,7 @@ class LLMEngine:
             outputs = self.settle()
             return outputs + ([] if self._drop_finished(plan) else self._isolate(plan, e))
         try:
-            sampling = [s.seq for s in plan.decodes]
-            self.scheduler.after_step(plan)
-            banned = [self._banned(seq) for seq in sampling]
-            tokens = sample_on_device(logits, [q.params for q in sampling], [q.generator for q in sampling], banned)
+            sampling, tokens = self._sample(plan, logits, sample_on_device)
             self.runner.static_decode.publish(tokens)  # type: ignore[union-attr]
             launched = LaunchedStep.start(sampling, tokens)
         except Exception as e:  # noqa: BLE001 - the step advanced: fail it (after the one before)
@@ -424,11 +421,14 @@ class LLMEngine:
     def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         return self._append_tokens(*self._sample(plan, logits))
 
-    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> tuple[list[Sequence], list[int]]:
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor,
+                sampler: Callable = sample) -> tuple[list[Sequence], Any]:
+        """Advance the plan's sequences and sample the ones that reach their last token: (those
+        sequences, their tokens as `sampler` returns them: a host list, or sample_on_device's tensor)."""
         sampling = [s.seq for s in plan.prefills + plan.decodes if s.samples]
         self.scheduler.after_step(plan)
         banned = [self._banned(seq) for seq in sampling]
-        return sampling, sample(logits, [s.params for s in sampling], [s.generator for s in sampling], banned)
+        return sampling, sampler(logits, [s.params for s in sampling], [s.generator for s in sampling], banned)
 
     def _append_tokens(self, sampling: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
         now = time.monotonic()
