@@ -101,7 +101,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     True off such devices runs the same bodies in plain launches (how the CPU tests reach them).
     """
     if fused is None:
-        fused = segs.max_len == 1 and _fuse_pays(segs.num_segs * A.shape[1], x.device)
+        fused = fuses(segs, A, x.device)
     if not fused:
         if pdl is None:
             pdl = pdl_available(x.device)
@@ -159,6 +159,12 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     return y
+
+
+def fuses(segs: LoRASegments, A: torch.Tensor, device: torch.device) -> bool:
+    """Whether lora_apply (fused=None) takes the one-launch kernel for this step: one-token segments whose
+    (token, slice) pairs fill the SMs (see _fuse_pays); else it runs lora_shrink then lora_expand."""
+    return segs.max_len == 1 and _fuse_pays(segs.num_segs * A.shape[1], device)
 
 
 def _fuse_pays(pairs: int, device: torch.device) -> bool:

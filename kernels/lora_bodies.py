@@ -4,8 +4,7 @@
     gemv_expand(...)                         y[row, c_lo:c_hi] (+)= B[c, :] · h       one token
 
 Callers: lora_shrink and lora_expand for one-token segments (BLOCK_M = 1), and lora_apply's fused
-kernel (both). gdc_wait / gdc_launch_dependents (programmatic dependent launch) are re-exported from
-here for the kernels that use them, with stand-ins on a triton without them. One body per loop, so a tuning or rounding fix lands in every kernel at once.
+kernel (both). One body per loop, so a tuning or rounding fix lands in every kernel at once.
 
 The GEMV bodies read the weights in their own layout (A: [BLOCK_N, BLOCK_K] tiles, K contiguous;
 B: [BLOCK_N, BLOCK_R] tiles, R contiguous) and reduce in fp32 registers: a one-token tl.dot would
@@ -17,19 +16,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-try:  # griddepcontrol (programmatic dependent launch), sm90+
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # an older triton: kernels.platform.pdl_available is False, the calls sit under a
-    # constexpr flag that is off, and these stand-ins are never compiled in
-
-    @triton.jit
-    def gdc_wait():
-        pass
-
-    @triton.jit
-    def gdc_launch_dependents():
-        pass
 
 
 @triton.jit

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_bodies import gdc_wait, gemv_expand
+from kernels.gdc import gdc_wait
+from kernels.lora_bodies import gemv_expand
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_bodies import gdc_launch_dependents, gemv_shrink
+from kernels.gdc import gdc_launch_dependents
+from kernels.lora_bodies import gemv_shrink
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.platform import dot_upcast
+from kernels.gdc import gdc_wait
+from kernels.platform import dot_upcast, pdl_available
 
 
 # stride_btb (the block table's row length) changes with the step's longest context in eager steps:
@@ -42,8 +43,10 @@ def _paged_decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # launched early (PDL): q and this step's K/V are rope_write_kv's output
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -159,10 +162,11 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bound = max_len_bound if max_len_bound is not None else block_tables.shape[1] * BS
     part_len = triton.cdiv(triton.cdiv(max(bound, 1), num_splits), block_n) * block_n
     grid = (B, KVH, num_splits)
+    pdl = pdl_available(q.device)  # a programmatic dependent of the kernel before it (kernels/gdc.py)
     common = dict(GROUP=group, BLOCK_G=block_g, D=D, BLOCK_D=block_d, BS=BS, BLOCK_N=block_n,
                   SPLIT=num_splits > 1, UPCAST=dot_upcast(q.dtype),
                   IEEE=dot_upcast(q.dtype) or q.dtype == torch.float32,
-                  num_warps=4, num_stages=2)
+                  PDL=pdl, num_warps=4, num_stages=2, **({"launch_pdl": True} if pdl else {}))
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, part_len,
             q.stride(0), q.stride(1))
     kv = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -58,8 +58,10 @@ def pdl_available(device: torch.device) -> bool:
     """Whether kernels on `device` can be launched as programmatic dependents of the kernel before them
     (PDL: the next grid starts while the previous one drains, and waits in-kernel, at
     `griddepcontrol.wait`, only where it needs that grid's output). Hopper (sm90) and later, compiled
-    (never under the interpreter), on a triton that has the launch option and the GDC intrinsics."""
-    if device.type != "cuda" or interpreter_active():
+    (never under the interpreter), on a triton that has the launch option and the GDC intrinsics.
+    APPLIANCE_PDL=0 in the environment turns it off everywhere (read per call: a benchmark's A/B, or a
+    fallback should a driver mishandle it)."""
+    if device.type != "cuda" or interpreter_active() or os.environ.get("APPLIANCE_PDL", "1") == "0":
         return False
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gdc import gdc_wait
+from kernels.platform import pdl_available
+
 # Widest row one program holds in registers (BLOCK = next power of two of H).
 MAX_HIDDEN = 32768
 
@@ -31,8 +34,10 @@ def _rms_norm_kernel(
     res_out_ptr,  # [T, H] s = x + residual (HAS_RES only)
     H, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # launched early (PDL): x and the residual are the previous kernels' output
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -90,8 +95,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     # ~8 to 16 elements per thread: H200, 4096-wide rows at batch 64 are launch-bound either way.
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     r = residual if residual is not None else x
+    # A programmatic dependent of the GEMM before it: its launch and the block scheduling overlap that
+    # GEMM's drain instead of following it (the decode step is ~370 short kernels; the gaps add up).
+    pdl = pdl_available(x.device)
     _rms_norm_kernel[(T,)](
         x, r, weight, out, s, H, eps,
         x.stride(0), r.stride(0), out.stride(0), s.stride(0),
-        HAS_RES=residual is not None, BLOCK=block, num_warps=num_warps)
+        HAS_RES=residual is not None, BLOCK=block, PDL=pdl, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}))
     return out, s

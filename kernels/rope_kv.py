@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gdc import gdc_launch_dependents, gdc_wait
+from kernels.platform import pdl_available
+
 
 @triton.jit
 def _rope_write_kv_kernel(
@@ -30,8 +33,11 @@ def _rope_write_kv_kernel(
     stride_t, stride_cos, stride_sin,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # launched early (PDL): qkv is the GEMM's output
+        gdc_launch_dependents()  # the decode attention may launch now; it waits for this grid itself
     HALF = D // 2  # constexpr: D is one
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -117,6 +123,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                          "contiguous")
     if T == 0:
         return qkv
+    pdl = pdl_available(qkv.device)  # a programmatic dependent of the GEMM before it (kernels/gdc.py)
     _rope_write_kv_kernel[(T,)](
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
         qkv.stride(0), cos.stride(0), sin.stride(0),
@@ -124,5 +131,5 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, KVH=KVH, D=D, BS=BS,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(KVH),
-        BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4)
+        BLOCK_HALF=triton.next_power_of_2(D // 2), PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return qkv

@@ -16,14 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gdc import gdc_wait
+from kernels.platform import pdl_available
+
 
 @triton.jit
 def _silu_mul_kernel(
     x_ptr,  # [T, 2I] gate | up
     out_ptr,  # [T, I]
     I, stride_x, stride_o,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # launched early (PDL, as rms_norm): gate_up is the GEMM's output
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -57,6 +62,8 @@ def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None, block: i
     if T == 0 or I == 0:
         return out
     block = min(block, max(16, triton.next_power_of_2(I)))
+    pdl = pdl_available(gate_up.device)
     _silu_mul_kernel[(T, triton.cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0),
-                                                 BLOCK=block, num_warps=4)
+                                                 BLOCK=block, PDL=pdl, num_warps=4,
+                                                 **({"launch_pdl": True} if pdl else {}))
     return out

@@ -15,6 +15,7 @@ from appliance.bench.adapters import adapter_numel
 from appliance.engine.engine import LLMEngine
 from appliance.engine.request import SamplingParams
 from appliance.models.weights import hf_weight_shapes
+from kernels.platform import compiled_keys
 
 
 @dataclass
@@ -23,6 +24,10 @@ class Run:
     wall_s: float  # first add_request to the last token
     steps: int
     ttft_s: list[float] = field(default_factory=list)
+
+
+# Back-to-back decode blocks timed; step_ms is their median (one stalled step spoils one block).
+B2B_BLOCKS = 3
 
 
 def greedy(n: int) -> SamplingParams:
@@ -65,28 +70,41 @@ def throughput_row(run: Run, **labels: object) -> dict:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Device-to-device (or RAM) copy speed in bytes/s, counting bytes read plus bytes written."""
+    """Device-to-device (or RAM) copy speed in bytes/s, counting bytes read plus bytes written. On CUDA
+    each copy is timed by events around it: a host clock around a ~1 ms copy adds the launch and the
+    synchronisation (2 to 4 % here), which would lower the bandwidth and so flatter every floor."""
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     times = []
     for i in range(8):
         sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev[0].record()
+            dst.copy_(src)
+            ev[1].record()
+            ev[1].synchronize()
+            dt = ev[0].elapsed_time(ev[1]) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            dt = time.perf_counter() - t0
         if i >= 2:  # the first copies fault pages in
-            times.append(time.perf_counter() - t0)
+            times.append(dt)
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
 def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
                 steps: int, copy_bw: float, rank: int, targets: Sequence[str], progress: bool = False,
                 profile: bool = False) -> dict:
-    """Prefill len(prompts) sequences, then time pure decode steps of all of them together: `steps`
-    steps back to back (step_ms: their mean, what a serving loop gets; with async scheduling the host's
-    work for a step overlaps the device's run of the one before), then `steps` steps each read and
-    synchronised before the next starts (step_ms_serial: their median, host and device one after the
-    other, as without async scheduling).
+    """Prefill len(prompts) sequences, then time pure decode steps of all of them together: B2B_BLOCKS
+    blocks of `steps` steps back to back (step_ms: the median of the blocks' mean step, what a serving
+    loop gets; with async scheduling the host's work for a step overlaps the device's run of the one
+    before; step_ms_blocks: each block's mean, so one stalled step shows as one outlier block, not as
+    the figure), then `steps` steps each read and synchronised before the next starts
+    (step_ms_serial: their median, host and device one after the other, as without async scheduling).
+    compiled_during: Triton variants compiled while timing (a warm-up miss; their names in
+    compiled_kernels).
 
     floor = bytes one decode step must read (weights except the embedding table, KV of every sequence,
     the A/B of each distinct adapter) / copy bandwidth measured in the same run. profile: 2 more steps
@@ -98,26 +116,28 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
     # Sequences that finish their prefill early decode while the others prefill (at most one step each
     # per sequence still prefilling), so max_tokens leaves room for that and for the timed steps.
     for rid, p, a in zip(ids, prompts, adapters):
-        engine.add_request(rid, p, greedy(2 * steps + len(prompts) + 8), adapter=a)
-    serial = []
+        engine.add_request(rid, p, greedy((B2B_BLOCKS + 1) * steps + len(prompts) + 8), adapter=a)
+    serial, blocks = [], []
+    k0 = compiled_keys()
     try:
         started: set[str] = set()
         while len(started) < len(ids):  # prefill (chunked) until every sequence has its first token
             for o in engine.step():
                 started.add(o.request_id)
         engine.settle()
-        bar = tqdm(total=2 * steps, desc="decode steps", disable=not progress, leave=False)
-        sync(dev)
-        t0 = time.perf_counter()
-        got = 0
-        for _ in range(steps):
-            got += sum(len(o.token_ids) for o in engine.step())
-            bar.update()
-        got += sum(len(o.token_ids) for o in engine.settle())
-        sync(dev)
-        piped = (time.perf_counter() - t0) / steps
-        if got != steps * len(ids):
-            raise RuntimeError(f"{steps} decode steps of {len(ids)} sequences gave {got} tokens")
+        bar = tqdm(total=(B2B_BLOCKS + 1) * steps, desc="decode steps", disable=not progress, leave=False)
+        for _ in range(B2B_BLOCKS):
+            sync(dev)
+            t0 = time.perf_counter()
+            got = 0
+            for _ in range(steps):
+                got += sum(len(o.token_ids) for o in engine.step())
+                bar.update()
+            got += sum(len(o.token_ids) for o in engine.settle())
+            sync(dev)
+            blocks.append((time.perf_counter() - t0) / steps)
+            if got != steps * len(ids):
+                raise RuntimeError(f"{steps} decode steps of {len(ids)} sequences gave {got} tokens")
         for _ in range(steps):
             sync(dev)
             t0 = time.perf_counter()
@@ -128,6 +148,7 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
             if len(outs) != len(ids):
                 raise RuntimeError(f"a decode step advanced {len(outs)} of {len(ids)} sequences")
         bar.close()
+        k1 = compiled_keys()
         prof = _profile_steps(engine, 2) if profile else None
     finally:
         for rid in ids:
@@ -137,14 +158,17 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
     shapes = hf_weight_shapes(a)
     weights = sum(_numel(s) for k, s in shapes.items() if k != "model.embed_tokens.weight" or a.tie_word_embeddings)
     weights += len(ids) * a.hidden_size  # the embedding rows looked up
-    ctx = statistics.mean(len(p) for p in prompts) + 1 + steps / 2  # mean context over the pipelined steps
+    ctx = statistics.mean(len(p) for p in prompts) + 1 + B2B_BLOCKS * steps / 2  # mean context, timed blocks
     kv = len(ids) * ctx * 2 * a.num_layers * a.kv_size
     distinct = {x for x in adapters if x is not None}
     lora = len(distinct) * adapter_numel(a, rank, targets)
     floor_s = (weights + kv + lora) * elt / copy_bw
-    step_s = piped
+    step_s = statistics.median(blocks)
+    new = None if k0 is None or k1 is None else sorted(k1 - k0)
     return {"batch": len(ids), "context": len(prompts[0]), "adapters": len(distinct), "rank": rank if distinct else 0,
-            "step_ms": round(step_s * 1e3, 3), "step_ms_serial": round(statistics.median(serial) * 1e3, 3),
+            "step_ms": round(step_s * 1e3, 3), "step_ms_blocks": [round(b * 1e3, 3) for b in blocks],
+            "step_ms_serial": round(statistics.median(serial) * 1e3, 3),
+            "compiled_during": None if new is None else len(new), **({"compiled_kernels": new} if new else {}),
             "async_scheduling": engine.async_scheduling,
             "weight_gb": round(weights * elt / 1e9, 3), "kv_gb": round(kv * elt / 1e9, 3),
             "adapter_gb": round(lora * elt / 1e9, 3), "adapter_bytes": int(lora * elt),

@@ -58,9 +58,10 @@ def render(res: dict) -> str:
     sections: list[tuple[str, Any, Sequence[str]]] = [
         ("Offline throughput", res.get("offline"),
          ["rank", "adapters", "requests", "batch", "prompt_len", "new_tokens", "tokens", "wall_s", "tok_s"]),
-        ("Decode step vs floor", res.get("decode_step"),
-         ["batch", "context", "adapters", "rank", "step_ms", "step_ms_serial", "floor_ms", "x_floor", "weight_gb",
-          "kv_gb", "adapter_gb"]),
+        ("Decode step vs floor", [{**r, "step_ms_blocks": " / ".join(map(str, r.get("step_ms_blocks", [])))}
+                                  for r in res.get("decode_step") or []],
+         ["batch", "context", "adapters", "rank", "step_ms", "step_ms_blocks", "step_ms_serial", "floor_ms",
+          "x_floor", "weight_gb", "kv_gb", "adapter_gb", "compiled_during"]),
         ("Prefill", res.get("prefill"),
          ["label", "adapters", "requests", "prompt_len", "wall_s", "prefill_tok_s"]),
         ("Engine start-up (model, KV cache, graph capture, kernel warm-up)", res.get("startup"),

@@ -228,12 +228,12 @@ class LoRAConfig:
     overlap_loading: bool = False
     # overlap_loading: threads that read cold adapters at once (more are queued).
     loader_threads: int = 2
-    # Experimental, not yet measured on a GPU: decode steps (one token per sequence, backends triton/
-    # csgmv) compute each projection's LoRA delta into its own buffer on a side CUDA stream while the
-    # base GEMM runs, then add it, so the adapter kernels overlap the base projection instead of
-    # following it (appliance/lora/layers.py). Same results up to one rounding of the delta. Not with
-    # parallel.tp_size > 1.
-    decode_side_stream: bool = False
+    # Decode steps (one token per sequence, backends triton/csgmv) run each projection's LoRA shrink
+    # (x @ Aᵀ, the read of every A) on a side CUDA stream while the base GEMM runs, then the expand
+    # after it (appliance/lora/layers.py); identical results. null = on with a CUDA device at
+    # parallel.tp_size 1; true on cpu runs the same kernels in that order on one stream (tests). Not
+    # with parallel.tp_size > 1.
+    decode_side_stream: Optional[bool] = None
     # Debug only: every cold read (disk -> CPU tier) sleeps this long first, as a slow disk would, to
     # exercise overlap loading end to end. 0 = off; never set it on a server that serves users.
     fault_injection_read_delay_s: float = 0.0

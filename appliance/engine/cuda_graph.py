@@ -129,7 +129,7 @@ class StaticDecode:
         self._set = 0  # the staging set of the step being staged or launched
         # (size, with LoRA launches) -> graph; without LoRA on, only the False variant exists.
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}  # -> [b, vocab] float32, written by its graph
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}  # -> [b, vocab] in the model dtype, written by its graph
         if capture:
             self._capture_all()
 
@@ -146,7 +146,7 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ one step
     def run(self, plan: SchedulerOutput, sources: Optional[list[int]] = None) -> torch.Tensor:
-        """Logits [n, vocab] float32 of a decode-only plan of n <= max_size sequences (rank 0 under TP:
+        """Logits [n, vocab] (model dtype) of a decode-only plan of n <= max_size sequences (rank 0 under TP:
         the other ranks get the staged rows first and replay with it). sources[i] >= 0: row i's input
         token is row sources[i] of the last `publish`ed tokens (not known on the host yet)."""
         n = len(plan.decodes)
@@ -226,7 +226,7 @@ class StaticDecode:
         return DecodeStep(b, n, ncols, max(ctx), int(any(sl >= 0 for sl in lora_slots)))
 
     def _launch(self, step: DecodeStep) -> Optional[torch.Tensor]:
-        """Copy the staged step into the device buffers and run it: logits [b, vocab] float32 (None
+        """Copy the staged step into the device buffers and run it: logits [b, vocab] (model dtype) (None
         on TP ranks other than 0)."""
         b, n, ncols = step.size, step.n, step.ncols
         h64, h32 = self._h64s[self._set], self._h32s[self._set]
@@ -270,7 +270,7 @@ class StaticDecode:
                              token_slots=empty, groups=[], segments=segs)
 
     def _forward(self, b: int, max_len: int, with_lora: bool) -> Optional[torch.Tensor]:
-        """The step over the first b rows: float32 logits [b, vocab] (None on TP ranks other than 0,
+        """The step over the first b rows: logits [b, vocab] (model dtype) (None on TP ranks other than 0,
         whose vocabulary shard goes to rank 0 through the all-gather). with_lora False: no LoRA
         launches (every row is base or padding)."""
         r = self.runner

@@ -1,7 +1,7 @@
 """The only place that builds device tensors: loads the model, owns the KV cache, runs a step.
 
 Per step it turns the scheduler's plan into a `StepBatch` of host lists, then into flattened input ids,
-positions and AttentionMetadata (built once, passed down), runs the model and returns float32 logits for
+positions and AttentionMetadata (built once, passed down), runs the model and returns logits (model dtype) for
 the sequences that sample. Decode-only steps go through StaticDecode (engine/cuda_graph.py) when it is
 set up: static buffers, replayed as CUDA graphs on cuda. Under tensor parallelism (`tp`,
 appliance/parallel/) the model is this rank's shard, rank 0 broadcasts each StepBatch and the other ranks
@@ -288,7 +288,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, sources: Optional[list[int]] = None) -> torch.Tensor:
-        """Run one step; float32 logits [N, vocab] for the sampling sequences, prefills then decodes.
+        """Run one step; logits [N, vocab] (model dtype) for the sampling sequences, prefills then decodes.
         sources: for a static step, where each decode row's pending input token is (StaticDecode.run)."""
         if self.lora is not None:
             # LLMEngine.step loads newly assigned adapters first (a failed read fails only that
@@ -350,7 +350,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> Optional[torch.Tensor]:
-        """The model over one step: float32 logits [N, vocab] (None on TP ranks other than 0, which
+        """The model over one step: logits [N, vocab] (model dtype) (None on TP ranks other than 0, which
         only take part in the collectives)."""
         x = self.inputs(batch)
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)

@@ -1,4 +1,4 @@
-"""Turn float32 logits into next tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turn logits into next tokens: greedy, temperature, top-k, top-p, per-request seeds.
 
 Everything stays on the logits' device until one host transfer of the chosen tokens per step. Greedy
 rows are one batched argmax. Sampled rows are processed together (temperature, top-k and top-p masks
@@ -24,7 +24,8 @@ from appliance.engine.request import SamplingParams
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[Optional[torch.Generator]],
            banned: Sequence[Sequence[int]] = ()) -> list[int]:
-    """logits [N, V] float32; params/generators per row; banned[i] = token ids row i may not pick."""
+    """logits [N, V] (any float dtype; the sampled rows are taken in float32); params/generators per
+    row; banned[i] = token ids row i may not pick."""
     if logits.shape[0] == 0:
         return []
     return sample_on_device(logits, params, generators, banned).tolist()
@@ -53,7 +54,7 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
     if not rows:
         return out
     idx = _on(dev, rows, torch.long)
-    x = logits[idx]
+    x = logits[idx].float()  # the model's dtype (LlamaModel.compute_logits): temperature and softmax in fp32
     temp = _on(dev, [params[i].temperature for i in rows], x.dtype)
     x = x / temp[:, None]
     topk = [params[i].top_k if params[i].top_k > 0 else x.shape[1] for i in rows]

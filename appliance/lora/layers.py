@@ -61,10 +61,13 @@ class LoRALinear(nn.Module):
         self.ctx = ctx
         if ctx.backend != "torch":
             # Imported here so the torch backend never needs triton (no wheel on some platforms).
-            from kernels.lora_apply import lora_apply
+            from kernels.lora_apply import fuses, lora_apply
+            from kernels.lora_expand import lora_expand
             from kernels.lora_linear import lora_linear, lora_linear_pays
+            from kernels.lora_shrink import lora_shrink
 
             self._apply = lora_apply
+            self._fuses, self._shrink, self._expand = fuses, lora_shrink, lora_expand
             self._linear, self._linear_pays = lora_linear, lora_linear_pays
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,28 +98,34 @@ class LoRALinear(nn.Module):
         return y
 
     def _decode_aside(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        """One-token segments (decode): the delta goes into its own buffer on the side stream while
-        the base GEMM runs on the current one (a decode GEMM at batch 64 leaves most SMs idle and the
-        adapter kernels are launch- and tail-bound), then y = base + delta. The buffer is allocated on
-        the current stream before the fork and read there after the join, so the caching allocator
-        never frees it under the side stream; under CUDA-graph capture the fork and join are captured."""
+        """One-token segments (decode): the adapters' shrink (x @ Aᵀ, which reads every A of the step)
+        runs on the side stream while the base GEMM runs on the current one, then the expand adds into
+        y. A decode GEMM at batch 64 leaves SMs idle (cuBLAS takes 96 to 128 tiles for qkv and o on 132
+        SMs) and the shrink is launch- and latency-bound, so it can fill them; the expand must follow
+        the GEMM (it adds into y). Steps that fuse shrink and expand into one launch (enough
+        (token, slice) pairs to fill the SMs) keep the plain order. No extra buffer and no extra add.
+
+        h is allocated on the side stream and read on this one after the join. Its block goes back to
+        the side stream's pool when this returns, and the next use of the side stream (the next
+        wrapper) first waits for everything enqueued here so far, this expand included: no kernel
+        writes the block before the expand has read it (also within a CUDA-graph capture, where the
+        fork and join are captured as graph edges)."""
+        segs = info.segments
+        if self._fuses(segs, self.A, x.device):
+            y = self.base(x)
+            self._apply(y, x, self.A, self.B, segs, info.slot_ranks, self.out_offsets)
+            return y
         side = self.ctx.side_stream
-        delta = torch.empty(x.shape[0], self.base.out_features, dtype=x.dtype, device=x.device)
-
-        def lora() -> None:
-            delta.zero_()
-            self._apply(delta, x, self.A, self.B, info.segments, info.slot_ranks, self.out_offsets)
-
-        if side is None:
-            lora()
-            return self.base(x).add_(delta)
+        if side is None:  # cpu: the same kernels in the same order on one stream (the tests)
+            h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
+            return self._expand(self.base(x), h, self.B, segs, info.slot_ranks, self.out_offsets)
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)  # x is ready
         with torch.cuda.stream(side):
-            lora()
+            h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
         y = self.base(x)
         main.wait_stream(side)
-        return y.add_(delta)
+        return self._expand(y, h, self.B, segs, info.slot_ranks, self.out_offsets)
 
     def load_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str) -> None:
         """Fill `slot` from an adapter's weights {"layers.{i}.{proj}": (A [r, in], B·scale [out, r])}."""

@@ -102,7 +102,10 @@ class LoRAManager:
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, cfg.backend)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
-        if cfg.decode_side_stream and cfg.backend != "torch":
+        aside = cfg.decode_side_stream
+        if aside is None:  # where it was measured to pay: one CUDA device (docs/benchmarks.md)
+            aside = device.type == "cuda" and tp is None
+        if aside and cfg.backend != "torch":
             self.ctx.decode_aside = True
             self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).

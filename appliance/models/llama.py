@@ -195,6 +195,8 @@ class LlamaModel(nn.Module):
                 m.fused = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab]."""
+        """hidden [N, H] -> logits [N, vocab] in the model's dtype. Not upcast here: greedy rows take the
+        argmax as they are (exact: the upcast is monotonic), and the sampler upcasts only the rows it
+        samples; a float32 copy of [64, 128256] logits costs the decode step ~0.04 ms on an H200."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return F.linear(hidden, w)

@@ -48,6 +48,8 @@ def test_bench_all_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert [(r["adapters"], r["batch"]) for r in res["decode_step"]] == [(0, 6), (4, 6)]
     for r in res["decode_step"]:
         assert 0 < r["floor_ms"] <= r["step_ms"] and r["x_floor"] >= 1
+        assert len(r["step_ms_blocks"]) == 3 and sorted(r["step_ms_blocks"])[1] == r["step_ms"]
+        assert r["compiled_during"] is None  # nothing is compiled under the interpreter
     # 4 rank-8 adapters on all 7 projections of 2 layers, float32.
     assert res["decode_step"][1]["adapter_bytes"] == 4 * 2 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128)) * 4
     assert res["decode_step"][0]["adapter_bytes"] == 0

@@ -29,13 +29,17 @@ def wrapped(bias: bool, backend: str) -> tuple[LoRALinear, LoRAContext]:
 
 
 def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
-    """aside: lora.decode_side_stream's path for the decode layout (the delta in its own buffer, then
-    added; on CPU without the side stream)."""
+    """aside: lora.decode_side_stream's path for the decode layout (the shrink beside the base GEMM, the
+    expand after it; on CPU without the side stream), through both of its branches: steps lora_apply
+    would fuse (kept in the plain order) and steps it would not (on CPU lora_apply always fuses, so
+    the second is forced)."""
     ranks = [8, 4, 0]
     for backend in ("triton", "csgmv"):
-        for bias, aside in ((False, False), (True, False), (False, True)):
+        for bias, aside in ((False, False), (True, False), (False, "fused"), (False, "split")):
             lin, ctx = wrapped(bias, backend)
-            ctx.decode_aside = aside
+            ctx.decode_aside = bool(aside)
+            if aside == "split":
+                lin._fuses = lambda *args: False
             for seg_lens, seg_slots in (([5, 3, 7, 2], [0, -1, 1, 2]), ([1, 1, 1, 1], [1, 0, -1, 0])):
                 x = torch.randn(sum(seg_lens), 32, device=DEV)
                 ctx.info = LoRABatchInfo.build(seg_lens, seg_slots, ranks, DEV, backend=backend, max_chunk_size=4)

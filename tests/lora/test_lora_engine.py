@@ -259,6 +259,15 @@ def test_triton_backends_refused_on_cpu_without_interpreter(tiny_model_dir: Path
     assert lora_engine(tiny_model_dir, tmp_path, "lora.backend=torch", "model.device=cpu").lora is not None
 
 
+def test_decode_side_stream_on_by_default_only_with_cuda(adapters: dict[str, Path], tiny_model_dir: Path) -> None:
+    """lora.decode_side_stream: null resolves to off on CPU (on with a CUDA device at tp 1); true asks
+    for it anywhere (on CPU: the same kernels in the side-stream order, on one stream)."""
+    root = next(iter(adapters.values())).parent
+    for value, want in (("null", False), ("true", True), ("false", False)):
+        engine = lora_engine(tiny_model_dir, root, "lora.backend=triton", f"lora.decode_side_stream={value}")
+        assert engine.lora.ctx.decode_aside is want and engine.lora.ctx.side_stream is None, value
+
+
 @pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
 def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], oracle: dict,
                                                      tiny_model_dir: Path, async_on: bool) -> None:
