@@ -1,0 +1,148 @@
+"""Decode-shaped base GEMMs (M = batch rows, weights streamed once): cuBLAS against alternatives, on a GPU.
+
+At batch 64 the base decode step's GEMMs are weight streams: cuBLAS reads qkv_proj's and o_proj's
+weights at ~70 % of copy bandwidth (docs/benchmarks.md), partly because its tiles leave SMs idle (96
+tiles for qkv on 132 SMs). This measures, per Llama-3.1-8B projection shape at M rows:
+
+- `cublas`: F.linear(x, W), what the engine runs;
+- `halves`: the same GEMM as two launches over the two halves of N (cuBLAS picks tiles per shape);
+- `triton BN/BK/w/s`: a plain Triton kernel, one program per BN output columns with all M rows, K in
+  BK steps (no split: a program streams its BN weight rows once), written to be the simplest thing
+  that fills every SM.
+
+Each time is one call, the median of 5 CUDA-graph replays of 24 calls back to back, the calls rotating
+over 4 copies of the weights (past the 60 MB L2). GB/s counts the weight bytes only (x and y are
+< 1 % of them); "% copy" sets it against a device copy timed with CUDA events in the same run. Every
+variant is checked against cuBLAS first (max |diff| printed). Not a test; prints a table, writes JSON.
+
+    python3 benchmarks/bench_skinny_gemm_gpu.py [--m 64] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+CONFIGS = [(32, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (64, 128, 4, 4)]
+COPIES, CALLS, REPLAYS = 4, 24, 5
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k + offs_k)[None, :], mask=n_mask[:, None], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def skinny(x: torch.Tensor, w: torch.Tensor, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    assert K % bk == 0 and M <= 128
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _skinny_kernel[(triton.cdiv(N, bn),)](x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                           BM=max(16, triton.next_power_of_2(M)), BN=bn, BK=bk,
+                                           num_warps=warps, num_stages=stages)
+    return y
+
+
+def halves(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    n = w.shape[0] // 2
+    return torch.cat([F.linear(x, w[:n]), F.linear(x, w[n:])], dim=1)
+
+
+def copy_gb_s(dev: torch.device) -> float:
+    src = torch.empty(1 << 29, dtype=torch.float32, device=dev).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(8):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        dst.copy_(src)
+        e1.record()
+        e1.synchronize()
+        if i >= 2:
+            times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def time_call(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
+    """µs per call: CUDA graph of CALLS calls rotating over the weight copies, median of REPLAYS."""
+    for w in ws:
+        fn(x, w)  # compile / pick algorithms outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(CALLS):
+            fn(x, ws[i % len(ws)])
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, nargs="+", default=[64])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_gb_s(dev)
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"copy {bw:.0f} GB/s (read + write, CUDA events)", flush=True)
+    rows = []
+    for name in args.shapes:
+        K, N = SHAPES[name]
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        wbytes = N * K * 2
+        for m in args.m:
+            x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
+            want = F.linear(x, ws[0])
+            variants = [("cublas", F.linear), ("halves", halves)]
+            variants += [(f"triton {bn}/{bk}/{w}/{s}", (lambda x, w_, c=(bn, bk, w, s): skinny(x, w_, *c)))
+                         for bn, bk, w, s in CONFIGS]
+            for label, fn in variants:
+                try:
+                    diff = (fn(x, ws[0]).float() - want.float()).abs().max().item()
+                    us = time_call(fn, x, ws)
+                except Exception as e:  # a config that does not compile on this triton: say so, go on
+                    print(f"{name:>8} M={m:<4} {label:<22} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                gbs = wbytes / (us * 1e-6) / 1e9
+                rows.append({"proj": name, "m": m, "variant": label, "us": round(us, 2), "gb_s": round(gbs),
+                             "pct_copy": round(100 * gbs / bw, 1), "max_abs_diff": diff})
+                print(f"{name:>8} M={m:<4} {label:<22} {us:8.2f} us  {gbs:6.0f} GB/s  {100 * gbs / bw:5.1f} % copy"
+                      f"  max|diff| {diff:.3g}", flush=True)
+            del x
+        del ws
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"copy_gb_s": round(bw, 1), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
