@@ -19,7 +19,8 @@ starlette). Run from the repo root:
    GEMM accumulating into it: what the engine runs for prefill steps from 64 tokens) with the shrink's
    K splits atomic, in planes, or none, and the add-after order (GEMM, then lora_apply adding into y:
    the engine below 64 tokens); and lora_linear_pipelined (row chunks of 4096 or T/4 rows, each
-   chunk's delta on a side stream beside the previous chunk's GEMM; not yet used by the engine).
+   chunk's delta on a side stream beside the previous chunk's GEMM; the engine's with
+   lora.prefill_chunk_rows, off by default).
 4. Decode: T tokens (1..256), D distinct rank-16 adapters (1..256), token i on adapter i % D, for each
    projection of Llama-3.1-8B (qkv, o, gate_up, down). The time is one LoRA application
    (kernels/lora_apply.py: fused, or shrink + expand), from CUDA-graph replays, so Python launch
