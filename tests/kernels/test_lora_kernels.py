@@ -374,6 +374,13 @@ def test_lora_linear_pipelined_equals_lora_linear(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, ref.lora_linear(x, W, A, B, token_slots, offs, r_t.cpu()), atol=atol, rtol=rtol)
     with pytest.raises(ValueError, match="cover"):
         lora_linear_pipelined(x.to(DEV), W.to(DEV), A.to(DEV), B.to(DEV), chunks[:-1], r_t, offs)
+    # a chunk of base rows only (no segment: the write-mode expand zeroes it all)
+    lens, slots = [8, 8, 17], [0, -1, 1]
+    token_slots = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)])
+    chunks = [(lo, hi, sgmv_segments(cl, cs, DEV)) for lo, hi, cl, cs in row_chunks(lens, slots, 8)]
+    assert chunks[1][2].num_segs == 0
+    got = lora_linear_pipelined(x.to(DEV), W.to(DEV), A.to(DEV), B.to(DEV), chunks, r_t, offs, side_stream=side).cpu()
+    torch.testing.assert_close(got, ref.lora_linear(x, W, A, B, token_slots, offs, r_t.cpu()), atol=atol, rtol=rtol)
 
 
 def test_lora_linear_pays_only_for_prefill_shapes() -> None:
