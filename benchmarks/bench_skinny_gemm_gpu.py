@@ -10,9 +10,10 @@ tiles for qkv on 132 SMs). This measures, per Llama-3.1-8B projection shape at M
   BK steps (no split: a program streams its BN weight rows once), written to be the simplest thing
   that fills every SM.
 
-Each time is one call, the median of 5 CUDA-graph replays of 24 calls back to back, the calls rotating
-over 4 copies of the weights (past the 60 MB L2). GB/s counts the weight bytes only (x and y are
-< 1 % of them); "% copy" sets it against a device copy timed with CUDA events in the same run. Every
+Each time is one call, the median of 5 CUDA-graph replays of 24 calls back to back (bench_kernels_gpu's
+graph_time), the calls rotating over 4 copies of the weights (past the 60 MB L2). GB/s counts the
+weight bytes only (x and y are < 1 % of them); "% copy" sets it against bench_kernels_gpu's copy
+bandwidth, measured in the same run. Every
 variant is checked against cuBLAS first (max |diff| printed). Not a test; prints a table, writes JSON.
 
     python3 benchmarks/bench_skinny_gemm_gpu.py [--m 64] [--out FILE.json]
@@ -22,16 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+# The kernel bench's clocks: CUDA-graph replays (graph_time) and the copy bandwidth, the same method
+# as the multi-LoRA figures.
+from bench_kernels_gpu import copy_bandwidth, graph_time
+
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 CONFIGS = [(32, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (64, 128, 4, 4)]
-COPIES, CALLS, REPLAYS = 4, 24, 5
+COPIES, CALLS = 4, 24
 
 
 @triton.jit
@@ -67,41 +71,9 @@ def halves(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.linear(x, w[:n]), F.linear(x, w[n:])], dim=1)
 
 
-def copy_gb_s(dev: torch.device) -> float:
-    src = torch.empty(1 << 29, dtype=torch.float32, device=dev).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(8):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        e1.synchronize()
-        if i >= 2:
-            times.append(e0.elapsed_time(e1) / 1e3)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
-
-
-def time_call(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
-    """µs per call: CUDA graph of CALLS calls rotating over the weight copies, median of REPLAYS."""
-    for w in ws:
-        fn(x, w)  # compile / pick algorithms outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(CALLS):
-            fn(x, ws[i % len(ws)])
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / CALLS)
-    return statistics.median(times)
+def rotating_calls(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> list:
+    """CALLS calls of fn on x, the i-th on weight copy i mod COPIES (so a replay streams them from HBM)."""
+    return [lambda w=ws[i % len(ws)]: fn(x, w) for i in range(CALLS)]
 
 
 def main() -> None:
@@ -111,9 +83,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    bw = copy_gb_s(dev)
+    bw = copy_bandwidth() / 1e9
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"copy {bw:.0f} GB/s (read + write, CUDA events)", flush=True)
+          f"copy {bw:.0f} GB/s (read + write)", flush=True)
     rows = []
     for name in args.shapes:
         K, N = SHAPES[name]
@@ -128,7 +100,7 @@ def main() -> None:
             for label, fn in variants:
                 try:
                     diff = (fn(x, ws[0]).float() - want.float()).abs().max().item()
-                    us = time_call(fn, x, ws)
+                    us = graph_time(rotating_calls(fn, x, ws)) * 1e6
                 except Exception as e:  # a config that does not compile on this triton: say so, go on
                     print(f"{name:>8} M={m:<4} {label:<22} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
