@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdc import gdc_wait
+from kernels.gdc import gdc_wait, pdl_launch
 from kernels.lora_bodies import gemv_expand
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
@@ -283,8 +283,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         max(tiles_per_seg, 1), num_base, P,
         N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ZERO_M=zero_m,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, WRITE=write,
-        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype), PDL=launch_pdl,
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}),
+        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(launch_pdl),
     )
     return y
 
@@ -315,8 +315,8 @@ def _expand_gemv_pdl(y: torch.Tensor, h4: torch.Tensor, B: torch.Tensor, segs: L
         slot_ranks, OUT, R, o1, o2,
         y.stride(0), y.stride(1), h4.stride(1), h4.stride(3), h4.stride(0), B.stride(0), B.stride(1), B.stride(2),
         N_SLICES=n, N_PARTS=h4.shape[0], BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)),
-        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, PDL=launch_pdl,
-        num_warps=num_warps or 4, num_stages=num_stages or 1, **({"launch_pdl": True} if launch_pdl else {}),
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
+        num_warps=num_warps or 4, num_stages=num_stages or 1, **pdl_launch(launch_pdl),
     )
     return y
 

@@ -64,23 +64,35 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
     programmatic dependent of the shrink (its launch under the shrink's tail; None = where the device
     has PDL).
     """
+    y = _new_output("lora_linear", x, weight, B)
+    _write_delta(y, x, A, B, segs, slot_ranks, out_offsets, scalings, split_k, partials, pdl)
+    return y.addmm_(x, weight.t())  # beta = 1: cuBLAS reads the delta in its epilogue
+
+
+def _new_output(fn: str, x: torch.Tensor, weight: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """The shared argument checks; then y [T, out], uninitialised (the delta's write fills every row)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"lora_linear: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
+        raise ValueError(f"{fn}: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
     if weight.dtype != x.dtype:
-        raise ValueError(f"lora_linear: weight and x must share a dtype, got {weight.dtype}, {x.dtype}")
+        raise ValueError(f"{fn}: weight and x must share a dtype, got {weight.dtype}, {x.dtype}")
     if B.dim() != 3 or B.shape[1] != weight.shape[0]:
-        raise ValueError(f"lora_linear: B must be [S, {weight.shape[0]}, R], got {tuple(B.shape)}")
-    T, OUT = x.shape[0], weight.shape[0]
-    y = torch.empty(T, OUT, dtype=x.dtype, device=x.device)
+        raise ValueError(f"{fn}: B must be [S, {weight.shape[0]}, R], got {tuple(B.shape)}")
+    return torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+
+
+def _write_delta(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
+                 slot_ranks: torch.Tensor, out_offsets: Sequence[int], scalings: Optional[torch.Tensor],
+                 split_k: Optional[int] = None, partials: Optional[bool] = None,
+                 pdl: Optional[bool] = None) -> None:
+    """y = the delta of x's rows (lora_shrink, then lora_expand in write mode: base rows zeroed)."""
     if partials is None:
-        partials = OUT <= PLANES_MAX_OUT
+        partials = y.shape[1] <= PLANES_MAX_OUT
     if pdl is None:
         pdl = pdl_available(x.device)
     h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=partials,
                     launch_dependents=pdl)  # [(P,) T, n, R] fp32
     lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings, write=True, pdl=pdl)
-    return y.addmm_(x, weight.t())  # beta = 1: cuBLAS reads the delta in its epilogue
 
 
 def lora_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -108,10 +120,8 @@ def lora_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor
     chunk's expand in stream order); x is read on the side stream only before the events the current
     stream waits on before this returns.
     """
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.dtype != x.dtype:
-        raise ValueError(f"lora_linear_pipelined: x must be [T, in] and weight [out, in] of x's dtype, got "
-                         f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}")
-    T, OUT = x.shape[0], weight.shape[0]
+    y = _new_output("lora_linear_pipelined", x, weight, B)
+    T = x.shape[0]
     cover = 0
     for lo, hi, _ in chunks:
         if lo != cover or hi <= lo:
@@ -120,14 +130,10 @@ def lora_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor
         cover = hi
     if cover != T:
         raise ValueError(f"lora_linear_pipelined: chunks cover {cover} of {T} rows")
-    y = torch.empty(T, OUT, dtype=x.dtype, device=x.device)
-    partials = OUT <= PLANES_MAX_OUT
-    pdl = pdl_available(x.device)
     wt = weight.t()
 
     def delta(lo: int, hi: int, segs: LoRASegments) -> None:
-        h = lora_shrink(x[lo:hi], A, segs, slot_ranks, partials=partials, launch_dependents=pdl)
-        lora_expand(y[lo:hi], h, B, segs, slot_ranks, out_offsets, scalings, write=True, pdl=pdl)
+        _write_delta(y[lo:hi], x[lo:hi], A, B, segs, slot_ranks, out_offsets, scalings)
 
     if side_stream is None:
         for lo, hi, segs in chunks:

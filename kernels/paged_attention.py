@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdc import gdc_wait
+from kernels.gdc import gdc_wait, pdl_launch
 from kernels.platform import dot_upcast, pdl_available
 
 
@@ -166,7 +166,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     common = dict(GROUP=group, BLOCK_G=block_g, D=D, BLOCK_D=block_d, BS=BS, BLOCK_N=block_n,
                   SPLIT=num_splits > 1, UPCAST=dot_upcast(q.dtype),
                   IEEE=dot_upcast(q.dtype) or q.dtype == torch.float32,
-                  PDL=pdl, num_warps=4, num_stages=2, **({"launch_pdl": True} if pdl else {}))
+                  num_warps=4, num_stages=2, **pdl_launch(pdl))
     args = (q, k_cache, v_cache, block_tables, context_lens, scale, part_len,
             q.stride(0), q.stride(1))
     kv = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdc import gdc_wait
+from kernels.gdc import gdc_wait, pdl_launch
 from kernels.platform import pdl_available
 
 # Widest row one program holds in registers (BLOCK = next power of two of H).
@@ -101,6 +101,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(T,)](
         x, r, weight, out, s, H, eps,
         x.stride(0), r.stride(0), out.stride(0), s.stride(0),
-        HAS_RES=residual is not None, BLOCK=block, PDL=pdl, num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}))
+        HAS_RES=residual is not None, BLOCK=block, num_warps=num_warps, **pdl_launch(pdl))
     return out, s

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdc import gdc_launch_dependents, gdc_wait
+from kernels.gdc import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.platform import pdl_available
 
 
@@ -131,5 +131,5 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=num_heads, KVH=KVH, D=D, BS=BS,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(KVH),
-        BLOCK_HALF=triton.next_power_of_2(D // 2), PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        BLOCK_HALF=triton.next_power_of_2(D // 2), num_warps=4, **pdl_launch(pdl))
     return qkv

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdc import gdc_wait
+from kernels.gdc import gdc_wait, pdl_launch
 from kernels.platform import pdl_available
 
 
@@ -64,6 +64,5 @@ def silu_mul(gate_up: torch.Tensor, out: Optional[torch.Tensor] = None, block: i
     block = min(block, max(16, triton.next_power_of_2(I)))
     pdl = pdl_available(gate_up.device)
     _silu_mul_kernel[(T, triton.cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0),
-                                                 BLOCK=block, PDL=pdl, num_warps=4,
-                                                 **({"launch_pdl": True} if pdl else {}))
+                                                 BLOCK=block, num_warps=4, **pdl_launch(pdl))
     return out
