@@ -134,13 +134,14 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
 
 
 def check_linear(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
-                 K: int, slices: list[int], R: int, partials: bool, pdl=None) -> tuple[bool, float]:
+                 K: int, slices: list[int], R: int, partials: bool, pdl=None,
+                 pipelined: bool = False) -> tuple[bool, float]:
     """kernels/lora_linear.py against its torch twin, NaN in B's rank padding, base tokens in between."""
     g = torch.Generator(device=DEV).manual_seed(1)
     A, B, x, ranks_t, token_slots, offs = check_case(g, dtype, seg_lens, seg_slots, ranks, K, slices, R)
     W = (torch.randn(offs[-1], K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
     want = ref.lora_linear(x, W, A, B, token_slots, offs, ranks_t)
-    if pdl == "pipelined":  # row chunks of 256 (sequences cut across them), deltas on a side stream
+    if pipelined:  # row chunks of 256 (sequences cut across them), deltas on a side stream
         chunks = [(lo, hi, sgmv_segments(cl, cs, DEV)) for lo, hi, cl, cs in row_chunks(seg_lens, seg_slots, 256)]
         side = torch.cuda.Stream() if DEV.type == "cuda" else None
         y = lora_linear_pipelined(x, W, A, B, chunks, ranks_t, offs, side_stream=side)
@@ -177,14 +178,15 @@ def run_checks(smoke: bool) -> bool:
                 # the shrink's K splits: planes of partial sums, atomics; the expand a programmatic
                 # dependent of the shrink (the launcher's default on sm90+) or not
                 # and the pipelined order (kernels/lora_linear.py, triton strategy only)
-                for partials, pdl in ((True, None), (False, None), (True, False)) + (
-                        ((True, "pipelined"),) if strategy == "triton" else ()):
+                for partials, pdl, pipelined in ((True, None, False), (False, None, False), (True, False, False)) + (
+                        ((True, None, True),) if strategy == "triton" else ()):
                     ok, err = check_linear(strategy, dtype, [300, 1, 700, 45, 20], [0, -1, 3, 0, -1],
-                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, partials, pdl)
+                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, partials, pdl, pipelined)
                     n_checked += 1
                     all_ok &= ok
                     if not ok:
-                        print(f"FAIL lora_linear {strategy} {dtype} partials={partials} pdl={pdl} K={K} {slices}: "
+                        print(f"FAIL lora_linear {strategy} {dtype} partials={partials} pdl={pdl} "
+                              f"pipelined={pipelined} K={K} {slices}: "
                               f"max rel err {err:.2e}")
     for strategy, dtype, lens, slots, shape, kw in cases:
         # bf16 (the serving dtype) on every shape; fp16 and fp32 on qkv (each shape compiles anew)

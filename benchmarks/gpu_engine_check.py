@@ -379,7 +379,8 @@ def async_section(res: dict, tokenizer: Path) -> None:
             del eng
             torch.cuda.empty_cache()
         res["smollm2_decode_async"] = rows
-        print("SmolLM2-135M shape, bf16, graphs: decode step ms, back to back (mean of 16) / serial (median of 16):")
+        print("SmolLM2-135M shape, bf16, graphs: decode step ms, back to back (median of 3 blocks of 16) / serial "
+              "(median of 16):")
         for r in rows:
             print(f"  async {str(r['async']):>5} batch {r['batch']:>3}: {r['step_ms']:7.3f} / {r['step_ms_serial']:7.3f}")
 

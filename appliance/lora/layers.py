@@ -86,7 +86,7 @@ class LoRALinear(nn.Module):
                 return self._pipelined(x, self.base.weight, self.A, self.B, info.chunks, info.slot_ranks,
                                        self.out_offsets, side_stream=self.ctx.side_stream)
             return self._linear(x, self.base.weight, self.A, self.B, segs, info.slot_ranks, self.out_offsets)
-        if segs is not None and segs.max_len == 1 and self.ctx.decode_aside:
+        if segs is not None and self.ctx.decode_aside and segs.max_len == 1 and not self._fuses(segs, self.A, x.device):
             return self._decode_aside(x, info)
         y = self.base(x)
         if info is None:
@@ -108,8 +108,8 @@ class LoRALinear(nn.Module):
         runs on the side stream while the base GEMM runs on the current one, then the expand adds into
         y. A decode GEMM at batch 64 leaves SMs idle (cuBLAS takes 96 to 128 tiles for qkv and o on 132
         SMs) and the shrink is launch- and latency-bound, so it can fill them; the expand must follow
-        the GEMM (it adds into y). Steps that fuse shrink and expand into one launch (enough
-        (token, slice) pairs to fill the SMs) keep the plain order. No extra buffer and no extra add.
+        the GEMM (it adds into y). Only for steps lora_apply would not fuse into one launch (the
+        caller checks): a fused step keeps the plain order. No extra buffer and no extra add.
 
         h is allocated on the side stream and read on this one after the join. Its block goes back to
         the side stream's pool when this returns, and the next use of the side stream (the next
@@ -117,10 +117,6 @@ class LoRALinear(nn.Module):
         writes the block before the expand has read it (also within a CUDA-graph capture, where the
         fork and join are captured as graph edges)."""
         segs = info.segments
-        if self._fuses(segs, self.A, x.device):
-            y = self.base(x)
-            self._apply(y, x, self.A, self.B, segs, info.slot_ranks, self.out_offsets)
-            return y
         side = self.ctx.side_stream
         if side is None:  # cpu: the same kernels in the same order on one stream (the tests)
             h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
