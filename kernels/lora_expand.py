@@ -200,7 +200,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
                 out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *, write: bool = False,
                 block_m: Optional[int] = None, block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, cols_per_prog: Optional[int] = None,
-                num_stages: Optional[int] = None, pdl: bool = False, b_first: bool = True) -> torch.Tensor:
+                num_stages: Optional[int] = None, pdl: bool = False,
+                b_first: Optional[bool] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i, :r] @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, every slice i, in place.
 
     y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink,
@@ -218,7 +219,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     module docstring): B, segs and scalings must not be written by that kernel. One-token segments in
     add mode then take _lora_expand_gemv_kernel (one block_n-column block a program, B loaded before
     the wait; cols_per_prog ignored); b_first=False keeps the column-loop body there, all of it after
-    the wait (benchmarks). Off the devices with PDL the same bodies run in a plain launch.
+    the wait; None = b_first up to B_FIRST_MAX_OUT output columns. Off the devices with PDL the same
+    bodies run in a plain launch.
     """
     if y.dim() != 2 or h.dim() not in (3, 4) or B.dim() != 3:
         raise ValueError(f"lora_expand: y must be [T, out], h [T, n, R] or [P, T, n, R], B [S, out, R]; got "
@@ -249,6 +251,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
         block_m = 1 if segs.max_len == 1 else (16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64))
     launch_pdl = pdl and pdl_available(y.device)
+    if b_first is None:
+        b_first = OUT <= B_FIRST_MAX_OUT
     if pdl and b_first and block_m == 1 and not write:
         return _expand_gemv_pdl(y, h4, B, segs, slot_ranks, offs, scalings, block_n, num_warps, num_stages,
                                 launch_pdl)
@@ -288,6 +292,12 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     )
     return y
 
+
+# The PDL GEMV body (B first) up to this many output columns; wider, the column loop after the wait.
+# H200, 64 tokens / 64 adapters (docs/benchmarks.md): B first wins on qkv_proj (6144 columns, 18.0 against
+# 20.0 µs), o_proj (11.2 / 12.0) and down_proj (16.1 / 17.7), the loop on gate_up_proj (28672 columns:
+# 36.3 against 32.4 µs), whose thousands of one-block programs each pay the wait and a launch slot.
+B_FIRST_MAX_OUT = 16384
 
 # Output columns per program of the PDL GEMV body: its whole B tile [BLOCK_N, R] is loaded before the
 # wait, so it is held in registers (512 x 16 bf16: 64 values a thread at 4 warps).
