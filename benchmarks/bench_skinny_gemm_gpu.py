@@ -6,9 +6,15 @@ tiles for qkv on 132 SMs). This measures, per Llama-3.1-8B projection shape at M
 
 - `cublas`: F.linear(x, W), what the engine runs;
 - `halves`: the same GEMM as two launches over the two halves of N (cuBLAS picks tiles per shape);
+- `cublas_t`: cuBLAS on the transposed problem, (W @ xᵀ)ᵀ (N rows of M columns: other tile choices);
 - `triton BN/BK/w/s`: a plain Triton kernel, one program per BN output columns with all M rows, K in
   BK steps (no split: a program streams its BN weight rows once), written to be the simplest thing
-  that fills every SM.
+  that fills every SM;
+- `splitk BN/BK/S/w/s`: the same with K cut in S ranges, one program per (column block, range), so
+  o_proj and down_proj (4096 columns: 128 programs of 32 columns for 132 SMs) get several programs
+  per SM. Each program stores its fp32 partial in a workspace and counts itself in per-column-block
+  counter; the last of the S to arrive sums the S partials in range order (deterministic) into y and
+  resets the counter (so CUDA-graph replays need no memset).
 
 Each time is one call, the median of 5 CUDA-graph replays of 24 calls back to back (bench_kernels_gpu's
 graph_time), the calls rotating over 4 copies of the weights (past the 60 MB L2). GB/s counts the
@@ -34,7 +40,12 @@ import triton.language as tl
 from bench_kernels_gpu import copy_bandwidth, graph_time
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
-CONFIGS = [(32, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4), (16, 512, 4, 3), (64, 128, 4, 4)]
+CONFIGS = [(32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4)]
+# (BN, BK, S, warps, stages) for splitk, per shape: S chosen so the programs cover the SMs 2-7 times
+SPLITK = {"qkv": [(32, 128, 2, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 64, 2, 4, 6)],
+          "o": [(32, 128, 2, 4, 4), (32, 128, 4, 4, 4), (64, 128, 4, 4, 4), (16, 128, 2, 4, 4), (32, 64, 2, 4, 6)],
+          "gate_up": [(64, 128, 1, 4, 4), (128, 128, 1, 4, 4), (128, 64, 1, 4, 6)],
+          "down": [(32, 128, 4, 4, 4), (32, 128, 7, 4, 4), (64, 128, 7, 4, 4), (64, 128, 4, 4, 4), (32, 64, 4, 4, 6)]}
 COPIES, CALLS = 4, 24
 
 
@@ -53,6 +64,62 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
         acc += tl.dot(a, tl.trans(b))
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K_PER, stride_xm, stride_wn, stride_ym,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, S: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k0 = pid_s * K_PER
+    for k in range(k0, k0 + K_PER, BK):
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :], mask=m_mask[:, None], other=0.0)
+        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k + offs_k)[None, :], mask=n_mask[:, None], other=0.0)
+        acc += tl.dot(a, tl.trans(b))
+    out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if S == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws: [S, BM, N] fp32
+        tl.store(part + pid_s * BM * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the count says so
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == S - 1:  # the last of the S: sum in range order, so the result is deterministic
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.static_range(S):
+                total += tl.load(part + s * BM * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call (graph replays: no memset)
+
+
+_SCRATCH: dict = {}
+
+
+def splitk(x: torch.Tensor, w: torch.Tensor, bn: int, bk: int, s: int, warps: int, stages: int) -> torch.Tensor:
+    M, K = x.shape
+    N = w.shape[0]
+    bm = max(16, triton.next_power_of_2(M))
+    assert K % (s * bk) == 0 and M <= 128, (K, s, bk)
+    key = (x.device, bm, N, s, bn)
+    if key not in _SCRATCH:  # allocated once (outside graph capture: the warm-up call comes first)
+        _SCRATCH[key] = (torch.empty(s, bm, N, dtype=torch.float32, device=x.device),
+                         torch.zeros(triton.cdiv(N, bn), dtype=torch.int32, device=x.device))
+    ws, cnt = _SCRATCH[key]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _splitk_kernel[(triton.cdiv(N, bn), s)](x, w, y, ws, cnt, M, N, K // s, x.stride(0), w.stride(0), y.stride(0),
+                                            BM=bm, BN=bn, BK=bk, S=s, num_warps=warps, num_stages=stages)
+    return y
+
+
+def cublas_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.mm(w, x.t()).t()
 
 
 def skinny(x: torch.Tensor, w: torch.Tensor, bn: int, bk: int, warps: int, stages: int) -> torch.Tensor:
@@ -94,9 +161,11 @@ def main() -> None:
         for m in args.m:
             x = torch.randn(m, K, device=dev, dtype=torch.bfloat16)
             want = F.linear(x, ws[0])
-            variants = [("cublas", F.linear), ("halves", halves)]
+            variants = [("cublas", F.linear), ("cublas_t", cublas_t), ("halves", halves)]
             variants += [(f"triton {bn}/{bk}/{w}/{s}", (lambda x, w_, c=(bn, bk, w, s): skinny(x, w_, *c)))
                          for bn, bk, w, s in CONFIGS]
+            variants += [(f"splitk {bn}/{bk}/{s}/{w}/{st}", (lambda x, w_, c=(bn, bk, s, w, st): splitk(x, w_, *c)))
+                         for bn, bk, s, w, st in SPLITK[name]]
             for label, fn in variants:
                 try:
                     diff = (fn(x, ws[0]).float() - want.float()).abs().max().item()
