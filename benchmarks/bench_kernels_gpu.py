@@ -10,7 +10,7 @@ starlette). Run from the repo root:
    bf16/fp16/fp32, decode (through lora_apply's fused kernel and through shrink + expand, the expand
    a programmatic dependent of the shrink or not, the former also replayed from a CUDA graph) and
    prefill (lora_apply; lora_linear with the shrink's K splits in planes or atomics, with and without
-   PDL; lora_linear_pipelined over 256-row chunks), mixed ranks with NaN in B's rank padding, base tokens.
+   PDL), mixed ranks with NaN in B's rank padding, base tokens.
 2. Ceilings measured in the same run: device-to-device copy bandwidth (bytes read + written) and a
    bf16 matrix product.
 3. Prefill: 64 to 16k tokens in sequences of up to 4k, 1 or 4 adapters: LoRA time against the base
@@ -18,9 +18,7 @@ starlette). Run from the repo root:
    wrapped projection's time minus the base GEMM's: kernels/lora_linear.py (delta written first, the
    GEMM accumulating into it: what the engine runs for prefill steps from 64 tokens) with the shrink's
    K splits atomic, in planes, or none, and the add-after order (GEMM, then lora_apply adding into y:
-   the engine below 64 tokens); and lora_linear_pipelined (row chunks of 4096 or T/4 rows, each
-   chunk's delta on a side stream beside the previous chunk's GEMM; the engine's with
-   lora.prefill_chunk_rows, off by default).
+   the engine below 64 tokens).
 4. Decode: T tokens (1..256), D distinct rank-16 adapters (1..256), token i on adapter i % D, for each
    projection of Llama-3.1-8B (qkv, o, gate_up, down). The time is one LoRA application
    (kernels/lora_apply.py: fused, or shrink + expand), from CUDA-graph replays, so Python launch
@@ -51,9 +49,9 @@ import triton  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.lora_apply import lora_apply  # noqa: E402
 from kernels.lora_expand import lora_expand  # noqa: E402
-from kernels.lora_linear import lora_linear, lora_linear_pipelined  # noqa: E402
+from kernels.lora_linear import lora_linear  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
-from kernels.segments import LoRASegments, csgmv_segments, row_chunks, sgmv_segments  # noqa: E402
+from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --smoke under TRITON_INTERPRET=1
 LLAMA_8B = {  # projection -> (in features, output slices)
@@ -134,20 +132,14 @@ def check(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: lis
 
 
 def check_linear(strategy: str, dtype: torch.dtype, seg_lens: list[int], seg_slots: list[int], ranks: list[int],
-                 K: int, slices: list[int], R: int, partials: bool, pdl=None,
-                 pipelined: bool = False) -> tuple[bool, float]:
+                 K: int, slices: list[int], R: int, partials: bool, pdl=None) -> tuple[bool, float]:
     """kernels/lora_linear.py against its torch twin, NaN in B's rank padding, base tokens in between."""
     g = torch.Generator(device=DEV).manual_seed(1)
     A, B, x, ranks_t, token_slots, offs = check_case(g, dtype, seg_lens, seg_slots, ranks, K, slices, R)
     W = (torch.randn(offs[-1], K, device=DEV, generator=g) / math.sqrt(K)).to(dtype)
     want = ref.lora_linear(x, W, A, B, token_slots, offs, ranks_t)
-    if pipelined:  # row chunks of 256 (sequences cut across them), deltas on a side stream
-        chunks = [(lo, hi, sgmv_segments(cl, cs, DEV)) for lo, hi, cl, cs in row_chunks(seg_lens, seg_slots, 256)]
-        side = torch.cuda.Stream() if DEV.type == "cuda" else None
-        y = lora_linear_pipelined(x, W, A, B, chunks, ranks_t, offs, side_stream=side)
-    else:
-        segs = make_segments(strategy, seg_lens, seg_slots)
-        y = lora_linear(x, W, A, B, segs, ranks_t, offs, split_k=4, partials=partials, pdl=pdl)
+    segs = make_segments(strategy, seg_lens, seg_slots)
+    y = lora_linear(x, W, A, B, segs, ranks_t, offs, split_k=4, partials=partials, pdl=pdl)
     err = ((y.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
     tol = CHECK_TOL[dtype]
     return err <= tol, err
@@ -177,16 +169,13 @@ def run_checks(smoke: bool) -> bool:
             for K, slices in (shapes if dtype == torch.bfloat16 else shapes[:1]):
                 # the shrink's K splits: planes of partial sums, atomics; the expand a programmatic
                 # dependent of the shrink (the launcher's default on sm90+) or not
-                # and the pipelined order (kernels/lora_linear.py, triton strategy only)
-                for partials, pdl, pipelined in ((True, None, False), (False, None, False), (True, False, False)) + (
-                        ((True, None, True),) if strategy == "triton" else ()):
+                for partials, pdl in ((True, None), (False, None), (True, False)):
                     ok, err = check_linear(strategy, dtype, [300, 1, 700, 45, 20], [0, -1, 3, 0, -1],
-                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, partials, pdl, pipelined)
+                                           [16, 8, 1, 16, 0, 5, 16, 12], K, slices, 16, partials, pdl)
                     n_checked += 1
                     all_ok &= ok
                     if not ok:
-                        print(f"FAIL lora_linear {strategy} {dtype} partials={partials} pdl={pdl} "
-                              f"pipelined={pipelined} K={K} {slices}: "
+                        print(f"FAIL lora_linear {strategy} {dtype} partials={partials} pdl={pdl} K={K} {slices}: "
                               f"max rel err {err:.2e}")
     for strategy, dtype, lens, slots, shape, kw in cases:
         # bf16 (the serving dtype) on every shape; fp16 and fp32 on qkv (each shape compiles anew)
@@ -317,16 +306,6 @@ class Proj:
         W = self.weight()
         return lambda: linear(self.x, W, self.A, self.B, segs, self.ranks, self.offs, **kw)
 
-    def pipelined_fn(self, seg_lens: list[int], seg_slots: list[int], chunk_rows: int) -> Callable[[], None]:
-        """kernels/lora_linear.py's pipelined order: row chunks of chunk_rows, each chunk's delta on a
-        side stream beside the previous chunk's GEMM (the fork and joins are captured in the graph)."""
-        W = self.weight()
-        chunks = [(lo, hi, sgmv_segments(cl, cs, DEV))
-                  for lo, hi, cl, cs in row_chunks(seg_lens, seg_slots, chunk_rows)]
-        side = torch.cuda.Stream() if DEV.type == "cuda" else None
-        return lambda: lora_linear_pipelined(self.x, W, self.A, self.B, chunks, self.ranks, self.offs,
-                                             side_stream=side)
-
     def add_after_fn(self, segs: LoRASegments) -> Callable[[], None]:
         """The order before lora_linear: the base GEMM, then lora_apply reads y, adds, writes it back."""
         base = self.base_fn()
@@ -374,7 +353,6 @@ def bench(args: argparse.Namespace) -> list[str]:
     head = ("| proj | T | D | base µs | base, C read (beta=1) µs | add-after LoRA µs (% base) | "
             + " | ".join(f"{v} LoRA µs (% base)" for v in variants)
             + " | csgmv16 LoRA µs (% base) | csgmv64 LoRA µs (% base)"
-            + " | pipelined 4096-row chunks LoRA µs (% base) | pipelined T/4 chunks LoRA µs (% base)"
             + "".join(f" | before ({b[0]}) LoRA µs (% base)" for b in BEFORE) + " | torch LoRA µs (% base) | TFLOP/s (best) |")
     lines += ["Prefill (sequences of up to 4096 tokens, rank 16, bf16; base = x @ Wᵀ through cuBLAS; LoRA µs = "
               "the wrapped projection's time minus the base's; kernels/lora_linear.py with the shrink's K "
@@ -393,7 +371,6 @@ def bench(args: argparse.Namespace) -> list[str]:
         fns = ([p.base_fn(), p.base_fn(accumulate=True), p.add_after_fn(segs["triton"])]
                + [p.linear_fn(segs["triton"], **kw) for kw in variants.values()]
                + [p.linear_fn(segs[strategy]) for strategy in ("csgmv16", "csgmv64")]
-               + [p.pipelined_fn(*its[0], 4096), p.pipelined_fn(*its[0], max(16, T // 4))]
                + [p.linear_fn(segs["triton"], b[2]) for b in BEFORE])
         base, acc, *lin = interleaved_times(fns)
         flops = 2 * T * RANK * (p.n * K + p.offs[-1])

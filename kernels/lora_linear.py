@@ -64,92 +64,20 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
     programmatic dependent of the shrink (its launch under the shrink's tail; None = where the device
     has PDL).
     """
-    y = _new_output("lora_linear", x, weight, B)
-    _write_delta(y, x, A, B, segs, slot_ranks, out_offsets, scalings, split_k, partials, pdl)
-    return y.addmm_(x, weight.t())  # beta = 1: cuBLAS reads the delta in its epilogue
-
-
-def _new_output(fn: str, x: torch.Tensor, weight: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """The shared argument checks; then y [T, out], uninitialised (the delta's write fills every row)."""
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"{fn}: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
+        raise ValueError(f"lora_linear: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
     if weight.dtype != x.dtype:
-        raise ValueError(f"{fn}: weight and x must share a dtype, got {weight.dtype}, {x.dtype}")
+        raise ValueError(f"lora_linear: weight and x must share a dtype, got {weight.dtype}, {x.dtype}")
     if B.dim() != 3 or B.shape[1] != weight.shape[0]:
-        raise ValueError(f"{fn}: B must be [S, {weight.shape[0]}, R], got {tuple(B.shape)}")
-    return torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-
-
-def _write_delta(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
-                 slot_ranks: torch.Tensor, out_offsets: Sequence[int], scalings: Optional[torch.Tensor],
-                 split_k: Optional[int] = None, partials: Optional[bool] = None,
-                 pdl: Optional[bool] = None) -> None:
-    """y = the delta of x's rows (lora_shrink, then lora_expand in write mode: base rows zeroed)."""
+        raise ValueError(f"lora_linear: B must be [S, {weight.shape[0]}, R], got {tuple(B.shape)}")
+    T, OUT = x.shape[0], weight.shape[0]
+    y = torch.empty(T, OUT, dtype=x.dtype, device=x.device)  # the delta's write fills every row
     if partials is None:
-        partials = y.shape[1] <= PLANES_MAX_OUT
+        partials = OUT <= PLANES_MAX_OUT
     if pdl is None:
         pdl = pdl_available(x.device)
     h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=partials,
                     launch_dependents=pdl)  # [(P,) T, n, R] fp32
     lora_expand(y, h, B, segs, slot_ranks, out_offsets, scalings, write=True, pdl=pdl)
-
-
-def lora_linear_pipelined(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                          chunks: Sequence[tuple[int, int, LoRASegments]], slot_ranks: torch.Tensor,
-                          out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
-                          side_stream: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
-    """lora_linear over consecutive row chunks, each chunk's delta beside the previous chunk's GEMM.
-
-    chunks: [(lo, hi, segs)] covering rows 0..T in order, segs over the chunk's own rows (row 0 = x's
-    row lo; kernels.segments.row_chunks + sgmv_segments build them, base rows listed); other
-    arguments as lora_linear's. Returns y = x @ weightᵀ + the delta, a new [T, out] tensor.
-
-    Why: at prefill sizes the base GEMM is compute-bound and leaves most of the memory bandwidth
-    idle, while the delta (the shrink's read of x, the expand's write of y) is all memory traffic:
-    ~12 % of the GEMM's time for qkv_proj and o_proj at 16k tokens when it runs before it
-    (docs/benchmarks.md). Here every chunk's delta (lora_shrink, then lora_expand writing y[lo:hi])
-    is queued on `side_stream`, and the current stream runs chunk c's GEMM (accumulating into
-    y[lo:hi], beta = 1) once chunk c's delta is done, so chunk c + 1's delta runs while chunk c's
-    GEMM does; only the first chunk's delta is exposed. How much overlaps depends on the GEMM
-    kernel leaving room on the SMs for the delta's programs. side_stream None (CPU, or no CUDA):
-    the same kernels chunk by chunk in one stream (the tests). Same rounding as lora_linear.
-
-    Memory: y is allocated on the current stream before the fork and read there only after each
-    chunk's event; h lives and dies on the side stream (each chunk's shrink after the previous
-    chunk's expand in stream order); x is read on the side stream only before the events the current
-    stream waits on before this returns.
-    """
-    y = _new_output("lora_linear_pipelined", x, weight, B)
-    T = x.shape[0]
-    cover = 0
-    for lo, hi, _ in chunks:
-        if lo != cover or hi <= lo:
-            raise ValueError(f"lora_linear_pipelined: chunks must cover rows 0..{T} in order, got "
-                             f"{[c[:2] for c in chunks]}")
-        cover = hi
-    if cover != T:
-        raise ValueError(f"lora_linear_pipelined: chunks cover {cover} of {T} rows")
-    wt = weight.t()
-
-    def delta(lo: int, hi: int, segs: LoRASegments) -> None:
-        _write_delta(y[lo:hi], x[lo:hi], A, B, segs, slot_ranks, out_offsets, scalings)
-
-    if side_stream is None:
-        for lo, hi, segs in chunks:
-            delta(lo, hi, segs)
-            y[lo:hi].addmm_(x[lo:hi], wt)
-        return y
-    main = torch.cuda.current_stream(x.device)
-    side_stream.wait_stream(main)  # x and y are ready
-    done = []
-    with torch.cuda.stream(side_stream):
-        for lo, hi, segs in chunks:
-            delta(lo, hi, segs)
-            ev = torch.cuda.Event()
-            ev.record(side_stream)
-            done.append(ev)
-    for (lo, hi, _), ev in zip(chunks, done):
-        main.wait_event(ev)
-        y[lo:hi].addmm_(x[lo:hi], wt)  # beta = 1: this chunk's delta, read in the GEMM's epilogue
-    return y
+    return y.addmm_(x, weight.t())  # beta = 1: cuBLAS reads the delta in its epilogue

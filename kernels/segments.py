@@ -95,32 +95,6 @@ def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_
     return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0), base_t, len(token_index))
 
 
-def row_chunks(seg_lens: Sequence[int], seg_slots: Sequence[int],
-               chunk_rows: int) -> list[tuple[int, int, list[int], list[int]]]:
-    """Cut the step's token rows into consecutive chunks of `chunk_rows` (the last one shorter), each
-    with the (lengths, slots) of the sequence pieces it holds, rows counted from the chunk's first:
-    [(lo, hi, lens, slots)]. A sequence across a cut becomes two pieces of the same slot, one per
-    chunk. For kernels/lora_linear.py's pipelined order (one chunk's delta beside the previous chunk's
-    GEMM); build each chunk's segments from its lists with sgmv_segments. Host ints only."""
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    total = sum(seg_lens)
-    out: list[tuple[int, int, list[int], list[int]]] = []
-    for lo in range(0, total, chunk_rows):
-        out.append((lo, min(lo + chunk_rows, total), [], []))
-    row = 0
-    for n, s in zip(seg_lens, seg_slots):
-        end = row + n
-        while row < end:
-            c = row // chunk_rows
-            lo, hi, lens, slots = out[c]
-            take = min(end, hi) - row
-            lens.append(take)
-            slots.append(s)
-            row += take
-    return out
-
-
 # Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,
 # so views packed back to back would compile a kernel once per (segment count mod 4) pattern, and on
 # the H200 those first-seen compiles landed inside requests (docs/benchmarks.md).

@@ -219,11 +219,6 @@ class LoRAConfig:
     backend: str = "torch"
     # csgmv: most tokens of one adapter per chunk (one kernel program's rows).
     max_chunk_size: int = 16
-    # Prefill-shaped steps of at least 2 x this many tokens (backends triton/csgmv) run each wrapped
-    # projection in row chunks of this size, the LoRA delta of chunk c + 1 on a side CUDA stream while
-    # chunk c's base GEMM runs (kernels/lora_linear.py, lora_linear_pipelined). 0 = off (the default:
-    # not yet measured on a GPU). Same results as off. On CPU the chunks run in order on one stream.
-    prefill_chunk_rows: int = 0
     # true: a cold adapter (not in the CPU tier) is read from disk by a background thread while the
     # batch keeps running; its requests wait (reason "load") until the weights are in host memory. On
     # CUDA the CPU tier is pinned and host->slot copies run on a side stream (the step that first uses
@@ -269,11 +264,6 @@ class LoRAConfig:
             raise ConfigError(f"lora.backend: {self.backend!r} is not one of {', '.join(LORA_BACKENDS)}")
         if not 1 <= self.max_chunk_size <= 4096:
             raise ConfigError(f"lora.max_chunk_size: must be in 1..4096, got {self.max_chunk_size}")
-        if self.prefill_chunk_rows < 0:
-            raise ConfigError(f"lora.prefill_chunk_rows: must be >= 0 (0 = off), got {self.prefill_chunk_rows}")
-        if self.prefill_chunk_rows and self.backend == "torch":
-            # Refused, not ignored: the chunked order is the Triton kernels' prefill path.
-            raise ConfigError("lora.prefill_chunk_rows: needs lora.backend triton or csgmv; set it to 0")
         if not 1 <= self.loader_threads <= 64:
             raise ConfigError(f"lora.loader_threads: must be in 1..64, got {self.loader_threads}")
         if self.fault_injection_read_delay_s < 0:
@@ -412,9 +402,6 @@ class ApplianceConfig:
             # only; the ranks' slot fills go through rank 0's collective fill instead.
             raise ConfigError("lora.overlap_loading: not available with parallel.tp_size > 1 yet; "
                               "set lora.overlap_loading=false")
-        if self.parallel.tp_size > 1 and self.lora.enabled and self.lora.prefill_chunk_rows:
-            # Refused, not ignored: sharded projections keep the add-after order, never the chunked one.
-            raise ConfigError("lora.prefill_chunk_rows: not available with parallel.tp_size > 1; set it to 0")
         if self.parallel.tp_size > 1 and self.lora.enabled and self.lora.decode_side_stream:
             # Refused, not ignored: untested with the sharded projections' collectives.
             raise ConfigError("lora.decode_side_stream: not available with parallel.tp_size > 1; set it to false")

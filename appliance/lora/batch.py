@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from kernels.segments import LoRASegments, csgmv_segments, row_chunks, sgmv_segments, to_device
+from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments, to_device
 
 
 # Up to this many tokens in a step, gathering per-token weights beats the per-adapter loop (decode).
@@ -44,17 +44,12 @@ class LoRABatchInfo:
     gather: bool = False
     # Backends triton/csgmv: the kernels' segments (no base-token segment); None for torch.
     segments: Optional[LoRASegments] = None
-    # lora.prefill_chunk_rows: [(lo, hi, segments over rows lo..hi)] for lora_linear_pipelined, on
-    # prefill-shaped steps of at least two chunks; None otherwise.
-    chunks: Optional[list[tuple[int, int, LoRASegments]]] = None
 
     @classmethod
     def build(cls, seg_lens: list[int], seg_slots: list[int], slot_ranks: list[int],
-              device: torch.device, backend: str = "torch", max_chunk_size: int = 16,
-              chunk_rows: int = 0) -> "LoRABatchInfo":
+              device: torch.device, backend: str = "torch", max_chunk_size: int = 16) -> "LoRABatchInfo":
         if backend != "torch":
-            return cls.build_for_kernels(seg_lens, seg_slots, slot_ranks, device, backend, max_chunk_size,
-                                         chunk_rows)
+            return cls.build_for_kernels(seg_lens, seg_slots, slot_ranks, device, backend, max_chunk_size)
         indptr = [0]
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
@@ -76,34 +71,23 @@ class LoRABatchInfo:
 
     @classmethod
     def from_layout(cls, layout: LoRAStepLayout, device: torch.device, backend: str = "torch",
-                    max_chunk_size: int = 16, chunk_rows: int = 0) -> "LoRABatchInfo":
-        return cls.build(layout.seg_lens, layout.seg_slots, layout.slot_ranks, device, backend, max_chunk_size,
-                         chunk_rows)
+                    max_chunk_size: int = 16) -> "LoRABatchInfo":
+        return cls.build(layout.seg_lens, layout.seg_slots, layout.slot_ranks, device, backend, max_chunk_size)
 
     @classmethod
     def build_for_kernels(cls, seg_lens: list[int], seg_slots: list[int], slot_ranks: list[int],
-                          device: torch.device, backend: str, max_chunk_size: int,
-                          chunk_rows: int = 0) -> "LoRABatchInfo":
-        """The kernels' form only: the torch backend's per-token and per-group tensors are not built.
-        chunk_rows > 0: prefill-shaped steps (a sequence of more than one token) of at least two chunks
-        also get each row chunk's segments (`chunks`, kernels/lora_linear.py's pipelined order)."""
+                          device: torch.device, backend: str, max_chunk_size: int) -> "LoRABatchInfo":
+        """The kernels' form only: the torch backend's per-token and per-group tensors are not built."""
         if backend == "triton":
-            def segments(lens: list[int], slots: list[int]) -> LoRASegments:
-                return sgmv_segments(lens, slots, device)
+            segs = sgmv_segments(seg_lens, seg_slots, device)
         elif backend == "csgmv":
-            def segments(lens: list[int], slots: list[int]) -> LoRASegments:
-                return csgmv_segments(lens, slots, max_chunk_size, device)
+            segs = csgmv_segments(seg_lens, seg_slots, max_chunk_size, device)
         else:
             raise ValueError(f"unknown LoRA backend {backend!r}")
-        segs = segments(seg_lens, seg_slots)
-        chunks = None
-        if chunk_rows > 0 and segs.max_len > 1 and sum(seg_lens) >= 2 * chunk_rows:
-            cuts = row_chunks(seg_lens, seg_slots, chunk_rows)
-            chunks = [(lo, hi, segments(lens, slots)) for lo, hi, lens, slots in cuts]
         indptr = [0]
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
         seg_indptr, slots_t, ranks_t = to_device([indptr, list(seg_slots), list(slot_ranks)], device)
         empty = torch.empty(0, dtype=torch.long, device=device)
         return cls(seg_indptr=seg_indptr, seg_slots=slots_t, slot_ranks=ranks_t, token_slots=empty,
-                   groups=[], segments=segs, chunks=chunks)
+                   groups=[], segments=segs)

@@ -40,8 +40,7 @@ class LoRAContext:
     backend: str = "torch"  # lora.backend: torch | triton | csgmv
     num_slots: int = 0  # S: GPU slots of every wrapper's A/B buffers
     # lora.decode_side_stream: one-token layouts run the shrink aside (LoRALinear._decode_aside), on
-    # `side_stream`. side_stream: also lora_linear_pipelined's (lora.prefill_chunk_rows); None on cpu,
-    # where both run the same kernels in the same order on one stream (the tests).
+    # `side_stream`; None on cpu, where the same kernels run in the same order on one stream (the tests).
     decode_aside: bool = False
     side_stream: Optional["torch.cuda.Stream"] = None
 
@@ -64,13 +63,12 @@ class LoRALinear(nn.Module):
             # Imported here so the torch backend never needs triton (no wheel on some platforms).
             from kernels.lora_apply import fuses, lora_apply
             from kernels.lora_expand import lora_expand
-            from kernels.lora_linear import lora_linear, lora_linear_pays, lora_linear_pipelined
+            from kernels.lora_linear import lora_linear, lora_linear_pays
             from kernels.lora_shrink import lora_shrink
 
             self._apply = lora_apply
             self._fuses, self._shrink, self._expand = fuses, lora_shrink, lora_expand
             self._linear, self._linear_pays = lora_linear, lora_linear_pays
-            self._pipelined = lora_linear_pipelined
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         info = self.ctx.info
@@ -80,11 +78,7 @@ class LoRALinear(nn.Module):
         own_gemm = type(self.base).forward is nn.Linear.forward and self.base.bias is None
         if segs is not None and own_gemm and x.dim() == 2 and self._linear_pays(x.shape[0], segs, x.device):
             # Prefill-shaped step: the delta is written first and the base GEMM accumulates into it
-            # (kernels/lora_linear.py), so y crosses HBM once less than with the add after; with
-            # lora.prefill_chunk_rows, chunk by chunk, each chunk's delta beside the previous GEMM.
-            if info.chunks is not None:
-                return self._pipelined(x, self.base.weight, self.A, self.B, info.chunks, info.slot_ranks,
-                                       self.out_offsets, side_stream=self.ctx.side_stream)
+            # (kernels/lora_linear.py), so y crosses HBM once less than with the add after.
             return self._linear(x, self.base.weight, self.A, self.B, segs, info.slot_ranks, self.out_offsets)
         if segs is not None and self.ctx.decode_aside and segs.max_len == 1 and not self._fuses(segs, self.A, x.device):
             return self._decode_aside(x, info)

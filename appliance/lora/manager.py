@@ -107,8 +107,7 @@ class LoRAManager:
             aside = device.type == "cuda" and tp is None
         if aside and cfg.backend != "torch":
             self.ctx.decode_aside = True
-        if (self.ctx.decode_aside or cfg.prefill_chunk_rows) and device.type == "cuda":
-            self.ctx.side_stream = torch.cuda.Stream(device)  # also lora_linear_pipelined's
+            self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).
         self.reader: Optional[BackgroundReader[Weights]] = None
         self.copier = None
@@ -412,7 +411,7 @@ class LoRAManager:
         layout = None if all(s == -1 for s in slots) else LoRAStepLayout(
             list(seg_lens), list(slots), list(self.slot_ranks))
         self.ctx.info = None if layout is None else LoRABatchInfo.from_layout(
-            layout, self.device, self.cfg.backend, self.cfg.max_chunk_size, self.cfg.prefill_chunk_rows)
+            layout, self.device, self.cfg.backend, self.cfg.max_chunk_size)
         return layout
 
     # ------------------------------------------------------------------ internals

@@ -105,8 +105,6 @@ def test_config_hash_tracks_content() -> None:
     ("lora.max_lora_rank=0", "lora.max_lora_rank"),
     ("lora.backend=sgmv", "lora.backend"),
     ("lora.max_chunk_size=0", "lora.max_chunk_size"),
-    ("lora.prefill_chunk_rows=-1", "lora.prefill_chunk_rows"),
-    ("lora.prefill_chunk_rows=4096", "lora.prefill_chunk_rows: needs lora.backend triton or csgmv"),
     ("lora.loader_threads=0", "lora.loader_threads"),
     ("lora.fault_injection_read_delay_s=-1", "lora.fault_injection_read_delay_s"),
 ])

@@ -21,9 +21,9 @@ import torch
 from kernels import reference as ref
 from kernels.lora_apply import lora_apply
 from kernels.lora_expand import lora_expand
-from kernels.lora_linear import lora_linear, lora_linear_pays, lora_linear_pipelined
+from kernels.lora_linear import lora_linear, lora_linear_pays
 from kernels.lora_shrink import lora_shrink
-from kernels.segments import LoRASegments, csgmv_segments, row_chunks, sgmv_segments
+from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {  # dtype -> (atol, rtol) of the kernel against the same-dtype torch twin, values of order 1
@@ -346,41 +346,6 @@ def test_lora_linear_against_reference(partials: Optional[bool], dtype: torch.dt
     torch.testing.assert_close(got[base], (x[base].float() @ W.float().T).to(dtype), atol=atol, rtol=rtol)
     add_after = ref.lora_expand(x @ W.T, ref.lora_shrink(x, A, token_slots, r_t), B, token_slots, offs, r_t)
     torch.testing.assert_close(got, add_after, atol=atol, rtol=rtol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_lora_linear_pipelined_equals_lora_linear(dtype: torch.dtype) -> None:
-    # Row chunks (sequences cut across them, base rows inside) through the pipelined order: the same
-    # delta and GEMM per row as lora_linear over the whole step, against the torch twin too.
-    g = torch.Generator().manual_seed(5)
-    lens, slots, ranks, K, slices, R = [6, 11, 3, 9, 4], [1, 0, -1, 2, 0], [16, 8, 4], 48, [32, 8, 8], 16
-    S, T, OUT = len(ranks), sum(lens), sum(slices)
-    offs = [0, 32, 40, 48]
-    A = (torch.randn(S, 3, R, K, generator=g) / math.sqrt(K)).to(dtype)
-    B = (torch.randn(S, OUT, R, generator=g) / math.sqrt(R)).to(dtype)
-    for s, r in enumerate(ranks):
-        B[s, :, r:] = float("nan")
-    x = torch.randn(T, K, generator=g).to(dtype)
-    W = (torch.randn(OUT, K, generator=g) / math.sqrt(K)).to(dtype)
-    r_t = torch.tensor(ranks, dtype=torch.int32, device=DEV)
-    token_slots = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)])
-    whole = lora_linear(x.to(DEV), W.to(DEV), A.to(DEV), B.to(DEV), sgmv_segments(lens, slots, DEV), r_t, offs).cpu()
-    chunks = [(lo, hi, sgmv_segments(cl, cs, DEV)) for lo, hi, cl, cs in row_chunks(lens, slots, 8)]
-    assert len(chunks) == 5
-    side = torch.cuda.Stream() if DEV.type == "cuda" else None
-    got = lora_linear_pipelined(x.to(DEV), W.to(DEV), A.to(DEV), B.to(DEV), chunks, r_t, offs, side_stream=side).cpu()
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(got, whole, atol=atol, rtol=rtol)
-    torch.testing.assert_close(got, ref.lora_linear(x, W, A, B, token_slots, offs, r_t.cpu()), atol=atol, rtol=rtol)
-    with pytest.raises(ValueError, match="cover"):
-        lora_linear_pipelined(x.to(DEV), W.to(DEV), A.to(DEV), B.to(DEV), chunks[:-1], r_t, offs)
-    # a chunk of base rows only (no segment: the write-mode expand zeroes it all)
-    lens, slots = [8, 8, 17], [0, -1, 1]
-    token_slots = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)])
-    chunks = [(lo, hi, sgmv_segments(cl, cs, DEV)) for lo, hi, cl, cs in row_chunks(lens, slots, 8)]
-    assert chunks[1][2].num_segs == 0
-    got = lora_linear_pipelined(x.to(DEV), W.to(DEV), A.to(DEV), B.to(DEV), chunks, r_t, offs, side_stream=side).cpu()
-    torch.testing.assert_close(got, ref.lora_linear(x, W, A, B, token_slots, offs, r_t.cpu()), atol=atol, rtol=rtol)
 
 
 def test_lora_linear_pays_only_for_prefill_shapes() -> None:

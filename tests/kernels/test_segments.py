@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.segments import csgmv_segments, row_chunks, sgmv_segments, to_device
+from kernels.segments import csgmv_segments, sgmv_segments, to_device
 
 CPU = torch.device("cpu")
 
@@ -38,19 +38,6 @@ def test_all_base_step_has_no_segment() -> None:
 def test_chunk_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_chunk_size"):
         csgmv_segments([1], [0], 0, CPU)
-
-
-def test_row_chunks_cut_sequences_at_the_chunk_edges() -> None:
-    # rows: 0-2 slot 0 | 3-8 base | 9-15 slot 1 | 16 slot 0; chunks of 5 rows
-    chunks = row_chunks([3, 6, 7, 1], [0, -1, 1, 0], 5)
-    assert chunks == [(0, 5, [3, 2], [0, -1]), (5, 10, [4, 1], [-1, 1]), (10, 15, [5], [1]),
-                      (15, 17, [1, 1], [1, 0])]
-    for lo, hi, lens, _ in chunks:
-        assert sum(lens) == hi - lo
-    assert row_chunks([4], [2], 8) == [(0, 4, [4], [2])]
-    assert row_chunks([0, 2], [1, 0], 1) == [(0, 1, [1], [0]), (1, 2, [1], [0])]
-    with pytest.raises(ValueError, match="chunk_rows"):
-        row_chunks([1], [0], 0)
 
 
 def test_both_builders_list_the_base_rows() -> None:

@@ -52,26 +52,3 @@ def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
                                            msg=lambda m: f"{backend} bias={bias} aside={aside} {seg_lens}: {m}")
                 base = token_slots < 0
                 torch.testing.assert_close(got[base], lin.base(x)[base].detach(), atol=1e-5, rtol=1e-5)
-
-
-def test_prefill_in_row_chunks_matches_the_torch_twin() -> None:
-    """lora.prefill_chunk_rows: LoRABatchInfo lists row chunks for prefill-shaped steps of two chunks or
-    more (not for decode, not for short steps), and the wrapper then runs lora_linear_pipelined (on
-    CPU: chunk by chunk on one stream) with the same result as the torch twin."""
-    ranks = [8, 4, 0]
-    for backend in ("triton", "csgmv"):
-        lin, ctx = wrapped(False, backend)
-        seg_lens, seg_slots = [5, 3, 7, 2], [0, -1, 1, 2]  # 17 rows: chunks of 6 cut sequences 0 and 2
-        info = LoRABatchInfo.build(seg_lens, seg_slots, ranks, DEV, backend=backend, max_chunk_size=4, chunk_rows=6)
-        assert [(lo, hi) for lo, hi, _ in info.chunks] == [(0, 6), (6, 12), (12, 17)]
-        assert LoRABatchInfo.build(seg_lens, seg_slots, ranks, DEV, backend=backend, chunk_rows=9).chunks is None
-        decode = LoRABatchInfo.build([1] * 16, [i % 2 for i in range(16)], ranks, DEV, backend="triton", chunk_rows=4)
-        assert decode.chunks is None  # one-token segments: the decode path, never chunked
-        ctx.info = info
-        x = torch.randn(sum(seg_lens), 32, device=DEV)
-        token_slots = torch.tensor([s for n, s in zip(seg_lens, seg_slots) for _ in range(n)], device=DEV)
-        want = ref.lora_expand(lin.base(x), ref.lora_shrink(x, lin.A, token_slots), lin.B, token_slots,
-                               lin.out_offsets)
-        with torch.no_grad():
-            got = lin(x)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{backend}: {m}")

@@ -259,28 +259,6 @@ def test_triton_backends_refused_on_cpu_without_interpreter(tiny_model_dir: Path
     assert lora_engine(tiny_model_dir, tmp_path, "lora.backend=torch", "model.device=cpu").lora is not None
 
 
-def test_prefill_in_row_chunks_matches_peft(adapters: dict[str, Path], oracle: dict, tiny_model_dir: Path) -> None:
-    """lora.prefill_chunk_rows: one prefill step of 4 requests (base and 3 adapters, ~20 tokens) in
-    6-row chunks, sequences cut across chunks (kernels/lora_linear.py's pipelined order; on CPU chunk
-    by chunk on one stream): the last-position logits of every request against peft's."""
-    root = next(iter(adapters.values())).parent
-    engine = lora_engine(tiny_model_dir, root, "lora.backend=triton", "lora.prefill_chunk_rows=6")
-    names = ["all8rs", "pattern", "mlp6"]
-    for name in names:
-        engine.lora.load(name, str(adapters[name]))
-    jobs = [(None, 0), ("all8rs", 1), ("pattern", 2), ("mlp6", 3)]
-    for j, (name, p) in enumerate(jobs):
-        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY, adapter=name)
-    plan = engine.scheduler.schedule()
-    assert len(plan.prefills) == len(jobs)
-    logits = engine.runner.execute(plan)
-    chunks = engine.lora.ctx.info.chunks
-    assert chunks is not None and len(chunks) >= 3
-    for j, (name, p) in enumerate(jobs):
-        diff = (logits[j] - oracle[name][1][p]).abs().max().item()
-        assert diff <= 1e-3, f"{name} prompt {p}: logits differ by {diff}"
-
-
 def test_decode_side_stream_on_by_default_only_with_cuda(adapters: dict[str, Path], tiny_model_dir: Path) -> None:
     """lora.decode_side_stream: null resolves to off on CPU (on with a CUDA device at tp 1); true asks
     for it anywhere (on CPU: the same kernels in the side-stream order, on one stream)."""

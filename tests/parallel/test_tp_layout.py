@@ -111,7 +111,5 @@ def test_overlap_loading_is_refused_under_tp_and_the_config_round_trips_as_json(
         default_config("parallel=tp2", "engine.async_scheduling=true")
     with pytest.raises(ConfigError, match="lora.decode_side_stream: not available with parallel.tp_size > 1"):
         default_config("parallel=tp2", "lora.enabled=true", "lora.decode_side_stream=true")
-    with pytest.raises(ConfigError, match="lora.prefill_chunk_rows: not available with parallel.tp_size > 1"):
-        default_config("parallel=tp2", "lora.enabled=true", "lora.backend=triton", "lora.prefill_chunk_rows=4096")
     cfg = default_config("parallel=tp2", "lora.enabled=true", "lora.max_loras_per_batch=3")
     assert config_from_dict(config_to_dict(cfg)) == cfg
