@@ -371,3 +371,15 @@ def test_write_mode_refuses_segments_that_miss_rows() -> None:
     with pytest.raises(ValueError, match="out must be"):
         lora_shrink(torch.zeros(3, 16, device=DEV), torch.zeros(1, 1, 4, 16, device=DEV), segs, ranks,
                     out=torch.zeros(3, 1, 4, device=DEV), partials=True)
+
+
+def test_shrink_row_tiles_shrink_instead_of_splitting_atomically() -> None:
+    # The launcher's choice (host ints only): an H200-sized GPU (132 SMs), one 4096-token segment.
+    # gate_up_proj (N = 32): 128-row tiles give 32 programs, under a quarter of the SMs, so they would
+    # split K atomically; 64-row tiles give 64 and run unsplit.
+    from kernels.lora_shrink import _unsplit_block_m
+    assert _unsplit_block_m(128, 1, 4096, 32, 132) == 64
+    assert _unsplit_block_m(128, 1, 16384, 32, 132) == 128  # 128 programs: no split, tiles kept
+    assert _unsplit_block_m(128, 4, 4096, 32, 132) == 128  # four segments: 128 programs
+    assert _unsplit_block_m(128, 1, 1024, 32, 132) == 32  # never below 32 rows
+    assert _unsplit_block_m(32, 1, 256, 48, 132) == 32
