@@ -211,3 +211,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernels/silu_mul.py."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
+                  slot_ranks: Optional[torch.Tensor] = None, scalings: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """out = silu_mul(gate_up + the LoRA delta of its gate and up slices) -> [T, I]; gate_up is left as
+    it was. h [T, 2, R] (or [P, T, 2, R]: planes, summed); B [S, 2I, R]; token_slots [T] (-1 = base).
+    The twin of kernels/silu_mul_lora.py: lora_expand (add mode) then silu_mul."""
+    h3 = h.sum(0) if h.dim() == 4 else h
+    I = gate_up.shape[1] // 2
+    y = lora_expand(gate_up.clone(), h3.to(B.dtype).to(h3.dtype), B, token_slots, [0, I, 2 * I], slot_ranks,
+                    scalings)
+    return silu_mul(y)

@@ -97,6 +97,37 @@ class LoRALinear(nn.Module):
             lora_apply_grouped(y, x, self.A, self.B, info.groups, self.out_offsets)
         return y
 
+    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple]]:
+        """For a gate_up_proj whose consumer can add the delta itself (MLP with the fused kernels:
+        kernels/silu_mul_lora.py). Where the step allows, returns the base output and (h, B, segments,
+        slot ranks): the shrink done (on the side stream beside the GEMM when lora.decode_side_stream
+        is on), the expand left to the consumer, which saves the expand's launch and its read and
+        write of the [T, 2I] output. Else (None): forward(x), the delta already added.
+
+        Allowed: backend triton/csgmv, one-token segments (decode with distinct adapters) that
+        lora_apply would not fuse into one launch, covering every row of x with base_rows (or one
+        segment per row: the static decode batch). h's memory: as in _decode_aside (every later use
+        of the side stream first waits for this stream, which by then has the consumer queued)."""
+        info = self.ctx.info
+        segs = None if info is None else info.segments
+        if (segs is None or segs.max_len != 1 or segs.num_segs == 0 or len(self.slice_names) != 2
+                or self._fuses(segs, self.A, x.device)
+                or (segs.num_segs if segs.base_rows is None else segs.num_rows + segs.base_rows.shape[0])
+                != x.shape[0]):
+            return self.forward(x), None
+        side = self.ctx.side_stream if self.ctx.decode_aside else None
+        if side is None:
+            y = self.base(x)
+            h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
+        else:
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)  # x is ready
+            with torch.cuda.stream(side):
+                h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
+            y = self.base(x)
+            main.wait_stream(side)
+        return y, (h, self.B, segs, info.slot_ranks)
+
     def _decode_aside(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         """One-token segments (decode): the adapters' shrink (x @ Aᵀ, which reads every A of the step)
         runs on the side stream while the base GEMM runs on the current one, then the expand adds into

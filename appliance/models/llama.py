@@ -137,12 +137,22 @@ class MLP(nn.Module):
         self.fused = False  # set by LlamaModel.use_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, gate | up]
         if self.fused:
             from kernels.silu_mul import silu_mul  # needs triton: only when chosen
 
+            # A LoRA-wrapped gate_up_proj (appliance/lora/layers.py) may leave its delta's expand to
+            # the activation: one kernel adds it and applies silu x up (kernels/silu_mul_lora.py).
+            deferred = getattr(self.gate_up_proj, "forward_deferred", None)
+            if deferred is not None:
+                gate_up, later = deferred(x)
+                if later is not None:
+                    from kernels.silu_mul_lora import silu_mul_lora
+
+                    return self.down_proj(silu_mul_lora(gate_up, *later))
+            else:
+                gate_up = self.gate_up_proj(x)
             return self.down_proj(silu_mul(gate_up))
-        return self.down_proj(ref.silu_mul(gate_up))
+        return self.down_proj(ref.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

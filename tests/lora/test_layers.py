@@ -52,3 +52,43 @@ def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
                                            msg=lambda m: f"{backend} bias={bias} aside={aside} {seg_lens}: {m}")
                 base = token_slots < 0
                 torch.testing.assert_close(got[base], lin.base(x)[base].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_deferred_gate_up_delta_through_silu_mul_lora() -> None:
+    """forward_deferred (gate_up_proj under the fused kernels): where the step allows, the base output and
+    the shrink's h come back and kernels/silu_mul_lora.py adds the delta inside the activation; the
+    result equals silu_mul of forward(x). Otherwise (multi-token segments, steps lora_apply fuses into
+    one launch; on CPU it always would, so that is forced off here) forward(x) comes back whole."""
+    from kernels.silu_mul import silu_mul
+    from kernels.silu_mul_lora import silu_mul_lora
+
+    ranks = [8, 4, 0]
+    for backend in ("triton", "csgmv"):
+        for aside in (False, True):
+            g = torch.Generator().manual_seed(1)
+            base = nn.Linear(32, 48, bias=False).to(DEV)
+            ctx = LoRAContext(backend=backend, decode_aside=aside)
+            lin = LoRALinear(base, ("gate_proj", "up_proj"), [24, 24], num_slots=3, max_rank=8, ctx=ctx)
+            lin.A.copy_(torch.randn(lin.A.shape, generator=g) * 0.3)
+            lin.B.copy_(torch.randn(lin.B.shape, generator=g) * 0.3)
+            lin.A[1, :, 4:] = 0
+            lin.B[1, :, 4:] = 0
+            lin._fuses = lambda *args: False
+            x = torch.randn(5, 32, device=DEV)
+            ctx.info = LoRABatchInfo.build([1] * 5, [1, 0, -1, 2, 0], ranks, DEV, backend=backend, max_chunk_size=1)
+            with torch.no_grad():
+                gate_up, later = lin.forward_deferred(x)
+                assert later is not None, backend
+                got = silu_mul_lora(gate_up, *later)
+                want = silu_mul(lin(x))
+            torch.testing.assert_close(got, want, atol=0, rtol=0, msg=lambda m: f"{backend} aside={aside}: {m}")
+            # multi-token segments (prefill-shaped): nothing deferred
+            ctx.info = LoRABatchInfo.build([3, 2], [0, 1], ranks, DEV, backend=backend, max_chunk_size=4)
+            with torch.no_grad():
+                y, later = lin.forward_deferred(x)
+                assert later is None
+                torch.testing.assert_close(y, lin(x), atol=0, rtol=0)
+            lin._fuses = lambda *args: True  # a step lora_apply runs as one launch: nothing deferred
+            ctx.info = LoRABatchInfo.build([1] * 5, [1, 0, -1, 2, 0], ranks, DEV, backend=backend, max_chunk_size=1)
+            with torch.no_grad():
+                assert lin.forward_deferred(x)[1] is None

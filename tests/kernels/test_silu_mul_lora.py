@@ -1,0 +1,104 @@
+"""kernels/silu_mul_lora.py: gate_up's LoRA expand fused into the MLP's activation (one-token segments).
+
+Checked two ways: against the two kernels it replaces (lora_expand in add mode on a copy of gate_up,
+then silu_mul), which it must equal bit for bit, and against the torch twin within the dtype's
+rounding. Layouts: the static decode batch (one segment per row, base and padding rows at slot -1,
+no base_rows), eager decode (segments for adapter rows, base_rows for the rest) and chunked SGMV
+(rows gathered through token_index); h in one plane and in K-split planes; mixed ranks with NaN in
+B's rank padding (must never be read); the output poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import lora_shrink
+from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments
+from kernels.silu_mul import silu_mul
+from kernels.silu_mul_lora import silu_mul_lora
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# against the twin: bf16 values up to ~10 after three roundings (delta, activation, product), and the
+# interpreter truncates fp32 -> bf16 where a GPU rounds: a few ulps (0.0625 at 8)
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (0.25, 5e-2)}
+S, R, K, I = 4, 16, 64, 80  # slots, max rank, in features, intermediate size (not a power of two)
+RANKS = [16, 8, 0, 4]  # slot 2 empty
+
+
+def weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(S, 2, R, K, generator=g) * 0.3
+    B = torch.randn(S, 2 * I, R, generator=g) * 0.3
+    for s, r in enumerate(RANKS):
+        A[s, :, r:] = 0.0
+        B[s, :, r:] = float("nan")  # rank padding: the kernels mask it, so it must not leak
+    return A.to(dtype).to(DEV), B.to(dtype).to(DEV), torch.tensor(RANKS, dtype=torch.int32, device=DEV)
+
+
+def static_batch(slots: list[int]) -> LoRASegments:
+    """engine/cuda_graph.py's layout: one segment per row, base and padding rows at slot -1."""
+    t = len(slots)
+    ar = torch.arange(t, dtype=torch.int32, device=DEV)
+    return LoRASegments(ar, torch.ones(t, dtype=torch.int32, device=DEV),
+                        torch.tensor(slots, dtype=torch.int32, device=DEV), None, 1)
+
+
+LAYOUTS = {
+    "static": lambda slots: static_batch(slots),
+    "eager": lambda slots: sgmv_segments([1] * len(slots), slots, DEV),
+    "csgmv": lambda slots: csgmv_segments([1] * len(slots), slots, 1, DEV),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_equals_expand_then_silu_mul(dtype: torch.dtype, layout: str, split_k: int) -> None:
+    slots = [0, -1, 1, 3, 2, 0, -1, 1]  # adjacent rows on different slots: one-token segments
+    segs = LAYOUTS[layout](slots)
+    assert segs.max_len == 1
+    A, B, ranks = weights(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(len(slots), K, generator=g)).to(dtype).to(DEV)
+    gate_up = (torch.randn(len(slots), 2 * I, generator=g) * 2).to(dtype).to(DEV)
+    # 16-wide K steps, so that 3 splits of K = 64 leave partial sums in more than one plane
+    h = lora_shrink(x, A, segs, ranks, split_k=split_k, partials=True, block_k=16)  # [P, T, 2, R]
+    assert h.shape[0] == split_k and (split_k == 1 or h[1].abs().sum() > 0)
+    before = gate_up.clone()
+    out = torch.full((len(slots), I), float("nan"), dtype=dtype, device=DEV)
+    got = silu_mul_lora(gate_up, h, B, segs, ranks, out=out, block=32)
+    assert got is out and not got.isnan().any(), "an output element was not written (or B's padding leaked)"
+    assert torch.equal(gate_up, before), "gate_up must be left as it was"
+    want = silu_mul(lora_expand(gate_up.clone(), h, B, segs, ranks, [0, I, 2 * I]))
+    assert torch.equal(got, want), "must equal lora_expand then silu_mul bit for bit"
+    token_slots = torch.tensor(slots, device=DEV)
+    twin = ref.silu_mul_lora(gate_up, h, B.nan_to_num(0.0), token_slots, ranks)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), twin.float(), atol=atol, rtol=rtol)
+    # the delta is really there: an adapter row differs from the base activation
+    assert not torch.allclose(got[0].float(), silu_mul(gate_up)[0].float())
+    torch.testing.assert_close(got[1].float(), silu_mul(gate_up)[1].float(), atol=0, rtol=0)  # base row
+
+
+def test_scalings_and_refusals() -> None:
+    A, B, ranks = weights(torch.float32)
+    slots = [1, 0, -1]
+    segs = LAYOUTS["eager"](slots)
+    x = torch.randn(3, K, device=DEV)
+    gate_up = torch.randn(3, 2 * I, device=DEV)
+    h = lora_shrink(x, A, segs, ranks, partials=True)
+    scal = torch.tensor([0.5, 2.0, 1.0, 3.0], device=DEV)
+    got = silu_mul_lora(gate_up, h, B, segs, ranks, scal)
+    want = silu_mul(lora_expand(gate_up.clone(), h, B, segs, ranks, [0, I, 2 * I], scal))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="one-token segments"):
+        silu_mul_lora(gate_up, h, B, sgmv_segments([2, 1], [0, -1], DEV), ranks)
+    with pytest.raises(ValueError, match="cover every row"):
+        silu_mul_lora(gate_up, h, B, sgmv_segments([1, 1], [0, 1], DEV), ranks)  # row 2 in neither
+    with pytest.raises(ValueError, match="no segment"):
+        silu_mul_lora(gate_up, h, B, sgmv_segments([1, 1, 1], [-1, -1, -1], DEV), ranks)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        silu_mul_lora(gate_up[:, :-2], h, B, segs, ranks)
