@@ -106,8 +106,7 @@ class LoRALinear(nn.Module):
 
         Allowed: backend triton/csgmv, one-token segments (decode with distinct adapters) that
         lora_apply would not fuse into one launch, covering every row of x with base_rows (or one
-        segment per row: the static decode batch). h's memory: as in _decode_aside (every later use
-        of the side stream first waits for this stream, which by then has the consumer queued)."""
+        segment per row: the static decode batch). h's memory: see _base_and_shrink."""
         info = self.ctx.info
         segs = None if info is None else info.segments
         if (segs is None or segs.max_len != 1 or segs.num_segs == 0 or len(self.slice_names) != 2
@@ -115,17 +114,7 @@ class LoRALinear(nn.Module):
                 or (segs.num_segs if segs.base_rows is None else segs.num_rows + segs.base_rows.shape[0])
                 != x.shape[0]):
             return self.forward(x), None
-        side = self.ctx.side_stream if self.ctx.decode_aside else None
-        if side is None:
-            y = self.base(x)
-            h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
-        else:
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)  # x is ready
-            with torch.cuda.stream(side):
-                h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
-            y = self.base(x)
-            main.wait_stream(side)
+        y, h = self._base_and_shrink(x, info, self.ctx.side_stream if self.ctx.decode_aside else None)
         return y, (h, self.B, segs, info.slot_ranks)
 
     def _decode_aside(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
@@ -134,25 +123,30 @@ class LoRALinear(nn.Module):
         y. A decode GEMM at batch 64 leaves SMs idle (cuBLAS takes 96 to 128 tiles for qkv and o on 132
         SMs) and the shrink is launch- and latency-bound, so it can fill them; the expand must follow
         the GEMM (it adds into y). Only for steps lora_apply would not fuse into one launch (the
-        caller checks): a fused step keeps the plain order. No extra buffer and no extra add.
+        caller checks): a fused step keeps the plain order. No extra buffer and no extra add."""
+        y, h = self._base_and_shrink(x, info, self.ctx.side_stream)
+        return self._expand(y, h, self.B, info.segments, info.slot_ranks, self.out_offsets)
+
+    def _base_and_shrink(self, x: torch.Tensor, info: LoRABatchInfo,
+                         side: Optional["torch.cuda.Stream"]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base output and the shrink's h (K-split planes) of a one-token step; with a side stream
+        the shrink runs on it beside the GEMM (None, e.g. on cpu: the same kernels on one stream).
 
         h is allocated on the side stream and read on this one after the join. Its block goes back to
-        the side stream's pool when this returns, and the next use of the side stream (the next
-        wrapper) first waits for everything enqueued here so far, this expand included: no kernel
-        writes the block before the expand has read it (also within a CUDA-graph capture, where the
+        the side stream's pool once the caller drops it, and the next use of the side stream (the
+        next wrapper) first waits for everything enqueued here by then, the reader of h included: no
+        kernel writes the block before h has been read (also within a CUDA-graph capture, where the
         fork and join are captured as graph edges)."""
         segs = info.segments
-        side = self.ctx.side_stream
-        if side is None:  # cpu: the same kernels in the same order on one stream (the tests)
-            h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
-            return self._expand(self.base(x), h, self.B, segs, info.slot_ranks, self.out_offsets)
+        if side is None:
+            return self.base(x), self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)  # x is ready
         with torch.cuda.stream(side):
             h = self._shrink(x, self.A, segs, info.slot_ranks, partials=True)
         y = self.base(x)
         main.wait_stream(side)
-        return self._expand(y, h, self.B, segs, info.slot_ranks, self.out_offsets)
+        return y, h
 
     def load_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str) -> None:
         """Fill `slot` from an adapter's weights {"layers.{i}.{proj}": (A [r, in], B·scale [out, r])}."""
