@@ -108,9 +108,13 @@ def test_mixed_batch_matches_peft_per_adapter(adapters: dict[str, Path], oracle:
     for name, path in adapters.items():
         engine.lora.load(name, str(path))
     jobs = [(name, p) for name in [None, *adapters] for p in range(len(PROMPTS))]
+    # The Triton backends run in the interpreter (~1 s a decode step at 24 rows): SHORT tokens, the
+    # prefill plus decode steps with every adapter in the batch, against peft's prefix.
+    new = NEW if backend == "torch" else SHORT
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     # First step: every request prefills in one batch; compare its last-position logits to peft.
     for j, (name, p) in enumerate(jobs):
-        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), GREEDY, adapter=name)
+        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), params, adapter=name)
     plan = engine.scheduler.schedule()
     assert len(plan.prefills) == len(jobs)
     logits = engine.runner.execute(plan)
@@ -126,7 +130,7 @@ def test_mixed_batch_matches_peft_per_adapter(adapters: dict[str, Path], oracle:
             got.setdefault(int(o.request_id), []).extend(o.token_ids)
     assert engine.block_manager.num_used == 0
     for j, (name, p) in enumerate(jobs):
-        assert got[j] == oracle[name][0][p], f"{name} prompt {p}"
+        assert got[j] == oracle[name][0][p][:new], f"{name} prompt {p}"
     if backend == "torch":  # a second round on the warm engine (slots already loaded); cheap on torch only
         assert run_mixed(engine, jobs) == got
     # Adapters really change the output (the test would be vacuous otherwise): every adapter moves
