@@ -20,7 +20,7 @@ from appliance.engine.request import AdapterNotFoundError, SamplingParams
 from appliance.lora.adapter import AdapterError
 from appliance.lora.registry import LoRAStateError
 from tests.conftest import REPO, default_config, make_tiny_model
-from tests.lora.test_lora_engine import ADAPTERS, GREEDY, PROMPTS, make_adapter, peft_greedy
+from tests.lora.test_lora_engine import ADAPTERS, GREEDY, PROMPTS, SHORT, make_adapter, peft_greedy
 from tests.server.test_shutdown import free_port
 
 DEMO = REPO / "appliance" / "demo" / "adapters"
@@ -189,6 +189,9 @@ def test_tp2_lora_kernel_backends_match_peft(tiny_model_dir: Path, tiny_adapters
         for name in ("pattern", "qv4"):
             engine.lora.load(name, str(tiny_adapters[name]))
         jobs = [("pattern", 0), ("qv4", 1), (None, 2), ("pattern", 3)]
-        assert generate(engine, jobs) == [oracle[name][p] for name, p in jobs]
+        # SHORT, not NEW, tokens: every step runs the kernels in Triton's interpreter on both ranks; the
+        # prefill and 4 decode steps are compared with peft's prefix (greedy never looks ahead).
+        got = generate(engine, jobs, [SHORT] * len(jobs))
+        assert got == [oracle[name][p][:SHORT] for name, p in jobs]
     finally:
         engine.close()
