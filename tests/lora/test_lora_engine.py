@@ -43,8 +43,9 @@ def make_adapter(base_dir: Path, dest: Path, seed: int, **kw) -> Path:
     return dest
 
 
-def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompts_ids: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens and the first step's last-position logits, one prompt at a time, with peft."""
+def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompts_ids: list[list[int]],
+                new: int = NEW) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """`new` greedy tokens and the first step's last-position logits, one prompt at a time, with peft."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -57,7 +58,7 @@ def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompts_ids: list[list
         for ids in prompts_ids:
             x = torch.tensor([ids])
             logits.append(model(x).logits[0, -1])
-            out = model.generate(x, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = model.generate(x, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
             toks.append(out[0, len(ids):].tolist())
     return toks, logits
 
