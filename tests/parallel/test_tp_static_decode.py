@@ -32,11 +32,13 @@ def test_tp2_static_decode_gives_the_eager_tokens(tmp_path: Path, tiny_model_dir
     # on CPU, slow: only the projections the two adapters use are wrapped).
     lora = ("lora.enabled=true", "lora.max_lora_rank=8", "lora.max_loras_per_batch=3", "lora.backend=triton",
             "lora.target_modules=[q_proj,v_proj,down_proj]", f"lora.adapter_roots=[{tmp_path}]")
-    one = tp_engine(tiny_model_dir, 1, *lora)
+    # The reference: tp 1, eager (tp 2 eager = tp 1: test_tp_engine.py), on the torch LoRA backend
+    # (= the Triton kernels' tokens: tests/lora/test_lora_engine.py), which skips the interpreter.
+    one = tp_engine(tiny_model_dir, 1, *lora[:3], "lora.backend=torch", *lora[4:])
     try:
         for name, path in adapters.items():
             one.lora.load(name, str(path))
-        want = run_lengths(one)  # tp 1, eager (tp 2 eager = tp 1: test_tp_engine.py)
+        want = run_lengths(one)
     finally:
         one.close()
     engine = tp_engine(tiny_model_dir, 2, *lora)
