@@ -1,6 +1,6 @@
 """Probe: what merging a rank-16 adapter into the base weight (W' = W + B A, dLoRA-style, for long prefill
 segments) would cost on a GPU, against the base GEMM at 4096 and 16384 tokens. Not shipped; the figures and
-why the idea was dropped are in docs/benchmarks.md ("Four more levers that lost, ...").
+why the idea was dropped are in docs/benchmarks.md ("Five more levers that lost, ...").
 
     python3 benchmarks/probe_merge_gpu.py
 
