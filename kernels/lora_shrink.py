@@ -219,9 +219,15 @@ def _unsplit_block_m(block_m: int, num_segs: int, max_len: int, N: int, sms: int
     one adapter: 128-row tiles with 9 atomic splits 28.6 µs, 64-row tiles unsplit 14.9. (Splits into
     planes are cheap: o_proj and down_proj at 4096 tokens are fastest as 128-row tiles in planes.)"""
     block_n = min(64, max(16, triton.next_power_of_2(N)))  # the tensor-core tiles' column block
-    while block_m > 32 and num_segs * triton.cdiv(max_len, block_m) * triton.cdiv(N, block_n) < sms // 4:
+    while block_m > 32 and num_segs * triton.cdiv(max_len, block_m) * triton.cdiv(N, block_n) < _unsplit_floor(
+            block_m, sms):
         block_m //= 2
     return block_m
+
+
+def _unsplit_floor(block_m: int, sms: int) -> int:
+    """Programs from which a shrink grid runs without a K split (see _auto_split_k)."""
+    return sms // 4 if block_m > 16 else 2 * sms
 
 
 def _auto_split_k(grid_mn: int, K: int, block_k: int, block_m: int, device: torch.device) -> int:
@@ -232,7 +238,6 @@ def _auto_split_k(grid_mn: int, K: int, block_k: int, block_m: int, device: torc
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    floor = sms // 4 if block_m > 16 else 2 * sms
-    if grid_mn >= floor:
+    if grid_mn >= _unsplit_floor(block_m, sms):
         return 1
     return max(1, min(triton.cdiv(2 * sms, grid_mn), K // (2 * block_k)))

@@ -43,6 +43,12 @@ class LoRASegments:
         return self.starts.shape[0]
 
 
+def rows_covered(segs: LoRASegments) -> int:
+    """Rows of the step the segments and the listed base rows account for (each once); with base_rows
+    None (the static decode batch of engine/cuda_graph.py) one segment per row."""
+    return segs.num_segs if segs.base_rows is None else segs.num_rows + segs.base_rows.shape[0]
+
+
 def sgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], device: torch.device) -> LoRASegments:
     """Sequences (lengths, slot or -1) in token order -> segments over token rows."""
     starts: list[int] = []

@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
+from kernels.lora_expand import check_out_slices
 from kernels.platform import pdl_available
 from kernels.segment_tile import segment_row
-from kernels.segments import LoRASegments, check_segments
+from kernels.segments import LoRASegments, rows_covered
 
 
 @triton.jit(do_not_specialize=["n_parts", "stride_hp", "num_segs"])
@@ -120,12 +121,10 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
     if block < 16 or block & (block - 1):
         raise ValueError(f"silu_mul_lora: block must be a power of two >= 16, got {block}")
     S, R = B.shape[0], B.shape[2]
-    check_segments(segs, slot_ranks, S, gate_up.device)
-    if scalings is not None and (scalings.shape != (S,) or scalings.dtype != torch.float32):
-        raise ValueError(f"silu_mul_lora: scalings must be [{S}] fp32")
+    check_out_slices("silu_mul_lora", gate_up, [0, I, 2 * I], 2, R, segs, slot_ranks, S, scalings)
     G = segs.num_segs
     num_base = 0 if segs.base_rows is None else segs.base_rows.shape[0]
-    covered = G if segs.base_rows is None else segs.num_rows + num_base
+    covered = rows_covered(segs)
     if covered != T:
         raise ValueError(f"silu_mul_lora: the segments and base rows must cover every row of gate_up once: "
                          f"{covered} != {T}")

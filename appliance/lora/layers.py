@@ -65,9 +65,11 @@ class LoRALinear(nn.Module):
             from kernels.lora_expand import lora_expand
             from kernels.lora_linear import lora_linear, lora_linear_pays
             from kernels.lora_shrink import lora_shrink
+            from kernels.segments import rows_covered
 
             self._apply = lora_apply
             self._fuses, self._shrink, self._expand = fuses, lora_shrink, lora_expand
+            self._rows_covered = rows_covered
             self._linear, self._linear_pays = lora_linear, lora_linear_pays
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,9 +112,7 @@ class LoRALinear(nn.Module):
         info = self.ctx.info
         segs = None if info is None else info.segments
         if (segs is None or segs.max_len != 1 or segs.num_segs == 0 or len(self.slice_names) != 2
-                or self._fuses(segs, self.A, x.device)
-                or (segs.num_segs if segs.base_rows is None else segs.num_rows + segs.base_rows.shape[0])
-                != x.shape[0]):
+                or self._fuses(segs, self.A, x.device) or self._rows_covered(segs) != x.shape[0]):
             return self.forward(x), None
         y, h = self._base_and_shrink(x, info, self.ctx.side_stream if self.ctx.decode_aside else None)
         return y, (h, self.B, segs, info.slot_ranks)
