@@ -14,17 +14,15 @@ from __future__ import annotations
 import torch
 
 # the kernel bench's clocks: CUDA-graph replays and the copy bandwidth measured in the same run
-from bench_kernels_gpu import copy_bandwidth, graph_time
+from bench_kernels_gpu import LLAMA_8B, copy_bandwidth, graph_time
 
-SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
-          "down": (14336, [4096])}
 
 
 def main() -> None:
     dev = torch.device("cuda")
     bw = copy_bandwidth() / 1e9
     print(f"copy {bw:.0f} GB/s")
-    for name, (K, slices) in SHAPES.items():
+    for name, (K, slices) in LLAMA_8B.items():
         N, n = sum(slices), len(slices)
         W = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
         merged = torch.empty_like(W)

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from bench_kernels_gpu import copy_bandwidth, graph_time
+from bench_kernels_gpu import LLAMA_8B, copy_bandwidth, graph_time
 from kernels.lora_expand import lora_expand
 from kernels.lora_linear import PLANES_MAX_OUT, lora_linear
 from kernels.lora_shrink import lora_shrink
 from kernels.segments import sgmv_segments
 
-SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
-          "down": (14336, [4096])}
 R = 16
 
 
@@ -28,7 +26,7 @@ def main() -> None:
     dev = torch.device("cuda")
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; copy {bw / 1e9:.0f} GB/s", flush=True)
-    for name, (K, slices) in SHAPES.items():
+    for name, (K, slices) in LLAMA_8B.items():
         N, n = sum(slices), len(slices)
         W = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
         A = torch.randn(2, n, R, K, device=dev, dtype=torch.bfloat16) * 0.02

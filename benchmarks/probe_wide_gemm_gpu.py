@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from bench_kernels_gpu import copy_bandwidth, graph_time
+from bench_kernels_gpu import LLAMA_8B, copy_bandwidth, graph_time
 from kernels.lora_linear import lora_linear
 from kernels.lora_shrink import lora_shrink
 from kernels.segments import sgmv_segments
 
-SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
-          "down": (14336, [4096])}
 R, SLOTS, P = 16, 4, 128
 
 
@@ -33,7 +31,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; copy {bw:.0f} GB/s")
     print("proj     T   base  strided  K+16  K+64  K+128  shrink  lora_linear (µs) | LoRA % of base: "
           "K+16 + shrink, K+64 + shrink, K+128 + shrink, lora_linear")
-    for name, (K, slices) in SHAPES.items():
+    for name, (K, slices) in LLAMA_8B.items():
         N, n = sum(slices), len(slices)
         w_wide = torch.randn(N, K + P, device=dev, dtype=torch.bfloat16) * 0.02
         w = w_wide[:, :K].contiguous()
