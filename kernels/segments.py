@@ -37,6 +37,9 @@ class LoRASegments:
     # [Tb] int32: rows of the base tokens, for lora_expand's write mode (it zeroes them); None = not built
     base_rows: Optional[torch.Tensor] = None
     num_rows: int = 0  # adapter tokens (positions) in all segments, on the host
+    # [T] int32: slot of each token row, -1 = base; for kernels that walk rows, not segments
+    # (kernels/lora_gemm.py's epilogue). None = not built (the static decode batch).
+    row_slots: Optional[torch.Tensor] = None
 
     @property
     def num_segs(self) -> int:
@@ -55,8 +58,10 @@ def sgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], device: tor
     lens: list[int] = []
     slots: list[int] = []
     base: list[int] = []
+    row_slots: list[int] = []
     row = 0
     for n, s in zip(seg_lens, seg_slots):
+        row_slots.extend([max(s, -1)] * n)
         if s < 0:
             base.extend(range(row, row + n))
         elif n > 0:
@@ -67,8 +72,8 @@ def sgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], device: tor
                 lens.append(n)
                 slots.append(s)
         row += n
-    starts_t, lens_t, slots_t, base_t = to_device([starts, lens, slots, base], device)
-    return LoRASegments(starts_t, lens_t, slots_t, None, max(lens, default=0), base_t, sum(lens))
+    starts_t, lens_t, slots_t, base_t, rs_t = to_device([starts, lens, slots, base, row_slots], device)
+    return LoRASegments(starts_t, lens_t, slots_t, None, max(lens, default=0), base_t, sum(lens), rs_t)
 
 
 def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_size: int,
@@ -79,8 +84,10 @@ def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_
         raise ValueError(f"max_chunk_size must be >= 1, got {max_chunk_size}")
     rows_by_slot: dict[int, list[int]] = {}
     base: list[int] = []
+    row_slots: list[int] = []
     row = 0
     for n, s in zip(seg_lens, seg_slots):
+        row_slots.extend([max(s, -1)] * n)
         if s >= 0:
             rows_by_slot.setdefault(s, []).extend(range(row, row + n))
         else:
@@ -97,8 +104,9 @@ def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_
             lens.append(min(max_chunk_size, len(rows) - c))
             slots.append(s)
         token_index.extend(rows)
-    starts_t, lens_t, slots_t, index_t, base_t = to_device([starts, lens, slots, token_index, base], device)
-    return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0), base_t, len(token_index))
+    starts_t, lens_t, slots_t, index_t, base_t, rs_t = to_device(
+        [starts, lens, slots, token_index, base, row_slots], device)
+    return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0), base_t, len(token_index), rs_t)
 
 
 # Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,

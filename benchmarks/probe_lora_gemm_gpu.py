@@ -1,0 +1,255 @@
+"""Probe: the prefill LoRA delta in the epilogue of a Triton base GEMM (kernels/lora_gemm.py), on a GPU.
+
+lora_linear's cuBLAS path writes the delta into y, then cuBLAS accumulates x @ Wᵀ into it: the LoRA
+cost is the shrink's read of x plus one write of y. Its Triton path (gemm="triton") computes x @ Wᵀ in
+lora_gemm and adds the delta in the epilogue: the LoRA cost is the shrink plus what the Triton GEMM
+loses against cuBLAS. Per Llama-3.1-8B projection and T in (4096, 16384), one adapter over segments
+of 4096 tokens, this times:
+1. lora_gemm with no adapter row (the GEMM alone) per tile config against cuBLAS (one graph each);
+2. then interleaved (one graph each, round robin, medians): cuBLAS twice (the noise), lora_linear on
+   each path (the Triton one with step 1's best config), and the shrink alone. "LoRA % of base" =
+   (lora_linear - cuBLAS) / cuBLAS: issue 6's figure (target <= 10 %).
+First a correctness check (bf16, qkv shape, 3 adapters + base rows, both paths against fp32 torch).
+
+    python3 benchmarks/probe_lora_gemm_gpu.py [--smoke] [--t 4096,16384] [--configs all|default]
+    python3 benchmarks/probe_lora_gemm_gpu.py --table --t 1024,2048,4096,8192,16384   (no sweep: default tiles)
+    python3 benchmarks/probe_lora_gemm_gpu.py --check-small    (SmolLM2 shapes, engine-like batch, fp16/bf16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from bench_kernels_gpu import DEV, LLAMA_8B, copy_bandwidth, graph_time, interleaved_times  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+from kernels.lora_gemm import DEFAULT_TILES, lora_gemm  # noqa: E402
+from kernels.lora_linear import lora_linear  # noqa: E402
+from kernels.lora_shrink import lora_shrink  # noqa: E402
+from kernels.segments import sgmv_segments  # noqa: E402
+
+R, SLOTS = 16, 4
+# (block_m, block_n, block_k, warps, stages, group_m, persistent)
+CONFIGS = [(128, 256, 64, 8, 3, g, p) for g in (4, 8, 16) for p in (False, True)]
+CONFIGS += [(256, 128, 64, 8, 3, 8, False)]
+# the fused shrink's K step and depth on top of the main loop's tiles
+FUSED_CONFIGS = [(128, 256, 64, 8, 3, g, p, ks, st) for g in (8, 16) for p in (False, True)
+                 for ks, st in ((64, 3), (128, 3), (128, 4), (256, 2))]
+
+
+def offsets(slices):
+    o = [0]
+    for s in slices:
+        o.append(o[-1] + s)
+    return o
+
+
+def check(smoke: bool) -> None:
+    K, slices = (4096, [4096, 1024, 1024]) if not smoke else (64, [64, 32, 32])
+    lens = [1000, 500, 1300, 1296] if not smoke else [40, 9, 30, 17]
+    slots = [0, -1, 2, 1]
+    T, N = sum(lens), sum(slices)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(T, K, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=DEV, generator=g) / K ** 0.5).to(torch.bfloat16)
+    A = (torch.randn(SLOTS, 3, R, K, device=DEV, generator=g) / K ** 0.5).to(torch.bfloat16)
+    B = (torch.randn(SLOTS, N, R, device=DEV, generator=g) / R ** 0.5).to(torch.bfloat16)
+    ranks = torch.tensor([16, 8, 4, 16], dtype=torch.int32, device=DEV)
+    offs = offsets(slices)
+    segs = sgmv_segments(lens, slots, DEV)
+    ts = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)], device=DEV)
+    want = ref.lora_expand(x.float() @ w.float().T, ref.lora_shrink(x.float(), A.float(), ts, ranks), B.float(),
+                           ts, offs, ranks)
+    for path in ("cublas", "triton"):
+        cfgs = [None] if path == "cublas" or smoke else [None, (128, 256, 64, 8, 3, 8, True)]
+        for c in cfgs:
+            y = lora_linear(x, w, A, B, segs, ranks, offs, gemm=path, gemm_tiles=c)
+            err = ((y.float() - want).norm() / want.norm()).item()
+            print(f"check lora_linear gemm={path} {c}: rel err {err:.2e} against fp32 torch, NaN "
+                  f"{bool(y.isnan().any())}", flush=True)
+    h = lora_shrink(x, A, segs, ranks, partials=True, split_k=4)
+    y = lora_gemm(x, w, h, B, segs.row_slots, ranks, offs)
+    err = ((y.float() - want).norm() / want.norm()).item()
+    print(f"check shrink (4 planes) + lora_gemm: rel err {err:.2e}, NaN {bool(y.isnan().any())}", flush=True)
+
+
+def check_small(dev_smoke: bool = False) -> None:
+    """SmolLM2-135M's projections, rank 8, an engine-like prefill batch (12 sequences of 20-200 tokens,
+    4 adapters on 8 of them: row tiles span several adapters and base rows), fp16 and bf16: each path
+    against fp64 torch, and the Triton path against the cuBLAS one. (fp32 through lora_gemm gave NaN on
+    the H200 with triton 3.6: refused on CUDA, see kernels/lora_gemm.unfit_reason.)"""
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(20, 200, (12,), generator=g).tolist()
+    slots = [-1 if i in (4, 8, 9, 10) else i % 4 for i in range(12)]
+    ts = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)], device=DEV)
+    segs = sgmv_segments(lens, slots, DEV)
+    ranks = torch.tensor([8, 8, 8, 8], dtype=torch.int32, device=DEV)
+    for name, (K, slices) in {"qkv": (576, [576, 192, 192]), "o": (576, [576]), "gate_up": (576, [1536, 1536]),
+                              "down": (1536, [576])}.items():
+        N, n = sum(slices), len(slices)
+        offs = offsets(slices)
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(sum(lens), K, generator=g).to(DEV, dtype)
+            w = (torch.randn(N, K, generator=g) * 0.05).to(DEV, dtype)
+            A = (torch.randn(4, n, 8, K, generator=g) * 0.05).to(DEV, dtype)
+            B = (torch.randn(4, N, 8, generator=g) * 0.05).to(DEV, dtype)
+            want = ref.lora_expand(x.double() @ w.double().T, ref.lora_shrink(x.double(), A.double(), ts, ranks),
+                                   B.double(), ts, offs, ranks)
+            yt = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton")
+            yc = lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas")
+            et = ((yt.double() - want).norm() / want.norm()).item()
+            ec = ((yc.double() - want).norm() / want.norm()).item()
+            d = (yt.double() - yc.double()).abs()
+            i = int(d.argmax())
+            print(f"check small {name:8s} {str(dtype):15s}: triton {et:.2e}, cublas {ec:.2e} against fp64; "
+                  f"max |triton - cublas| {d.max().item():.3e} at row {i // N} col {i % N} "
+                  f"(slot {int(ts[i // N])})", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--t", default="4096,16384")
+    p.add_argument("--configs", default="all")
+    p.add_argument("--out", default=None)
+    p.add_argument("--check-small", action="store_true", help="only check_small (SmolLM2 shapes, fp16/bf16)")
+    p.add_argument("--table", action="store_true",
+                   help="no tile sweep: the default tiles (and persistent), interleaved against cuBLAS, per T")
+    args = p.parse_args()
+    if args.check_small:
+        return check_small()
+    check(args.smoke)
+    if args.smoke:
+        return
+    if args.table:
+        return table(args)
+    dev = DEV
+    bw = copy_bandwidth() / 1e9
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; copy {bw:.0f} GB/s")
+    configs = CONFIGS if args.configs == "all" else [DEFAULT_TILES]
+    rows = []
+    for name, (K, slices) in LLAMA_8B.items():
+        N, n = sum(slices), len(slices)
+        offs = offsets(slices)
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+        A = torch.randn(SLOTS, n, R, K, device=dev, dtype=torch.bfloat16) * 0.02
+        B = torch.randn(SLOTS, N, R, device=dev, dtype=torch.bfloat16) * 0.02
+        ranks = torch.full((SLOTS,), R, dtype=torch.int32, device=dev)
+        for T in [int(t) for t in args.t.split(",")]:
+            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+            y = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+            segs = sgmv_segments([4096] * (T // 4096), [0] * (T // 4096), dev)
+            base_rows = torch.full((T,), -1, dtype=torch.int32, device=dev)
+            h = torch.zeros(T, n, R, device=dev)
+            cub = graph_time([lambda: torch.mm(x, w.t(), out=y)] * 3)
+            gemm, fused = {}, {}
+            for c in configs:
+                try:
+                    gemm[c] = graph_time([lambda c=c: lora_gemm(x, w, h, B, base_rows, ranks, offs, tiles=c)] * 3)
+                except triton.runtime.errors.OutOfResources as e:
+                    print(f"  {c}: {str(e).splitlines()[0][:120]}")
+            for c in (FUSED_CONFIGS if args.configs == "all" else [DEFAULT_TILES]):
+                try:
+                    fused[c] = graph_time([lambda c=c: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton",
+                                                                   gemm_tiles=c)] * 3)
+                except triton.runtime.errors.OutOfResources as e:
+                    print(f"  {c}: {str(e).splitlines()[0][:120]}")
+            best = min(gemm, key=gemm.get)
+            best_fused = min(fused, key=fused.get)
+            order = sorted(gemm, key=gemm.get)
+            print(f"{name:8s} {T:6d} cuBLAS {cub * 1e6:.1f} µs; GEMM alone x cuBLAS: "
+                  + ", ".join(f"{'/'.join(str(int(v)) for v in c)} {gemm[c] / cub:.3f}" for c in order), flush=True)
+            print("    with LoRA, shrink fused, x cuBLAS: " + ", ".join(
+                f"{'/'.join(str(int(v)) for v in c)} {fused[c] / cub:.3f}" for c in sorted(fused, key=fused.get)),
+                flush=True)
+            fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
+                   "cuBLAS again": lambda: torch.mm(x, w.t(), out=y),
+                   "lora_linear cublas": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas"),
+                   "lora_linear triton": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton",
+                                                             gemm_tiles=best_fused),
+                   "lora_linear triton default": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton"),
+                   "shrink": lambda: lora_shrink(x, A, segs, ranks, partials=N <= 8192),
+                   "shrink + lora_gemm": lambda: lora_gemm(x, w, lora_shrink(x, A, segs, ranks, partials=N <= 8192), B,
+                                                           segs.row_slots, ranks, offs, tiles=best),
+                   "lora_gemm alone": lambda: lora_gemm(x, w, h, B, base_rows, ranks, offs, tiles=best)}
+            t = dict(zip(fns, interleaved_times(list(fns.values()), reps=9)))
+            c = t["cuBLAS"]
+            row = {"proj": name, "T": T, "best_tiles": best_fused, **{k: v * 1e6 for k, v in t.items()}}
+            rows.append(row)
+            print(f"{name:8s} {T:6d} " + " | ".join(f"{k} {v * 1e6:.1f}" for k, v in t.items())
+                  + f" || LoRA % of base: cublas path {100 * (t['lora_linear cublas'] - c) / c:.1f}, "
+                  f"triton path {100 * (t['lora_linear triton'] - c) / c:.1f}", flush=True)
+    print("\n| proj | T | cuBLAS µs (again) | lora_linear cuBLAS path µs (% of base) | Triton path µs (% of base) "
+          "| shrink µs | shrink + lora_gemm µs (% of base) | lora_gemm alone x cuBLAS | tiles |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = r["cuBLAS"]
+        print(f"| {r['proj']} | {r['T']} | {c:.1f} ({r['cuBLAS again']:.1f}) | {r['lora_linear cublas']:.1f} "
+              f"({100 * (r['lora_linear cublas'] - c) / c:.1f} %) | {r['lora_linear triton']:.1f} "
+              f"({100 * (r['lora_linear triton'] - c) / c:.1f} %) | {r['shrink']:.1f} | {r['shrink + lora_gemm']:.1f} "
+              f"({100 * (r['shrink + lora_gemm'] - c) / c:.1f} %) | "
+              f"{r['lora_gemm alone'] / c:.3f} | {'/'.join(str(int(v)) for v in r['best_tiles'])} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1, default=str))
+
+
+def table(args: argparse.Namespace) -> None:
+    """Per projection and T: cuBLAS, lora_linear's two paths (Triton: default tiles, and the same tiles on a
+    persistent grid), interleaved; one adapter over 4096-token segments (shorter T: one segment), and
+    16 adapters over 512-token sequences."""
+    dev = DEV
+    bw = copy_bandwidth() / 1e9
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; copy {bw:.0f} GB/s")
+    rows = []
+    persistent = DEFAULT_TILES[:6] + (True,) + DEFAULT_TILES[7:]
+    for name, (K, slices) in LLAMA_8B.items():
+        N, n = sum(slices), len(slices)
+        offs = offsets(slices)
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+        A = torch.randn(16, n, R, K, device=dev, dtype=torch.bfloat16) * 0.02
+        B = torch.randn(16, N, R, device=dev, dtype=torch.bfloat16) * 0.02
+        ranks = torch.full((16,), R, dtype=torch.int32, device=dev)
+        for T in [int(t) for t in args.t.split(",")]:
+            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+            y = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+            for layout in ("1", "16x512"):
+                if layout == "1":
+                    seq = min(T, 4096)
+                    segs = sgmv_segments([seq] * (T // seq), [0] * (T // seq), dev)
+                elif T >= 8192:
+                    segs = sgmv_segments([512] * (T // 512), [i % 16 for i in range(T // 512)], dev)
+                else:
+                    continue
+                fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
+                       "cublas path": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas"),
+                       "triton path": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton"),
+                       "triton persistent": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton",
+                                                                gemm_tiles=persistent)}
+                t = dict(zip(fns, interleaved_times(list(fns.values()), reps=9)))
+                c = t["cuBLAS"]
+                row = {"proj": name, "T": T, "layout": layout, **{k: v * 1e6 for k, v in t.items()}}
+                rows.append(row)
+                print(f"{name:8s} {T:6d} {layout:7s} " + " | ".join(
+                    f"{k} {v * 1e6:.1f}" + ("" if k == "cuBLAS" else f" ({100 * (v - c) / c:+.1f} %)")
+                    for k, v in t.items()), flush=True)
+    print("\n| proj | T | adapters | cuBLAS µs | cuBLAS path: LoRA % of base | Triton path | Triton, persistent grid |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = r["cuBLAS"]
+        print(f"| {r['proj']} | {r['T']} | {r['layout']} | {c:.1f} | "
+              + " | ".join(f"{100 * (r[k] - c) / c:.1f} %" for k in ("cublas path", "triton path", "triton persistent"))
+              + " |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""lora_gemm: the base projection's GEMM with the multi-LoRA delta added in its epilogue (prefill).
+
+    y[t, c] = x[t] @ W[c]ᵀ + scale[slot(t)] * h[t, i(c)*R : i(c)*R + r] @ B[slot(t), c, :r]ᵀ
+    h[t, i*R + j] = x[t] @ A[slot(t), i, j]ᵀ  (j < r)
+
+where i(c) is the slice of output column c (qkv: 3, gate_up: 2), r = rank[slot(t)] and slot(t) =
+row_slots[t] (-1: base token, no delta). One launch: y is written once, and h is computed inside it.
+
+Why: lora_linear's cuBLAS order (shrink, write the delta into y, then cuBLAS accumulates x @ Wᵀ into
+it) moves y through HBM once more than the GEMM alone and reads x in a kernel of its own; for
+qkv_proj and o_proj at 4096 tokens that is 14-21 % of the GEMM's time on an H200, and the floor of
+that design is 8-9 % (docs/benchmarks.md). Here the delta costs the epilogue a [BLOCK_M, R] load of h
+and an [R, BLOCK_N] load of B per adapter among the tile's rows (tiny, L2-resident) and one rank-R
+tensor-core product into the accumulator; h costs one extra K loop per row tile, run beside the
+compute-bound GEMM tiles of other SMs, where HBM has bandwidth to spare.
+
+Grid: [BLOCK_M, BLOCK_N] tiles of y, row tiles grouped GROUP_M at a time so W tiles are re-read from
+L2, columns sweeping within a group (column tile 0 of every row tile of a group comes first).
+- Column tile 0 of a row tile first runs the *shrink*: h for its BLOCK_M rows, one K loop per distinct
+  adapter among them (usually one: prefill rows come in long segments), in wide K steps through the
+  copy engine (one SM streams the rows' x alone there, so its speed is the bytes it keeps in flight);
+  it stores h and raises the row tile's flag (release), then runs its own GEMM tile.
+- Every tile runs its K loop (x and W tiles through the copy engine, num_stages deep), then, if any of
+  its rows has an adapter, waits for the row tile's flag (acquire) and adds the delta: a tile started
+  with the shrink's tile finds h ready after its own main loop in the measured shapes.
+- No deadlock: a tile waits only on a tile earlier in the order, which never waits before it raises
+  its flag. One tile a program: tiles are handed out by an atomic ticket in the order programs start
+  (CUDA does not promise to dispatch blocks in index order), so the earlier tile is running or done.
+  Persistent grid (outputs wider than PERSISTENT_MIN_OUT): each program walks its tiles in order.
+- Mode h given (A None, h from lora_shrink, planes summed): no shrink, no flags (benchmarks, tests).
+
+The tile's columns lie in one slice: the launcher picks BLOCK_N dividing every slice boundary. x, W
+and y move through the copy engine (TMA descriptors: rows on 16-byte boundaries, see unfit_reason).
+
+Rounding: h is rounded to the weights' dtype (with the slot's scale folded in first when scalings
+are given; the engine folds scales into B), its product with B is accumulated in fp32 into the
+base product's fp32 accumulator, and the sum is rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.platform import dot_upcast, interpreter_active
+
+_NO_SLOT = tl.constexpr(2**31 - 1)  # "no slot left" in the epilogue's walk over a tile's slots
+
+
+@triton.jit
+def lora_epilogue(acc, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr, rank_ptr,
+                  stride_hp, stride_hm, stride_hn, stride_bs, stride_bn, stride_br, n_parts, w_ty: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 (rows offs_m, columns offs_n < N from c0, all in one slice) plus the
+    delta of every adapter among the rows: one rank-R tensor-core product per distinct slot."""
+    m_mask = offs_m < M
+    sl = (c0 >= o1).to(tl.int32) + (c0 >= o2).to(tl.int32)  # the tile's slice
+    slots = tl.load(row_slot_ptr + offs_m, mask=m_mask, other=-1)
+    offs_r = tl.arange(0, BLOCK_R)
+    rn = offs_n.to(tl.int64)
+    cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
+    while cur != _NO_SLOT:
+        rank = tl.load(rank_ptr + cur)
+        r_mask = offs_r < rank
+        hm = (slots == cur)[:, None] & r_mask[None, :]
+        h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :] * stride_hn
+        ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for p in range(n_parts):  # K splits' partial sums, in a fixed order
+            # from L2 (.cg): h may have been written by another SM during this launch
+            ht += tl.load(h_ptrs + p * stride_hp, mask=hm, other=0.0, cache_modifier=".cg")
+        if HAS_SCALE:
+            ht = ht * tl.load(scale_ptr + cur)
+        ht = ht.to(w_ty)
+        # [BLOCK_R, BLOCK_N] of the slot's B; rank padding never read (edge columns wrap, never stored)
+        bt = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + rn[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                     mask=r_mask[:, None], other=0.0)
+        if UPCAST:
+            ht = ht.to(tl.float32)
+            bt = bt.to(tl.float32)
+        acc = tl.dot(ht, bt, acc, input_precision=PRECISION)
+        cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT))
+    return acc
+
+
+@triton.jit
+def _tile_of(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row tiles sweep the columns together, so a W tile is read from HBM once
+    per group rather than once per row tile."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@triton.jit
+def _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
+                 BLOCK_M: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_NR: tl.constexpr,
+                 SHRINK_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """h [BLOCK_M rows from m0, all n*R columns] for every adapter among the rows: one K loop each.
+    One SM streams the rows' x alone here, so its speed is the bytes it keeps in flight: wide
+    [BLOCK_M, BLOCK_KS] steps through the copy engine. A's rows come as one [BLOCK_NR, BLOCK_KS] block
+    from the slot's first row: rows past its n*R (the next slot's, or zero fill) and its rank padding
+    land in h columns that are never stored."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_j = tl.arange(0, BLOCK_NR)  # column j = i*R + rank row of slice i
+    cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
+    while cur != _NO_SLOT:
+        rank = tl.load(rank_ptr + cur)
+        acc = tl.zeros((BLOCK_M, BLOCK_NR), dtype=tl.float32)
+        for k in tl.range(0, tl.cdiv(K, BLOCK_KS), num_stages=SHRINK_STAGES):
+            xt = xs_desc.load([m0, k * BLOCK_KS])
+            at = as_desc.load([cur * NR, k * BLOCK_KS])
+            if UPCAST:
+                xt = xt.to(tl.float32)
+                at = at.to(tl.float32)
+            acc = tl.dot(xt, at.T, acc, input_precision=PRECISION)
+        j_mask = (offs_j < NR) & (offs_j % R < rank)
+        tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_j[None, :], acc,
+                 mask=(slots == cur)[:, None] & j_mask[None, :])
+        cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT))
+
+
+@triton.jit(do_not_specialize=["n_parts", "stride_hp"])
+def _lora_gemm_kernel(
+    x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
+    w_desc,  # TMA descriptor of W [N, K], blocks [BLOCK_N, BLOCK_K]
+    y_desc,  # TMA descriptor of y [M, N], blocks [BLOCK_M, BLOCK_N] (written)
+    h_ptr,  # [P, M, n*R] fp32: from lora_shrink (P planes of partial sums), or (FUSED_SHRINK) [M, n*R] written here
+    xs_desc,  # TMA descriptor of x, blocks [BLOCK_M, BLOCK_KS] (FUSED_SHRINK only)
+    as_desc,  # TMA descriptor of A as [S*n*R, K], blocks [BLOCK_NR, BLOCK_KS] (FUSED_SHRINK only)
+    b_ptr,  # [S, N, R] B of every slot
+    scale_ptr,  # [S] fp32 (HAS_SCALE only)
+    row_slot_ptr,  # [M] int32 slot of each row, -1 = base token
+    rank_ptr,  # [S] int32 true rank per slot
+    flag_ptr,  # [cdiv(M, BLOCK_M) + 1] int32, zeroed: row tile's h is written; then the tile ticket (FUSED_SHRINK)
+    M, N, K, R, NR, o1, o2,  # NR = n*R; first columns of slices 1 and 2 (= N when absent)
+    stride_hp, stride_hm, stride_bs, stride_bn,
+    n_parts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
+    FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:  # NUM_PROGS programs walk the tiles in order (no launch ramp per tile)
+        last = num_pid_m * num_pid_n
+    else:  # one tile a program
+        last = tl.program_id(0) + 1
+    for tile in tl.range(tl.program_id(0), last, NUM_PROGS):
+        if FUSED_SHRINK and not PERSISTENT:
+            # Tiles are handed out in the order programs start (a ticket, not the block index, whose
+            # dispatch order CUDA does not promise), so the shrink a tile waits on is already running.
+            tile = tl.atomic_add(flag_ptr + num_pid_m, 1)
+        pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        slots = tl.load(row_slot_ptr + offs_m, mask=offs_m < M, other=-1)
+        if FUSED_SHRINK:
+            if pid_n == 0:
+                # The row tile's first column tile computes its h first, then its own GEMM tile: the
+                # other column tiles of these rows run their main loops meanwhile and find h ready.
+                _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
+                             BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST)
+                tl.debug_barrier()  # every thread's h stores before the release below
+                tl.atomic_xchg(flag_ptr + pid_m, 1, sem="release", scope="gpu")
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The copy engine loads the tiles (edges zero-filled), num_stages deep; the tensor cores eat them.
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = x_desc.load([m0, k * BLOCK_K])
+            b = w_desc.load([n0, k * BLOCK_K])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        if FUSED_SHRINK:
+            if tl.max(slots) >= 0:  # an adapter row: wait for the row tile's h (column tile 0 came first)
+                while tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu") == 0:
+                    pass
+        offs_n = (n0 + tl.arange(0, BLOCK_N)) % N  # edge columns wrap for B's load, clipped on store
+        acc = lora_epilogue(acc, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr,
+                            rank_ptr, stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_desc.dtype,
+                            BLOCK_M, BLOCK_N, BLOCK_R, HAS_SCALE, PRECISION, UPCAST)
+        y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, persistent (None: for outputs over
+# PERSISTENT_MIN_OUT columns), BLOCK_KS, shrink stages (None: 4 where A's block is <= 32 rows, else 3,
+# the most that fit in shared memory)): H200, bf16, the best
+# or within noise of the best of 16 configs on the Llama-3.1-8B projections (docs/benchmarks.md). The
+# shrink's wide K step matters most: one SM streams a row tile's x there, at the bytes it keeps in flight.
+# CPU (interpreter) runs use small tiles: the tests only need the math.
+DEFAULT_TILES = (128, 256, 64, 8, 3, 8, None, 128, None)
+_CPU_TILES = (32, 32, 32, 4, 1, 2, False)
+# H200, docs/benchmarks.md: gate_up_proj (28672 columns) with the fused shrink, 4096-8192 tokens: 7.3-7.5 %
+# of the cuBLAS GEMM on a persistent grid against 11.5-12.2 % one tile a program; qkv/o/down_proj lost
+# 2-14 points on it.
+PERSISTENT_MIN_OUT = 16384
+
+
+def block_n_for(out_offsets: Sequence[int], block_n: int) -> int:
+    """The widest power-of-two BLOCK_N <= block_n (>= 16) dividing every inner slice boundary, or 0."""
+    bounds = list(out_offsets[1:-1])
+    while block_n >= 16:
+        if all(o % block_n == 0 for o in bounds):
+            return block_n
+        block_n //= 2
+    return 0
+
+
+def unfit_reason(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[int]) -> Optional[str]:
+    """None when lora_gemm takes these operands, else why not: bf16/fp16 on CUDA, the copy engine's rules
+    (row-major rows on 16-byte boundaries) and a column tile inside one slice."""
+    if x.device.type == "cuda" and x.dtype == torch.float32:
+        # H200, triton 3.6: fp32 operands through this kernel gave NaN and garbage where bf16/fp16 on the
+        # same layouts matched fp64 torch (docs/benchmarks.md); the interpreter's fp32 is exact and tested.
+        return "fp32 on CUDA is not supported (bf16/fp16 only)"
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dim() != 2 or t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return f"{name} must be row-major with rows on 16-byte boundaries"
+    if (weight.shape[0] * x.element_size()) % 16:
+        return "the output's rows must be a multiple of 16 bytes"
+    if block_n_for(out_offsets, 256) == 0:
+        return f"no column tile >= 16 divides the slice boundaries {list(out_offsets)}"
+    return None
+
+
+def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], B: torch.Tensor,
+              row_slots: torch.Tensor, slot_ranks: torch.Tensor, out_offsets: Sequence[int],
+              scalings: Optional[torch.Tensor] = None, *, A: Optional[torch.Tensor] = None,
+              tiles: Optional[tuple] = None) -> torch.Tensor:
+    """y = x @ weightᵀ + the multi-LoRA delta, as a new [T, out] tensor.
+
+    x [T, in] and weight [out, in] (fp32/bf16/fp16, one dtype, see unfit_reason); h: None with A
+    [S, n, R, in] given (the shrink runs inside this launch), or [T, n, R] / [P, T, n, R] fp32 from
+    lora_shrink (planes summed); B [S, out, R] same dtype as x; row_slots [T] int32 (slot of each row,
+    -1 = base); slot_ranks [S] int32; out_offsets [n + 1] slice boundaries; scalings [S] fp32 or None.
+    tiles: (block_m, block_n, block_k, num_warps, num_stages, group_m, persistent[, block_ks,
+    shrink_stages]) override (None = DEFAULT_TILES on CUDA; block_ks, shrink_stages: the fused shrink's
+    K step and pipeline depth); block_n shrinks to divide the slice boundaries.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"lora_gemm: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if x.dtype != weight.dtype or B.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"lora_gemm: x, weight and B must share one of fp32/bf16/fp16, got {x.dtype}, "
+                         f"{weight.dtype}, {B.dtype}")
+    T, K = x.shape
+    N = weight.shape[0]
+    n = len(out_offsets) - 1
+    if n < 1 or n > 3 or out_offsets[0] != 0 or out_offsets[-1] != N:
+        raise ValueError(f"lora_gemm: out_offsets must run from 0 to {N} over 1-3 slices, got {list(out_offsets)}")
+    reason = unfit_reason(x, weight, out_offsets)
+    if reason is not None:
+        raise ValueError(f"lora_gemm: {reason}")
+    if B.dim() != 3 or B.shape[1] != N or B.stride(2) != 1:
+        raise ValueError(f"lora_gemm: B must be [S, {N}, R] with R contiguous, got {tuple(B.shape)}")
+    S, _, R = B.shape
+    if R > 64:
+        raise ValueError(f"lora_gemm: rank {R} over 64")
+    fused = h is None
+    if fused:
+        if A is None or A.shape != (S, n, R, K) or A.dtype != x.dtype or not A.is_contiguous():
+            raise ValueError(f"lora_gemm: without h, A must be a contiguous {x.dtype} [{S}, {n}, {R}, {K}], got "
+                             f"{None if A is None else (A.dtype, tuple(A.shape))}")
+        h4 = torch.empty(1, T, n, R, dtype=torch.float32, device=x.device)  # written by the shrink tiles
+    else:
+        h4 = h if h.dim() == 4 else h.unsqueeze(0)
+        if h4.dtype != torch.float32 or tuple(h4.shape[1:]) != (T, n, R) or h4.stride(3) != 1 or h4.stride(2) != R:
+            raise ValueError(f"lora_gemm: h must be fp32 [(P,) {T}, {n}, {R}] with [n, R] contiguous, got "
+                             f"{h.dtype} {tuple(h.shape)}")
+    for name, t, size in (("row_slots", row_slots, T), ("slot_ranks", slot_ranks, S)):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != size or t.device != x.device:
+            raise ValueError(f"lora_gemm: {name} must be int32 [{size}] on {x.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if scalings is not None and (scalings.dtype != torch.float32 or scalings.shape != (S,)
+                                 or scalings.device != x.device):
+        raise ValueError(f"lora_gemm: scalings must be fp32 [{S}] on {x.device}")
+    if tiles is None:
+        tiles = DEFAULT_TILES if x.device.type == "cuda" else _CPU_TILES
+    block_m, block_n, block_k, num_warps, num_stages, group_m, persistent = tiles[:7]
+    if persistent is None:
+        persistent = N > PERSISTENT_MIN_OUT
+    # the fused shrink's K step and pipeline depth (None = the main loop's)
+    block_ks = tiles[7] if len(tiles) > 7 else None
+    shrink_stages = tiles[8] if len(tiles) > 8 else num_stages
+    block_n = block_n_for(out_offsets, block_n)
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    o1 = out_offsets[1] if n > 1 else N
+    o2 = out_offsets[2] if n > 2 else N
+    num_pid_m = triton.cdiv(T, block_m)
+    num_tiles = num_pid_m * triton.cdiv(N, block_n)
+    progs = num_tiles
+    if persistent and fused and interpreter_active():
+        persistent = False  # the interpreter runs programs one after another: a wait would never end
+    if persistent:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4
+        progs = min(num_tiles, sms)
+    flags = torch.zeros(num_pid_m + 1 if fused else 1, dtype=torch.int32, device=x.device)
+    block_nr = max(16, triton.next_power_of_2(n * R))
+    block_ks = block_ks or block_k
+    if shrink_stages is None:
+        shrink_stages = 4 if block_nr <= 32 else 3
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    if fused:
+        xs_desc = TensorDescriptor.from_tensor(x, [block_m, block_ks])
+        as_desc = TensorDescriptor.from_tensor(A.view(S * n * R, K), [block_nr, block_ks])
+    else:
+        xs_desc = as_desc = x_desc  # not read without FUSED_SHRINK
+    _lora_gemm_kernel[(progs,)](
+        x_desc, TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+        TensorDescriptor.from_tensor(y, [block_m, block_n]),
+        h4, xs_desc, as_desc, B, scalings if scalings is not None else slot_ranks, row_slots, slot_ranks, flags,
+        T, N, K, R, n * R, o1, o2,
+        h4.stride(0), h4.stride(1), B.stride(0), B.stride(1),
+        h4.shape[0],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
+        NUM_PROGS=progs, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return y

@@ -1,0 +1,169 @@
+"""lora_gemm (the base GEMM with the multi-LoRA delta in its epilogue) against the torch twin.
+
+Runs compiled on a GPU, under Triton's interpreter on CPU (tests/conftest.py). Row tiles of 32 rows
+(the CPU tiles) cut across segments of different adapters, base rows and the matrix's edge, so the
+epilogue's walk over a tile's distinct slots, its masks and the wrapped edge loads are all exercised.
+Rank padding of A and B and every slot no token uses are NaN: a read of them shows as a mismatch; y
+is fresh memory the kernel must fill (torch.empty), checked for NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.lora_gemm import block_n_for, lora_gemm, unfit_reason
+from kernels.lora_shrink import lora_shrink
+from kernels.segments import csgmv_segments, sgmv_segments
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 2e-2)}
+
+
+def case(dtype: torch.dtype, lens: list[int], slots: list[int], ranks: list[int], K: int, slices: list[int],
+         R: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    S, T, N, n = len(ranks), sum(lens), sum(slices), len(slices)
+    A = (torch.randn(S, n, R, K, generator=g) / math.sqrt(K)).to(dtype)
+    B = (torch.randn(S, N, R, generator=g) / math.sqrt(R)).to(dtype)
+    used = {s for s in slots if s >= 0}
+    for s, r in enumerate(ranks):
+        A[s, :, r:] = float("nan")
+        B[s, :, r:] = float("nan")
+        if s not in used:
+            A[s] = float("nan")
+            B[s] = float("nan")
+    x = torch.randn(T, K, generator=g).to(dtype)
+    W = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dtype)
+    offs = [0]
+    for s in slices:
+        offs.append(offs[-1] + s)
+    token_slots = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)])
+    return x, W, A, B, offs, token_slots, torch.tensor(ranks, dtype=torch.int32)
+
+
+def run(strategy: str, x, W, A, B, offs, token_slots, ranks, lens, slots, scalings=None, tiles=None,
+        fused: bool = True, **kw) -> torch.Tensor:
+    """fused: the shrink as tiles of lora_gemm's own grid; else lora_shrink's h (kw: its options)."""
+    segs = (sgmv_segments(lens, slots, DEV) if strategy == "triton" else csgmv_segments(lens, slots, 8, DEV))
+    d = [t.to(DEV) for t in (x, W, A, B, ranks)]
+    row_slots = token_slots.to(torch.int32).to(DEV)
+    assert torch.equal(segs.row_slots.cpu(), row_slots.cpu())
+    sc = None if scalings is None else scalings.to(DEV)
+    if fused:
+        return lora_gemm(d[0], d[1], None, d[3], segs.row_slots, d[4], offs, sc, A=d[2], tiles=tiles).cpu()
+    h = lora_shrink(d[0], d[2], segs, d[4], **kw)
+    return lora_gemm(d[0], d[1], h, d[3], segs.row_slots, d[4], offs, sc, tiles=tiles).cpu()
+
+
+def want(x, W, A, B, offs, token_slots, ranks, scalings=None) -> torch.Tensor:
+    acc = torch.float64
+    Bs = B if scalings is None else (B.double() * scalings.double()[:, None, None])
+    h = ref.lora_shrink(x.to(acc), A.to(acc), token_slots, ranks)
+    y = (x.to(acc) @ W.to(acc).T)
+    return ref.lora_expand(y, h, Bs.to(acc), token_slots, offs, ranks)
+
+
+@pytest.mark.parametrize("shrink", ["fused", "given"])
+@pytest.mark.parametrize("grid", ["tiles", "persistent"])
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_against_reference(dtype: torch.dtype, strategy: str, grid: str, shrink: str) -> None:
+    # 77 rows: segments of three adapters and base rows cut across 32-row tiles, a ragged last tile;
+    # qkv-like slices (32 + 16 + 16 columns), mixed ranks (16, 5, 1), one slot unused (NaN). K = 40
+    # is not a multiple of the 32-wide K step (the copy engine zero-fills past the edge). "persistent":
+    # 4 programs walk the 12 tiles (with the shrink fused, the interpreter runs one tile a program:
+    # see lora_gemm). "fused": the shrink as tiles of the same grid; "given": lora_shrink's h.
+    lens, slots, ranks = [20, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
+    x, W, A, B, offs, ts, r = case(dtype, lens, slots, ranks, 40, [32, 16, 16], 16)
+    tiles = None if grid == "tiles" or DEV.type == "cuda" else (32, 32, 32, 4, 1, 2, True)
+    got = run(strategy, x, W, A, B, offs, ts, r, lens, slots, tiles=tiles, fused=shrink == "fused")
+    assert not got.isnan().any()
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want(x, W, A, B, offs, ts, r), atol=atol, rtol=rtol)
+    base = ts < 0
+    torch.testing.assert_close(got[base].double(), x[base].double() @ W.double().T, atol=atol, rtol=rtol)
+
+
+def test_scalings_planes_and_rank_64() -> None:
+    # Scalings per slot, the shrink's K splits in planes (summed in the epilogue), rank 64, one slice
+    # whose width is not a multiple of the tile (edge columns wrap on load, masked on store).
+    lens, slots, ranks = [33, 7, 24], [1, -1, 0], [64, 3]
+    x, W, A, B, offs, ts, r = case(torch.float32, lens, slots, ranks, 48, [40], 64, seed=1)
+    sc = torch.tensor([0.5, 2.0])
+    got = run("triton", x, W, A, B, offs, ts, r, lens, slots, scalings=sc, fused=False, split_k=3, partials=True)
+    torch.testing.assert_close(got.double(), want(x, W, A, B, offs, ts, r, sc), atol=1e-4, rtol=1e-4)
+    got = run("triton", x, W, A, B, offs, ts, r, lens, slots, scalings=sc)
+    torch.testing.assert_close(got.double(), want(x, W, A, B, offs, ts, r, sc), atol=1e-4, rtol=1e-4)
+
+
+def test_all_base_rows_is_the_plain_gemm() -> None:
+    lens, slots, ranks = [10, 5], [-1, -1], [16]
+    x, W, A, B, offs, ts, r = case(torch.float32, lens, slots, ranks, 24, [16, 16], 16, seed=2)
+    h = torch.full((15, 2, 16), float("nan"))  # never read: no row has a slot
+    got = lora_gemm(x.to(DEV), W.to(DEV), h.to(DEV), B.to(DEV), ts.to(torch.int32).to(DEV), r.to(DEV), offs).cpu()
+    torch.testing.assert_close(got, x @ W.T, atol=1e-4, rtol=1e-4)
+
+
+def test_block_n_divides_slice_boundaries() -> None:
+    assert block_n_for([0, 4096, 5120, 6144], 256) == 256
+    assert block_n_for([0, 14336, 28672], 256) == 256
+    assert block_n_for([0, 576, 768, 960], 256) == 64
+    assert block_n_for([0, 40, 48], 256) == 0
+    assert block_n_for([0, 4096], 256) == 256
+
+
+def test_refuses_bad_arguments() -> None:
+    x, W, A, B, offs, ts, r = case(torch.float32, [4], [0], [16], 16, [16, 16], 16)
+    h = torch.zeros(4, 2, 16)
+    rs = ts.to(torch.int32)
+    with pytest.raises(ValueError, match="share"):
+        lora_gemm(x, W.double(), h, B, rs, r, offs)
+    with pytest.raises(ValueError, match="h must be fp32"):
+        lora_gemm(x, W, h[:, :1], B, rs, r, offs)
+    with pytest.raises(ValueError, match="row_slots"):
+        lora_gemm(x, W, h, B, ts, r, offs)  # int64
+    with pytest.raises(ValueError, match="out_offsets"):
+        lora_gemm(x, W, h, B, rs, r, [0, 16])
+    with pytest.raises(ValueError, match="column tile"):
+        lora_gemm(x, W, h, B, rs, r, [0, 8, 32])
+    xs = torch.randn(4, 20).to(torch.bfloat16)[:, :16]  # rows 40 bytes apart: not for the copy engine
+    assert "16-byte" in unfit_reason(xs, W.to(torch.bfloat16), offs)
+    assert unfit_reason(x, W, offs) is None
+
+
+def test_lora_linear_paths_agree_and_auto_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # lora_linear's two prefill paths on one step (both strategies' segments): the Triton GEMM with the
+    # delta in its epilogue against the cuBLAS order. The automatic choice takes the cuBLAS order on CPU;
+    # where it picks the Triton GEMM and that runs out of shared memory, it falls back for that shape.
+    import triton
+
+    import kernels.lora_linear as ll
+
+    lens, slots, ranks = [20, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
+    x, W, A, B, offs, ts, r = case(torch.float32, lens, slots, ranks, 40, [32, 16, 16], 16, seed=4)
+    d = [t.to(DEV) for t in (x, W, A, B, r)]
+    for strategy in ("triton", "csgmv"):
+        segs = sgmv_segments(lens, slots, DEV) if strategy == "triton" else csgmv_segments(lens, slots, 8, DEV)
+        tri = ll.lora_linear(*d[:4], segs, d[4], offs, gemm="triton").cpu()
+        cub = ll.lora_linear(*d[:4], segs, d[4], offs, gemm="cublas").cpu()
+        torch.testing.assert_close(tri, cub, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(tri.double(), want(x, W, A, B, offs, ts, r), atol=1e-4, rtol=1e-4)
+    assert not ll.triton_gemm_pays(d[0], d[1], offs, segs)  # CPU: never automatic
+    with pytest.raises(ValueError, match="gemm must be"):
+        ll.lora_linear(*d[:4], segs, d[4], offs, gemm="cutlass")
+
+    def out_of_smem(*a, **k):
+        raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(ll, "lora_gemm", out_of_smem)
+    monkeypatch.setattr(ll, "triton_gemm_pays", lambda *a: True)
+    monkeypatch.setattr(ll, "_REFUSED", set())
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        ll.lora_linear(*d[:4], segs, d[4], offs, gemm="triton")  # asked for by name: the error stands
+    got = ll.lora_linear(*d[:4], segs, d[4], offs).cpu()
+    torch.testing.assert_close(got, cub, atol=0, rtol=0)
+    assert len(ll._REFUSED) == 1
