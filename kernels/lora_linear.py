@@ -21,8 +21,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import triton
 
 from kernels.lora_expand import lora_expand
+from kernels.lora_gemm import lora_gemm, unfit_reason
 from kernels.lora_shrink import lora_shrink
 from kernels.platform import pdl_available
 from kernels.segments import LoRASegments
@@ -32,6 +34,14 @@ from kernels.segments import LoRASegments
 # measured) up for every Llama-3.1-8B projection, or tied (gate_up_proj at 256); the read of C cost
 # cuBLAS about 1 %. Below, the step stays with lora_apply after the GEMM.
 MIN_TOKENS_CUDA = 64
+# Tokens in a step for which lora_linear's automatic choice (gemm=None) is the Triton GEMM with the delta
+# in its epilogue (kernels/lora_gemm.py) on sm90+. H200, Llama-3.1-8B projections, docs/benchmarks.md:
+# from 4096 tokens it took less LoRA time than the cuBLAS order for qkv/o/down_proj (qkv 4096: 10.7
+# against 20.6 % of the GEMM) and, on a persistent grid, gate_up_proj; below 4096 its row tiles are
+# too few to hide the shrink's tiles (qkv 1024: 40 against 31 %), above 8192 cuBLAS's GEMM pulled
+# ahead for qkv and gate_up (16384: 13.7 against 11.9 %). The GPU config's steps hold at most 8192.
+TRITON_GEMM_TOKENS = (4096, 8192)
+_REFUSED: set = set()  # shapes whose lora_gemm launch ran out of resources on their device
 # Output width up to which the shrink's K splits leave planes of partial sums (summed by the expand)
 # rather than adding atomically into a zeroed h. Every expand program re-reads all planes of its
 # rows, and wide outputs have many column programs. H200, docs/benchmarks.md, 64-4096 tokens:
@@ -49,10 +59,22 @@ def lora_linear_pays(num_tokens: int, segs: LoRASegments, device: torch.device) 
     return device.type != "cuda" or num_tokens >= MIN_TOKENS_CUDA
 
 
+def triton_gemm_pays(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[int], segs: LoRASegments) -> bool:
+    """lora_linear's automatic path choice (host facts only, no sync): the Triton GEMM on a CUDA device
+    with the copy engine (sm90+), for TRITON_GEMM_TOKENS, when the operands fit it."""
+    T = x.shape[0]
+    if x.device.type != "cuda" or not TRITON_GEMM_TOKENS[0] <= T <= TRITON_GEMM_TOKENS[1] or segs.row_slots is None:
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return unfit_reason(x, weight, out_offsets) is None
+
+
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
                 slot_ranks: torch.Tensor, out_offsets: Sequence[int],
                 scalings: Optional[torch.Tensor] = None, *, split_k: Optional[int] = None,
-                partials: Optional[bool] = None, pdl: Optional[bool] = None) -> torch.Tensor:
+                partials: Optional[bool] = None, pdl: Optional[bool] = None,
+                gemm: Optional[str] = None, gemm_tiles: Optional[tuple] = None) -> torch.Tensor:
     """y = x @ weightᵀ + the multi-LoRA delta of every slice (lora_apply's math), as a new [T, out] tensor.
 
     x [T, in], weight [out, in] (no bias: the caller keeps the add-after order for biased linears),
@@ -62,7 +84,10 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
     and how the splits combine (True: planes of partial sums, False: atomics; None = planes up to
     PLANES_MAX_OUT output columns); overrides for benchmarks. pdl: the expand launched as a
     programmatic dependent of the shrink (its launch under the shrink's tail; None = where the device
-    has PDL).
+    has PDL). gemm: "cublas" (the delta written, then cuBLAS accumulates) or "triton" (kernels/lora_gemm.py:
+    one launch, the shrink as tiles of its grid and the delta in the epilogue of its GEMM; needs
+    segs.row_slots; split_k, partials and pdl do not apply); None = triton where triton_gemm_pays, else
+    cublas. gemm_tiles: lora_gemm's tile override (benchmarks).
     """
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"lora_linear: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
@@ -72,9 +97,28 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
     if B.dim() != 3 or B.shape[1] != weight.shape[0]:
         raise ValueError(f"lora_linear: B must be [S, {weight.shape[0]}, R], got {tuple(B.shape)}")
     T, OUT = x.shape[0], weight.shape[0]
-    y = torch.empty(T, OUT, dtype=x.dtype, device=x.device)  # the delta's write fills every row
     if partials is None:
         partials = OUT <= PLANES_MAX_OUT
+    auto = gemm is None
+    if auto:
+        gemm = "triton" if triton_gemm_pays(x, weight, out_offsets, segs) else "cublas"
+    if gemm not in ("cublas", "triton"):
+        raise ValueError(f"lora_linear: gemm must be 'cublas' or 'triton', got {gemm!r}")
+    if gemm == "triton":
+        if segs.row_slots is None:
+            raise ValueError("lora_linear: gemm='triton' needs the segments' row_slots")
+        key = (x.device, x.dtype, tuple(weight.shape), tuple(out_offsets), A.shape[2])
+        if key not in _REFUSED:
+            try:
+                return lora_gemm(x, weight, None, B, segs.row_slots, slot_ranks, out_offsets, scalings, A=A,
+                                 tiles=gemm_tiles)
+            except triton.runtime.errors.OutOfResources:
+                if not auto:
+                    raise
+                # A GPU with less shared memory than the tiles were sized for: the automatic choice
+                # falls back to the cuBLAS order for this shape from now on, instead of failing the step.
+                _REFUSED.add(key)
+    y = torch.empty(T, OUT, dtype=x.dtype, device=x.device)  # the delta's write fills every row
     if pdl is None:
         pdl = pdl_available(x.device)
     h = lora_shrink(x, A, segs, slot_ranks, split_k=split_k, partials=partials,

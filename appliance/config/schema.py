@@ -196,6 +196,7 @@ class ServerConfig:
 
 
 LORA_BACKENDS = ("torch", "triton", "csgmv")
+PREFILL_GEMMS = ("auto", "cublas", "triton")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -234,6 +235,12 @@ class LoRAConfig:
     # parallel.tp_size 1; true on cpu runs the same kernels in that order on one stream (tests). Not
     # with parallel.tp_size > 1.
     decode_side_stream: Optional[bool] = None
+    # Prefill-shaped steps (backends triton/csgmv): how a wrapped projection computes x @ Wᵀ + the delta
+    # (kernels/lora_linear.py). cublas: the delta written into y, then cuBLAS accumulates the GEMM into
+    # it. triton: one Triton GEMM (kernels/lora_gemm.py) that computes h in extra work of its grid and
+    # adds the delta in its epilogue (needs sm90+ on CUDA). auto: triton on sm90+ for steps of
+    # 4096-8192 tokens, where it was measured faster (docs/benchmarks.md), else cublas.
+    prefill_gemm: str = "auto"
     # Debug only: every cold read (disk -> CPU tier) sleeps this long first, as a slow disk would, to
     # exercise overlap loading end to end. 0 = off; never set it on a server that serves users.
     fault_injection_read_delay_s: float = 0.0
@@ -262,6 +269,8 @@ class LoRAConfig:
             raise ConfigError(f"lora.eviction_policy: {self.eviction_policy!r} is not one of lru, fifo")
         if self.backend not in LORA_BACKENDS:
             raise ConfigError(f"lora.backend: {self.backend!r} is not one of {', '.join(LORA_BACKENDS)}")
+        if self.prefill_gemm not in PREFILL_GEMMS:
+            raise ConfigError(f"lora.prefill_gemm: {self.prefill_gemm!r} is not one of {', '.join(PREFILL_GEMMS)}")
         if not 1 <= self.max_chunk_size <= 4096:
             raise ConfigError(f"lora.max_chunk_size: must be in 1..4096, got {self.max_chunk_size}")
         if not 1 <= self.loader_threads <= 64:

@@ -43,6 +43,8 @@ class LoRAContext:
     # `side_stream`; None on cpu, where the same kernels run in the same order on one stream (the tests).
     decode_aside: bool = False
     side_stream: Optional["torch.cuda.Stream"] = None
+    # lora.prefill_gemm for lora_linear: None (auto) | "cublas" | "triton"
+    prefill_gemm: Optional[str] = None
 
 
 class LoRALinear(nn.Module):
@@ -79,9 +81,11 @@ class LoRALinear(nn.Module):
         # base swapped later for a module with its own forward, e.g. a sharded one, keeps the add after).
         own_gemm = type(self.base).forward is nn.Linear.forward and self.base.bias is None
         if segs is not None and own_gemm and x.dim() == 2 and self._linear_pays(x.shape[0], segs, x.device):
-            # Prefill-shaped step: the delta is written first and the base GEMM accumulates into it
-            # (kernels/lora_linear.py), so y crosses HBM once less than with the add after.
-            return self._linear(x, self.base.weight, self.A, self.B, segs, info.slot_ranks, self.out_offsets)
+            # Prefill-shaped step: the delta written first and cuBLAS accumulating into it, or one Triton
+            # GEMM adding it in its epilogue (kernels/lora_linear.py: lora.prefill_gemm); either way y
+            # crosses HBM once less than with the add after.
+            return self._linear(x, self.base.weight, self.A, self.B, segs, info.slot_ranks, self.out_offsets,
+                                gemm=self.ctx.prefill_gemm)
         if segs is not None and self.ctx.decode_aside and segs.max_len == 1 and not self._fuses(segs, self.A, x.device):
             return self._decode_aside(x, info)
         y = self.base(x)

@@ -105,6 +105,12 @@ class LoRAManager:
         aside = cfg.decode_side_stream
         if aside is None:  # where it was measured to pay: one CUDA device (docs/benchmarks.md)
             aside = device.type == "cuda" and tp is None
+        self.ctx.prefill_gemm = None if cfg.prefill_gemm == "auto" else cfg.prefill_gemm
+        if cfg.prefill_gemm == "triton" and cfg.backend != "torch" and device.type == "cuda":
+            dtype = next(model.parameters()).dtype
+            if torch.cuda.get_device_capability(device)[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
+                raise ConfigError(f"lora.prefill_gemm: 'triton' needs an sm90+ GPU and a bf16/fp16 model "
+                                  f"(here {torch.cuda.get_device_name(device)}, {dtype}); use auto or cublas")
         if aside and cfg.backend != "torch":
             self.ctx.decode_aside = True
             self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -100,6 +100,37 @@ def run_mixed(engine: LLMEngine, jobs: list[tuple[str | None, int]], new: int = 
     return res
 
 
+def prefill_against_peft(engine: LLMEngine, oracle: dict, jobs: list[tuple[str | None, int]],
+                         params: SamplingParams) -> tuple:
+    """Submit every (adapter name, prompt index) at once and run the first step, where all of them
+    prefill in one batch; each request's last-position logits against peft's. -> (plan, logits)."""
+    for j, (name, p) in enumerate(jobs):
+        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), params, adapter=name)
+    plan = engine.scheduler.schedule()
+    assert len(plan.prefills) == len(jobs)
+    logits = engine.runner.execute(plan)
+    for j, (name, p) in enumerate(jobs):
+        diff = (logits[j] - oracle[name][1][p]).abs().max().item()
+        assert diff <= 1e-3, f"{name} prompt {p}: logits differ by {diff}"
+    return plan, logits
+
+
+@pytest.mark.parametrize("backend", ["triton", "csgmv"])
+def test_prefill_through_the_triton_gemm_matches_peft(adapters: dict[str, Path], oracle: dict, tiny_model_dir: Path,
+                                                     backend: str) -> None:
+    """lora.prefill_gemm=triton: every wrapped projection of the prefill step is one lora_gemm launch (the
+    shrink in its grid, the delta in its GEMM's epilogue; interpreted on CPU); the step's last-position
+    logits against peft's, every adapter and base requests in one batch."""
+    root = next(iter(adapters.values())).parent
+    engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=5", f"lora.backend={backend}",
+                         "lora.prefill_gemm=triton")
+    assert engine.lora.ctx.prefill_gemm == "triton"
+    for name, path in adapters.items():
+        engine.lora.load(name, str(path))
+    jobs = [(name, p) for name in [None, *adapters] for p in range(len(PROMPTS))]
+    prefill_against_peft(engine, oracle, jobs, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+
+
 # triton/csgmv: the Triton kernels, in the interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET).
 @pytest.mark.parametrize("backend", ["torch", "triton", "csgmv"])
 def test_mixed_batch_matches_peft_per_adapter(adapters: dict[str, Path], oracle: dict, tiny_model_dir: Path,
@@ -114,14 +145,7 @@ def test_mixed_batch_matches_peft_per_adapter(adapters: dict[str, Path], oracle:
     new = NEW if backend == "torch" else SHORT
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     # First step: every request prefills in one batch; compare its last-position logits to peft.
-    for j, (name, p) in enumerate(jobs):
-        engine.add_request(str(j), engine.tokenizer.encode(PROMPTS[p]), params, adapter=name)
-    plan = engine.scheduler.schedule()
-    assert len(plan.prefills) == len(jobs)
-    logits = engine.runner.execute(plan)
-    for j, (name, p) in enumerate(jobs):
-        diff = (logits[j] - oracle[name][1][p]).abs().max().item()
-        assert diff <= 1e-3, f"{name} prompt {p}: logits differ by {diff}"
+    plan, logits = prefill_against_peft(engine, oracle, jobs, params)
     # Then the same batch decodes to the end: greedy tokens against peft's.
     got: dict[int, list[int]] = {}
     for o in engine._postprocess(plan, logits):
