@@ -45,6 +45,12 @@ FUSED_CONFIGS = [(128, 256, 64, 8, 3, g, p, ks, st) for g in (8, 16) for p in (F
                  for ks, st in ((64, 3), (128, 3), (128, 4), (256, 2))]
 
 
+def print_device() -> None:
+    bw = copy_bandwidth() / 1e9
+    print(f"{torch.cuda.get_device_name(DEV)}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"copy {bw:.0f} GB/s")
+
+
 def offsets(slices):
     o = [0]
     for s in slices:
@@ -132,8 +138,7 @@ def main() -> None:
     if args.table:
         return table(args)
     dev = DEV
-    bw = copy_bandwidth() / 1e9
-    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; copy {bw:.0f} GB/s")
+    print_device()
     configs = CONFIGS if args.configs == "all" else [DEFAULT_TILES]
     rows = []
     for name, (K, slices) in LLAMA_8B.items():
@@ -206,8 +211,7 @@ def table(args: argparse.Namespace) -> None:
     persistent grid), interleaved; one adapter over 4096-token segments (shorter T: one segment), and
     16 adapters over 512-token sequences."""
     dev = DEV
-    bw = copy_bandwidth() / 1e9
-    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; copy {bw:.0f} GB/s")
+    print_device()
     rows = []
     persistent = DEFAULT_TILES[:6] + (True,) + DEFAULT_TILES[7:]
     for name, (K, slices) in LLAMA_8B.items():
@@ -240,7 +244,8 @@ def table(args: argparse.Namespace) -> None:
                 print(f"{name:8s} {T:6d} {layout:7s} " + " | ".join(
                     f"{k} {v * 1e6:.1f}" + ("" if k == "cuBLAS" else f" ({100 * (v - c) / c:+.1f} %)")
                     for k, v in t.items()), flush=True)
-    print("\n| proj | T | adapters | cuBLAS µs | cuBLAS path: LoRA % of base | Triton path | Triton, persistent grid |")
+    print("\n| proj | T | adapters | cuBLAS µs | cuBLAS path: LoRA % of base | Triton path "
+          "| Triton, persistent grid |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         c = r["cuBLAS"]

@@ -136,12 +136,13 @@ def _lora_gemm_kernel(
     scale_ptr,  # [S] fp32 (HAS_SCALE only)
     row_slot_ptr,  # [M] int32 slot of each row, -1 = base token
     rank_ptr,  # [S] int32 true rank per slot
-    flag_ptr,  # [cdiv(M, BLOCK_M) + 1] int32, zeroed: row tile's h is written; then the tile ticket (FUSED_SHRINK)
+    flag_ptr,  # [cdiv(M, BLOCK_M) + 1] int32, zeroed: "row tile's h written" flags, then the ticket (FUSED_SHRINK)
     M, N, K, R, NR, o1, o2,  # NR = n*R; first columns of slices 1 and 2 (= N when absent)
     stride_hp, stride_hm, stride_bs, stride_bn,
     n_parts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
+    BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
     FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -190,9 +191,9 @@ def _lora_gemm_kernel(
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, persistent (None: for outputs over
 # PERSISTENT_MIN_OUT columns), BLOCK_KS, shrink stages (None: 4 where A's block is <= 32 rows, else 3,
-# the most that fit in shared memory)): H200, bf16, the best
-# or within noise of the best of 16 configs on the Llama-3.1-8B projections (docs/benchmarks.md). The
-# shrink's wide K step matters most: one SM streams a row tile's x there, at the bytes it keeps in flight.
+# the most that fit in shared memory)). H200, bf16: the best or within noise of the best of 16 configs
+# on the Llama-3.1-8B projections (docs/benchmarks.md). The shrink's wide K step matters most: one SM
+# streams a row tile's x there, at the bytes it keeps in flight.
 # CPU (interpreter) runs use small tiles: the tests only need the math.
 DEFAULT_TILES = (128, 256, 64, 8, 3, 8, None, 128, None)
 _CPU_TILES = (32, 32, 32, 4, 1, 2, False)
