@@ -39,6 +39,7 @@ base product's fp32 accumulator, and the sum is rounded once.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -213,9 +214,21 @@ def block_n_for(out_offsets: Sequence[int], block_n: int) -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=None)
+def descriptors_available() -> bool:
+    """Whether this triton has host-side TMA descriptors (triton.tools.tensor_descriptor, triton >= 3.4)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def unfit_reason(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[int]) -> Optional[str]:
     """None when lora_gemm takes these operands, else why not: bf16/fp16 on CUDA, the copy engine's rules
     (row-major rows on 16-byte boundaries) and a column tile inside one slice."""
+    if not descriptors_available():
+        return f"triton {triton.__version__} has no host-side TMA descriptors (triton >= 3.4 does)"
     if x.device.type == "cuda" and x.dtype == torch.float32:
         # H200, triton 3.6: fp32 operands through this kernel gave NaN and garbage where bf16/fp16 on the
         # same layouts matched fp64 torch (docs/benchmarks.md); the interpreter's fp32 is exact and tested.

@@ -167,3 +167,13 @@ def test_lora_linear_paths_agree_and_auto_falls_back(monkeypatch: pytest.MonkeyP
     got = ll.lora_linear(*d[:4], segs, d[4], offs).cpu()
     torch.testing.assert_close(got, cub, atol=0, rtol=0)
     assert len(ll._REFUSED) == 1
+
+
+def test_unfit_without_host_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An older triton (no triton.tools.tensor_descriptor): lora_gemm says why, so lora_linear's automatic
+    # choice keeps the cuBLAS order instead of failing a step.
+    import kernels.lora_gemm as lg
+
+    x, W, A, B, offs, ts, r = case(torch.float32, [4], [0], [16], 16, [16, 16], 16)
+    monkeypatch.setattr(lg, "descriptors_available", lambda: False)
+    assert "TMA descriptors" in lg.unfit_reason(x, W, offs)
