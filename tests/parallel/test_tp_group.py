@@ -36,6 +36,11 @@ RANK = textwrap.dedent("""
             assert torch.equal(got[0], rows) and torch.equal(got[1], t)
         assert g.receive() == "stop"
         print("rank 1 ok")
+    # Both ranks reach teardown together: with torch 2.13's gloo, a rank tearing down (or just exiting)
+    # while its peer still does aborted the process ("terminate called without an active exception")
+    # in 4-5 of 16 runs here, after every message had arrived; with this barrier 0 of 46. The engine's
+    # own stop order (Stop, then the leader waits for the workers) is not this test's subject.
+    torch.distributed.barrier()
     g.destroy()
 """)
 
