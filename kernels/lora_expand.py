@@ -347,10 +347,12 @@ def _auto_cols_per_prog(programs_m: int, OUT: int, block_n: int, block_m: int, d
     return triton.cdiv(n_steps, splits) * block_n
 
 
-def check_out_slices(op: str, y: torch.Tensor, out_offsets: Sequence[int], n: int, R: int, segs: LoRASegments,
-                     slot_ranks: torch.Tensor, num_slots: int, scalings: Optional[torch.Tensor]) -> list[int]:
-    """The checks of the expand side that lora_expand and lora_apply's fused kernel share: y's layout,
-    the n output slices (returned as a list), the rank bound, the metadata and the scalings."""
+def check_out_slices(op: str, y: torch.Tensor, out_offsets: Sequence[int], n: int, R: int,
+                     segs: Optional[LoRASegments], slot_ranks: torch.Tensor, num_slots: int,
+                     scalings: Optional[torch.Tensor]) -> list[int]:
+    """The checks of the expand side that lora_expand, lora_apply's fused kernel, silu_mul_lora and
+    lora_gemm share: y's layout, the n output slices (returned as a list), the rank bound, the segment
+    metadata (segs None: the caller checks the row metadata it takes instead) and the scalings."""
     OUT = y.shape[1]
     if y.stride(1) != 1:
         raise ValueError(f"{op}: y's columns must be contiguous")
@@ -361,7 +363,8 @@ def check_out_slices(op: str, y: torch.Tensor, out_offsets: Sequence[int], n: in
         raise ValueError(f"{op}: 1 to 3 slices supported, got {n}")
     if R > 64:
         raise ValueError(f"{op}: max rank {R} > 64 (the whole rank is one register tile)")
-    check_segments(segs, slot_ranks, num_slots, y.device)
+    if segs is not None:
+        check_segments(segs, slot_ranks, num_slots, y.device)
     if scalings is not None and (scalings.shape != (num_slots,) or scalings.dtype != torch.float32
                                  or scalings.device != y.device):
         raise ValueError(f"{op}: scalings must be fp32 [{num_slots}] on {y.device}")

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_expand import check_out_slices
 from kernels.platform import dot_upcast, interpreter_active
 
 _NO_SLOT = tl.constexpr(2**31 - 1)  # "no slot left" in the epilogue's walk over a tile's slots
@@ -224,15 +225,28 @@ def descriptors_available() -> bool:
     return True
 
 
-def unfit_reason(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[int]) -> Optional[str]:
-    """None when lora_gemm takes these operands, else why not: bf16/fp16 on CUDA, the copy engine's rules
-    (row-major rows on 16-byte boundaries) and a column tile inside one slice."""
+def platform_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    """None when lora_gemm runs on `device` in `dtype`, else why not: triton's host-side TMA
+    descriptors, and on CUDA an sm90+ GPU (the copy engine) and bf16/fp16. lora_linear's automatic
+    choice and the LoRA manager's start-up check ask the same question through this."""
     if not descriptors_available():
         return f"triton {triton.__version__} has no host-side TMA descriptors (triton >= 3.4 does)"
-    if x.device.type == "cuda" and x.dtype == torch.float32:
-        # H200, triton 3.6: fp32 operands through this kernel gave NaN and garbage where bf16/fp16 on the
-        # same layouts matched fp64 torch (docs/benchmarks.md); the interpreter's fp32 is exact and tested.
-        return "fp32 on CUDA is not supported (bf16/fp16 only)"
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] < 9:
+            return f"{torch.cuda.get_device_name(device)} has no TMA copy engine (sm90+ needed)"
+        if dtype == torch.float32:
+            # H200, triton 3.6: fp32 operands through this kernel gave NaN and garbage where bf16/fp16 on
+            # the same layouts matched fp64 torch (docs/benchmarks.md); the interpreter's fp32 is exact.
+            return "fp32 on CUDA is not supported (bf16/fp16 only)"
+    return None
+
+
+def unfit_reason(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[int]) -> Optional[str]:
+    """None when lora_gemm takes these operands, else why not: platform_reason, the copy engine's rules
+    (row-major rows on 16-byte boundaries) and a column tile inside one slice."""
+    reason = platform_reason(x.device, x.dtype)
+    if reason is not None:
+        return reason
     for name, t in (("x", x), ("weight", weight)):
         if t.dim() != 2 or t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return f"{name} must be row-major with rows on 16-byte boundaries"
@@ -268,16 +282,15 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     T, K = x.shape
     N = weight.shape[0]
     n = len(out_offsets) - 1
-    if n < 1 or n > 3 or out_offsets[0] != 0 or out_offsets[-1] != N:
-        raise ValueError(f"lora_gemm: out_offsets must run from 0 to {N} over 1-3 slices, got {list(out_offsets)}")
-    reason = unfit_reason(x, weight, out_offsets)
-    if reason is not None:
-        raise ValueError(f"lora_gemm: {reason}")
     if B.dim() != 3 or B.shape[1] != N or B.stride(2) != 1:
         raise ValueError(f"lora_gemm: B must be [S, {N}, R] with R contiguous, got {tuple(B.shape)}")
     S, _, R = B.shape
-    if R > 64:
-        raise ValueError(f"lora_gemm: rank {R} over 64")
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    # the slices, the rank bound and the scalings as lora_expand checks them; rows come as row_slots below
+    out_offsets = check_out_slices("lora_gemm", y, out_offsets, n, R, None, slot_ranks, S, scalings)
+    reason = unfit_reason(x, weight, out_offsets)
+    if reason is not None:
+        raise ValueError(f"lora_gemm: {reason}")
     fused = h is None
     if fused:
         if A is None or A.shape != (S, n, R, K) or A.dtype != x.dtype or not A.is_contiguous():
@@ -293,9 +306,6 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != size or t.device != x.device:
             raise ValueError(f"lora_gemm: {name} must be int32 [{size}] on {x.device}, got {t.dtype} "
                              f"{tuple(t.shape)} on {t.device}")
-    if scalings is not None and (scalings.dtype != torch.float32 or scalings.shape != (S,)
-                                 or scalings.device != x.device):
-        raise ValueError(f"lora_gemm: scalings must be fp32 [{S}] on {x.device}")
     if tiles is None:
         tiles = DEFAULT_TILES if x.device.type == "cuda" else _CPU_TILES
     block_m, block_n, block_k, num_warps, num_stages, group_m, persistent = tiles[:7]
@@ -305,7 +315,6 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     block_ks = tiles[7] if len(tiles) > 7 else None
     shrink_stages = tiles[8] if len(tiles) > 8 else num_stages
     block_n = block_n_for(out_offsets, block_n)
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
     o1 = out_offsets[1] if n > 1 else N
@@ -318,7 +327,8 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     if persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4
         progs = min(num_tiles, sms)
-    flags = torch.zeros(num_pid_m + 1 if fused else 1, dtype=torch.int32, device=x.device)
+    # row tiles' "h written" flags and the tile ticket; without FUSED_SHRINK never read (no memset)
+    flags = torch.zeros(num_pid_m + 1, dtype=torch.int32, device=x.device) if fused else slot_ranks
     block_nr = max(16, triton.next_power_of_2(n * R))
     block_ks = block_ks or block_k
     if shrink_stages is None:

@@ -61,11 +61,9 @@ def lora_linear_pays(num_tokens: int, segs: LoRASegments, device: torch.device) 
 
 def triton_gemm_pays(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[int], segs: LoRASegments) -> bool:
     """lora_linear's automatic path choice (host facts only, no sync): the Triton GEMM on a CUDA device
-    with the copy engine (sm90+), for TRITON_GEMM_TOKENS, when the operands fit it."""
+    for TRITON_GEMM_TOKENS, when the platform and operands fit it (kernels/lora_gemm.unfit_reason)."""
     T = x.shape[0]
     if x.device.type != "cuda" or not TRITON_GEMM_TOKENS[0] <= T <= TRITON_GEMM_TOKENS[1] or segs.row_slots is None:
-        return False
-    if torch.cuda.get_device_capability(x.device)[0] < 9:
         return False
     return unfit_reason(x, weight, out_offsets) is None
 

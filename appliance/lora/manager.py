@@ -107,13 +107,11 @@ class LoRAManager:
             aside = device.type == "cuda" and tp is None
         self.ctx.prefill_gemm = None if cfg.prefill_gemm == "auto" else cfg.prefill_gemm
         if cfg.prefill_gemm == "triton" and cfg.backend != "torch":
-            from kernels.lora_gemm import descriptors_available
+            from kernels.lora_gemm import platform_reason
 
-            dtype = next(model.parameters()).dtype
-            if not descriptors_available() or (device.type == "cuda" and (
-                    torch.cuda.get_device_capability(device)[0] < 9 or dtype not in (torch.bfloat16, torch.float16))):
-                raise ConfigError("lora.prefill_gemm: 'triton' needs triton >= 3.4 and, on CUDA, an sm90+ GPU "
-                                  f"and a bf16/fp16 model (here {dtype} on {device}); use auto or cublas")
+            why = platform_reason(device, next(model.parameters()).dtype)
+            if why is not None:
+                raise ConfigError(f"lora.prefill_gemm: 'triton' cannot run here: {why}; use auto or cublas")
         if aside and cfg.backend != "torch":
             self.ctx.decode_aside = True
             self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
