@@ -14,6 +14,9 @@ First a correctness check (bf16, qkv shape, 3 adapters + base rows, both paths a
     python3 benchmarks/probe_lora_gemm_gpu.py [--smoke] [--t 4096,16384] [--configs all|default]
     python3 benchmarks/probe_lora_gemm_gpu.py --table --t 1024,2048,4096,8192,16384   (no sweep: default tiles)
     python3 benchmarks/probe_lora_gemm_gpu.py --check-small    (SmolLM2 shapes, engine-like batch, fp16/bf16)
+    python3 benchmarks/probe_lora_gemm_gpu.py --variants --t 4096,8192 [--proj qkv,o]
+        (lora_gemm's tile order options, interleaved against cuBLAS: the ticket or the block index,
+        GROUP_M, main-loop depth)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import triton  # noqa: E402
 
 from bench_kernels_gpu import DEV, LLAMA_8B, copy_bandwidth, graph_time, interleaved_times  # noqa: E402
 from kernels import reference as ref  # noqa: E402
+import kernels.lora_gemm as lg  # noqa: E402
 from kernels.lora_gemm import DEFAULT_TILES, lora_gemm  # noqa: E402
 from kernels.lora_linear import lora_linear  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
@@ -126,7 +130,10 @@ def main() -> None:
     p.add_argument("--t", default="4096,16384")
     p.add_argument("--configs", default="all")
     p.add_argument("--out", default=None)
+    p.add_argument("--reps", type=int, default=9)
     p.add_argument("--check-small", action="store_true", help="only check_small (SmolLM2 shapes, fp16/bf16)")
+    p.add_argument("--variants", action="store_true", help="no sweep: VARIANTS interleaved against cuBLAS, per T")
+    p.add_argument("--proj", default="qkv,o,gate_up,down")
     p.add_argument("--table", action="store_true",
                    help="no tile sweep: the default tiles (and persistent), interleaved against cuBLAS, per T")
     args = p.parse_args()
@@ -137,6 +144,8 @@ def main() -> None:
         return
     if args.table:
         return table(args)
+    if args.variants:
+        return variants(args)
     dev = DEV
     print_device()
     configs = CONFIGS if args.configs == "all" else [DEFAULT_TILES]
@@ -204,6 +213,65 @@ def main() -> None:
               f"{r['lora_gemm alone'] / c:.3f} | {'/'.join(str(int(v)) for v in r['best_tiles'])} |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1, default=str))
+
+
+# (block_m, block_n, block_k, warps, stages, group_m, persistent, block_ks, shrink stages, ticket)
+VARIANTS = {
+    "default": None,
+    "G16": (128, 256, 64, 8, 3, 16, None, 128, None, True),
+    "no ticket": (128, 256, 64, 8, 3, 8, None, 128, None, False),
+    "no ticket G16": (128, 256, 64, 8, 3, 16, None, 128, None, False),
+    "no ticket G4": (128, 256, 64, 8, 3, 4, None, 128, None, False),
+}
+
+
+def variants(args: argparse.Namespace) -> None:
+    """Per projection and T: cuBLAS, lora_linear's cuBLAS order, and lora_gemm under each of VARIANTS
+    (the fused shrink, one adapter over 4096-token segments), interleaved; LoRA % of cuBLAS's GEMM."""
+    dev = DEV
+    print_device()
+    rows = []
+    for name in args.proj.split(","):
+        K, slices = LLAMA_8B[name]
+        N, n = sum(slices), len(slices)
+        offs = offsets(slices)
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
+        A = torch.randn(16, n, R, K, device=dev, dtype=torch.bfloat16) * 0.02
+        B = torch.randn(16, N, R, device=dev, dtype=torch.bfloat16) * 0.02
+        ranks = torch.full((16,), R, dtype=torch.int32, device=dev)
+        for T in [int(t) for t in args.t.split(",")]:
+            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+            y = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+            seq = min(T, 4096)
+            segs = sgmv_segments([seq] * (T // seq), [0] * (T // seq), dev)
+            want = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton")
+            fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
+                   "cublas path": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas")}
+            # the no-ticket wait's way out (a tile computing its row tile's h itself), forced on every tile
+            lg.SPIN_LIMIT, limit = 0, lg.SPIN_LIMIT
+            got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=VARIANTS["no ticket"])
+            lg.SPIN_LIMIT = limit
+            print(f"  {name} {T}: every tile's own h (SPIN_LIMIT 0): bits equal to the default's: "
+                  f"{torch.equal(got, want)}", flush=True)
+            for v, tiles in VARIANTS.items():
+                got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=tiles)
+                if not torch.equal(got, want):
+                    print(f"  {name} {T} {v}: bits differ from the default's (max |diff| "
+                          f"{(got.float() - want.float()).abs().max().item():.3e})", flush=True)
+                fns[v] = lambda tiles=tiles: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton",
+                                                         gemm_tiles=tiles)
+            t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
+            c = t["cuBLAS"]
+            rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
+            print(f"{name:8s} {T:6d} " + " | ".join(
+                f"{k} {v * 1e6:.1f}" + ("" if k == "cuBLAS" else f" ({100 * (v - c) / c:+.1f} %)")
+                for k, v in t.items()), flush=True)
+    keys = list(rows[0][2]) if rows else []
+    print("\n| proj | T | cuBLAS µs | " + " | ".join(k for k in keys[1:]) + " |")
+    print("|---|---|---|" + "---|" * (len(keys) - 1))
+    for name, T, t in rows:
+        c = t["cuBLAS"]
+        print(f"| {name} | {T} | {c:.1f} | " + " | ".join(f"{100 * (t[k] - c) / c:.1f} %" for k in keys[1:]) + " |")
 
 
 def table(args: argparse.Namespace) -> None:

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels.lora_expand import check_out_slices, lora_expand
 from kernels.lora_shrink import lora_shrink
-from kernels.lora_bodies import gemv_expand, gemv_shrink
+from kernels.lora_bodies import gemv_expand, gemv_shrink, l2_prefetch
 from kernels.segment_tile import segment_row, segment_tile
 from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
@@ -55,7 +55,7 @@ def _lora_fused_gemv_kernel(
     stride_xt, stride_xk, stride_as, stride_an, stride_ak,
     stride_yt, stride_yo, stride_bs, stride_bo, stride_br,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr,
 ):
     seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
     i = tl.program_id(1)  # slice
@@ -73,6 +73,11 @@ def _lora_fused_gemv_kernel(
     # shrink: h_i[j] = x[row] · A[slot, i, j], then the expand over this program's columns of slice i
     # (the GEMV loops of lora_shrink and lora_expand: kernels/lora_bodies.py)
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + (i * R + offs_r) * stride_an
+    if PREFETCH >= 1:  # B of this program's columns ([cols, R] contiguous) into L2 while A streams below
+        l2_prefetch(b_ptr + slot.to(tl.int64) * stride_bs + c_lo * stride_bo, (c_hi - c_lo) * stride_bo * ESIZE,
+                    128)
+    if PREFETCH >= 2:  # and the slice's A rows (contiguous): all of the program's bytes asked for at once
+        l2_prefetch(a_ptr + slot.to(tl.int64) * stride_as + i * R * stride_an, rank * stride_an * ESIZE, 128)
     hv = gemv_shrink(x_ptr + row * stride_xt, a_rows, r_mask, 0, K, stride_xk, stride_ak, BLOCK_R, BLOCK_K)
     hv = hv.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
     if HAS_SCALE:
@@ -85,7 +90,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                slot_ranks: torch.Tensor, out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
-               num_stages: Optional[int] = None, pdl: Optional[bool] = None) -> torch.Tensor:
+               num_stages: Optional[int] = None, pdl: Optional[bool] = None,
+               prefetch: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -143,6 +149,10 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         cols_per_prog = _auto_cols_per_prog(G * n, widest, block_n, y.device)
     if cols_per_prog % block_n:
         raise ValueError(f"lora_apply: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
+    if prefetch is None:
+        prefetch = 0
+    if y.device.type != "cuda" or not B.is_contiguous():
+        prefetch = 0  # inline PTX: CUDA only; the prefetched ranges assume contiguous A and B
     a3 = A.view(S, n * R, K)
     o1 = offs[1] if n > 1 else OUT
     o2 = offs[2] if n > 2 else OUT
@@ -156,6 +166,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         y.stride(0), y.stride(1), B.stride(0), B.stride(1), B.stride(2),
         BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
+        PREFETCH=prefetch, ESIZE=x.element_size(),
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     return y

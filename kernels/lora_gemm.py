@@ -144,7 +144,7 @@ def _lora_gemm_kernel(
     n_parts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
+    PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr, TICKET: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -154,7 +154,7 @@ def _lora_gemm_kernel(
     else:  # one tile a program
         last = tl.program_id(0) + 1
     for tile in tl.range(tl.program_id(0), last, NUM_PROGS):
-        if FUSED_SHRINK and not PERSISTENT:
+        if FUSED_SHRINK and TICKET and not PERSISTENT:
             # Tiles are handed out in the order programs start (a ticket, not the block index, whose
             # dispatch order CUDA does not promise), so the shrink a tile waits on is already running.
             tile = tl.atomic_add(flag_ptr + num_pid_m, 1)
@@ -182,8 +182,18 @@ def _lora_gemm_kernel(
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
         if FUSED_SHRINK:
             if tl.max(slots) >= 0:  # an adapter row: wait for the row tile's h (column tile 0 came first)
-                while tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu") == 0:
-                    pass
+                spins = 0
+                while (tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu") == 0) & (spins < SPIN_LIMIT):
+                    spins += 1
+                if spins >= SPIN_LIMIT:
+                    # Column tile 0 has not raised the flag in SPIN_LIMIT polls (far longer than a tile
+                    # takes): it may not have started (without the ticket, the block index order is what
+                    # CUDA usually dispatches in, not what it promises). Compute the row tile's h here:
+                    # the same code on the same tiles, so the same bits, and a second store of them is
+                    # harmless. No tile can wait forever.
+                    _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
+                                 BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST)
+                    tl.debug_barrier()  # this program's h stores before its own epilogue reads them
         offs_n = (n0 + tl.arange(0, BLOCK_N)) % N  # edge columns wrap for B's load, clipped on store
         acc = lora_epilogue(acc, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr,
                             rank_ptr, stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_desc.dtype,
@@ -203,6 +213,8 @@ _CPU_TILES = (32, 32, 32, 4, 1, 2, False)
 # of the cuBLAS GEMM on a persistent grid against 11.5-12.2 % one tile a program; qkv/o/down_proj lost
 # 2-14 points on it.
 PERSISTENT_MIN_OUT = 16384
+# Polls of a row tile's flag before a tile computes that row tile's h itself (see the kernel's wait).
+SPIN_LIMIT = 20000
 
 
 def block_n_for(out_offsets: Sequence[int], block_n: int) -> int:
@@ -314,6 +326,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     # the fused shrink's K step and pipeline depth (None = the main loop's)
     block_ks = tiles[7] if len(tiles) > 7 else None
     shrink_stages = tiles[8] if len(tiles) > 8 else num_stages
+    ticket = tiles[9] if len(tiles) > 9 else True
     block_n = block_n_for(out_offsets, block_n)
     if T == 0:
         return y
@@ -348,7 +361,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         h4.shape[0],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
-        NUM_PROGS=progs, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
+        NUM_PROGS=progs, TICKET=ticket, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
