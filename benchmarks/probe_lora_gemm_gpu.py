@@ -180,9 +180,9 @@ def main() -> None:
             best_fused = min(fused, key=fused.get)
             order = sorted(gemm, key=gemm.get)
             print(f"{name:8s} {T:6d} cuBLAS {cub * 1e6:.1f} µs; GEMM alone x cuBLAS: "
-                  + ", ".join(f"{'/'.join(str(int(v)) for v in c)} {gemm[c] / cub:.3f}" for c in order), flush=True)
+                  + ", ".join(f"{'/'.join(str(v) for v in c)} {gemm[c] / cub:.3f}" for c in order), flush=True)
             print("    with LoRA, shrink fused, x cuBLAS: " + ", ".join(
-                f"{'/'.join(str(int(v)) for v in c)} {fused[c] / cub:.3f}" for c in sorted(fused, key=fused.get)),
+                f"{'/'.join(str(v) for v in c)} {fused[c] / cub:.3f}" for c in sorted(fused, key=fused.get)),
                 flush=True)
             fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
                    "cuBLAS again": lambda: torch.mm(x, w.t(), out=y),
@@ -218,10 +218,9 @@ def main() -> None:
 # (block_m, block_n, block_k, warps, stages, group_m, persistent, block_ks, shrink stages, ticket)
 VARIANTS = {
     "default": None,
-    "G16": (128, 256, 64, 8, 3, 16, None, 128, None, True),
-    "no ticket": (128, 256, 64, 8, 3, 8, None, 128, None, False),
+    "ticket, G8 (round 5's default)": (128, 256, 64, 8, 3, 8, None, 128, None, True),
+    "no ticket G8": (128, 256, 64, 8, 3, 8, None, 128, None, False),
     "no ticket G16": (128, 256, 64, 8, 3, 16, None, 128, None, False),
-    "no ticket G4": (128, 256, 64, 8, 3, 4, None, 128, None, False),
 }
 
 
@@ -249,7 +248,7 @@ def variants(args: argparse.Namespace) -> None:
                    "cublas path": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas")}
             # the no-ticket wait's way out (a tile computing its row tile's h itself), forced on every tile
             lg.SPIN_LIMIT, limit = 0, lg.SPIN_LIMIT
-            got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=VARIANTS["no ticket"])
+            got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=VARIANTS["no ticket G8"])
             lg.SPIN_LIMIT = limit
             print(f"  {name} {T}: every tile's own h (SPIN_LIMIT 0): bits equal to the default's: "
                   f"{torch.equal(got, want)}", flush=True)

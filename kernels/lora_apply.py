@@ -8,6 +8,11 @@ expand). When every segment is one token (decode with distinct adapters) one lau
 a program takes one token and one slice (and, on small steps, one range of that slice's columns),
 streams A[slot, i] against x to get h_i in registers, then streams B[slot, slice i] and adds into
 y. No h round trip through memory, no zeroing, no atomics, one launch instead of two or three.
+Two bodies of that kernel: on sm90+ (tma_unfit_reason) every load goes through the copy engine
+(TMA descriptors), which the compiler pipelines STAGES deep; elsewhere plain pointer loads, which it
+does not pipeline in these loops (one tile in flight per program). H200, 256 tokens on 256 adapters,
+% of copy bandwidth: qkv 73 against 70, gate_up 74 / 69, down 70 / 69, o 56 / 54; qkv at 128 tokens
+27 against 34 µs (docs/benchmarks.md, round 6).
 Longer segments, and steps with fewer than ~1.5 (token, slice) pairs per SM (a program would stream
 a whole A slice alone), go through lora_shrink + lora_expand; for one-token segments the shrink's K
 splits then leave planes of partial sums that the expand adds (no memset, no atomics), and on
@@ -17,6 +22,7 @@ sm90+ the expand is a programmatic dependent of the shrink, loading B while the 
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -24,8 +30,9 @@ import triton
 import triton.language as tl
 
 from kernels.lora_expand import check_out_slices, lora_expand
+from kernels.lora_gemm import block_n_for, platform_reason
 from kernels.lora_shrink import lora_shrink
-from kernels.lora_bodies import gemv_expand, gemv_shrink, l2_prefetch
+from kernels.lora_bodies import gemv_expand, gemv_shrink
 from kernels.segment_tile import segment_row, segment_tile
 from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
@@ -36,6 +43,18 @@ from kernels.segments import LoRASegments, check_tile
 # 192 pairs (qkv_proj, 64 tokens) 20.2 µs fused against 18.9 split; 256 pairs (o_proj, down_proj,
 # 256 tokens) 29.3 / 53.0 µs fused against 32.4 / 56.3 at best split.
 FUSE_MIN_WAVES = 1.5
+
+
+@triton.jit
+def _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2, cols_per_prog):
+    """The fused kernel's program -> (segment, position, slot, rank, slice i, columns c_lo:c_hi of it);
+    c_lo >= c_hi when the program's column range lies past a narrower slice's end."""
+    seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
+    i = tl.program_id(1)  # slice
+    lo = tl.where(i == 0, 0, tl.where(i == 1, o1, o2))
+    hi = tl.where(i == 0, o1, tl.where(i == 1, o2, OUT))
+    c_lo = lo + tl.program_id(2) * cols_per_prog
+    return seg, m0, slot, rank, i, c_lo, tl.minimum(c_lo + cols_per_prog, hi)
 
 
 @triton.jit
@@ -55,29 +74,18 @@ def _lora_fused_gemv_kernel(
     stride_xt, stride_xk, stride_as, stride_an, stride_ak,
     stride_yt, stride_yo, stride_bs, stride_bo, stride_br,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PREFETCH: tl.constexpr, ESIZE: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
-    seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
-    i = tl.program_id(1)  # slice
-    lo = tl.where(i == 0, 0, tl.where(i == 1, o1, o2))
-    hi = tl.where(i == 0, o1, tl.where(i == 1, o2, OUT))
-    c_lo = lo + tl.program_id(2) * cols_per_prog
-    if c_lo >= hi:
-        return  # this slice is narrower than the widest one
-    c_hi = tl.minimum(c_lo + cols_per_prog, hi)
-    if rank == 0:
-        return  # empty slot: nothing to add
+    seg, m0, slot, rank, i, c_lo, c_hi = _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2,
+                                                       cols_per_prog)
+    if (c_lo >= c_hi) | (rank == 0):
+        return  # a slice narrower than the widest one, or an empty slot: nothing to add
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     # shrink: h_i[j] = x[row] · A[slot, i, j], then the expand over this program's columns of slice i
     # (the GEMV loops of lora_shrink and lora_expand: kernels/lora_bodies.py)
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + (i * R + offs_r) * stride_an
-    if PREFETCH >= 1:  # B of this program's columns ([cols, R] contiguous) into L2 while A streams below
-        l2_prefetch(b_ptr + slot.to(tl.int64) * stride_bs + c_lo * stride_bo, (c_hi - c_lo) * stride_bo * ESIZE,
-                    128)
-    if PREFETCH >= 2:  # and the slice's A rows (contiguous): all of the program's bytes asked for at once
-        l2_prefetch(a_ptr + slot.to(tl.int64) * stride_as + i * R * stride_an, rank * stride_an * ESIZE, 128)
     hv = gemv_shrink(x_ptr + row * stride_xt, a_rows, r_mask, 0, K, stride_xk, stride_ak, BLOCK_R, BLOCK_K)
     hv = hv.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
     if HAS_SCALE:
@@ -86,12 +94,81 @@ def _lora_fused_gemv_kernel(
                 stride_yo, stride_bo, stride_br, BLOCK_N, False)
 
 
+@triton.jit
+def _lora_fused_tma_kernel(
+    y_desc,  # TMA descriptor of y [T, OUT], blocks [1, BLOCK_N] (read, added to, written)
+    x_desc,  # TMA descriptor of x [T, K], blocks [1, BLOCK_K]
+    a_desc,  # TMA descriptor of A as [S*n*R, K], blocks [BLOCK_R, BLOCK_K] (BLOCK_R = R)
+    b_desc,  # TMA descriptor of B as [S*OUT, R], blocks [BLOCK_N, BLOCK_R]
+    scale_ptr, tok_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, rank_ptr,  # as _lora_fused_gemv_kernel's
+    K, OUT, R, NR, o1, o2, cols_per_prog,  # NR = n*R
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    """_lora_fused_gemv_kernel with every load through the copy engine: the compiler pipelines
+    descriptor loads STAGES deep in these loops, where it leaves plain pointer loads one tile at a
+    time (no shared-memory stages), so a program keeps several A tiles, then several B and y tiles, in
+    flight instead of one. Rows of A past the slot's rank (and B's rank columns) are loaded and
+    masked out in registers; column tiles never cross a slice boundary (the launcher's BLOCK_N
+    divides them; y's edge is clipped by the copy engine)."""
+    seg, m0, slot, rank, i, c_lo, c_hi = _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2,
+                                                       cols_per_prog)
+    if (c_lo >= c_hi) | (rank == 0):
+        return  # a slice narrower than the widest one, or an empty slot: nothing to add
+    row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER).to(tl.int32)
+    r_mask = tl.arange(0, BLOCK_R) < rank
+    acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # summed over K once, after the loop
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+        xt = x_desc.load([row, k * BLOCK_K])  # [1, BLOCK_K]; past K zero-filled
+        at = a_desc.load([slot * NR + i * R, k * BLOCK_K])  # [BLOCK_R, BLOCK_K]
+        acc2 += at.to(tl.float32) * xt.to(tl.float32)
+    hv = tl.where(r_mask, tl.sum(acc2, axis=1), 0.0)
+    hv = hv.to(y_desc.dtype).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
+    if HAS_SCALE:
+        hv = hv * tl.load(scale_ptr + slot)
+    for c0 in tl.range(c_lo, c_hi, BLOCK_N, num_stages=STAGES):
+        bt = b_desc.load([slot * OUT + c0, 0])  # [BLOCK_N, BLOCK_R]
+        yt = y_desc.load([row, c0])  # [1, BLOCK_N]
+        bt = tl.where(r_mask[None, :], bt.to(tl.float32), 0.0)  # rank padding may hold anything
+        acc = tl.sum(bt * hv[None, :], axis=1)
+        y_desc.store([row, c0], (yt.to(tl.float32) + acc[None, :]).to(y_desc.dtype))
+
+
+# The TMA body's tiles (block_k, block_n, stages, warps). H200, Llama-3.1-8B projections, 256 tokens on
+# 256 adapters (docs/benchmarks.md, round 6): against 128-column steps, 6-8 stages, 128-wide K steps, 2
+# or 8 warps and whole-slice programs, these were best or within noise of the best for every projection.
+TMA_TILES = (256, 256, 4, 4)
+
+
+def tma_unfit_reason(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                     out_offsets: Sequence[int]) -> Optional[str]:
+    """None when the fused kernel's TMA body takes these operands, else why not: triton's host-side
+    descriptors; on CUDA an sm90+ GPU and bf16/fp16 (fp32 through descriptors gave garbage in
+    lora_gemm on the H200); A and B contiguous with a power-of-two max rank whose row of B is a
+    multiple of 16 bytes; x and y row-major with rows on 16-byte boundaries; a column tile >= 16
+    dividing every slice boundary."""
+    reason = platform_reason(x.device, x.dtype)
+    if reason is not None:
+        return reason
+    R = B.shape[-1]
+    if not (A.is_contiguous() and B.is_contiguous()):
+        return "A and B must be contiguous"
+    if R & (R - 1) or (R * B.element_size()) % 16:
+        return f"the max rank {R} must be a power of two whose B row is a multiple of 16 bytes"
+    for name, t in (("x", x), ("y", y), ("A", A.view(-1, A.shape[-1])), ("B", B.view(-1, R))):
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return f"{name} must be row-major with rows on 16-byte boundaries"
+    if block_n_for(out_offsets, 16) == 0:
+        return f"no column tile >= 16 divides the slice boundaries {list(out_offsets)}"
+    return None
+
+
 def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
                slot_ranks: torch.Tensor, out_offsets: Sequence[int], scalings: Optional[torch.Tensor] = None, *,
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
                num_stages: Optional[int] = None, pdl: Optional[bool] = None,
-               prefetch: Optional[int] = None) -> torch.Tensor:
+               tma: Optional[bool] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -105,6 +182,9 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     pdl (unfused only): the expand launched as a programmatic dependent of the shrink, loading its B
     tiles while the shrink streams A (kernels/lora_expand.py); None = where the device has PDL.
     True off such devices runs the same bodies in plain launches (how the CPU tests reach them).
+    tma (fused only): the kernel's body whose loads go through the copy engine (pipelined); None =
+    on CUDA where tma_unfit_reason allows (and APPLIANCE_TMA is not 0), True = required (how the CPU
+    tests reach it).
     """
     if fused is None:
         fused = fuses(segs, A, x.device)
@@ -133,26 +213,30 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     if not A.is_contiguous():
         raise ValueError("lora_apply: A must be contiguous (its [n, R] dims are read as one)")
     offs = check_out_slices("lora_apply", y, out_offsets, n, R, segs, slot_ranks, S, scalings)
+    reason = tma_unfit_reason(y, x, A, B, offs)
+    if tma and reason is not None:
+        raise ValueError(f"lora_apply: the TMA body does not take these operands: {reason}")
+    if tma is None:  # APPLIANCE_TMA=0: the pointer body everywhere (read per call: a benchmark's A/B)
+        tma = reason is None and y.device.type == "cuda" and os.environ.get("APPLIANCE_TMA", "1") != "0"
     G = segs.num_segs
     if G == 0 or T == 0:
         return y
+    widest = max(b - a for a, b in zip(offs, offs[1:]))
+    if tma:
+        return _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog,
+                           num_warps, num_stages)
     block_r = max(16, triton.next_power_of_2(R))
     if block_k is None:
         block_k = max(16, 8192 // block_r)  # [BLOCK_R, BLOCK_K] fp32 partial sums: 64 per thread
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     if block_n is None:
         block_n = 256
-    widest = max(b - a for a, b in zip(offs, offs[1:]))
     block_n = min(block_n, max(16, triton.next_power_of_2(widest)))
     check_tile(block_k=block_k, block_n=block_n)
     if cols_per_prog is None:
         cols_per_prog = _auto_cols_per_prog(G * n, widest, block_n, y.device)
     if cols_per_prog % block_n:
         raise ValueError(f"lora_apply: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
-    if prefetch is None:
-        prefetch = 0
-    if y.device.type != "cuda" or not B.is_contiguous():
-        prefetch = 0  # inline PTX: CUDA only; the prefetched ranges assume contiguous A and B
     a3 = A.view(S, n * R, K)
     o1 = offs[1] if n > 1 else OUT
     o2 = offs[2] if n > 2 else OUT
@@ -166,8 +250,38 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         y.stride(0), y.stride(1), B.stride(0), B.stride(1), B.stride(2),
         BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
-        PREFETCH=prefetch, ESIZE=x.element_size(),
         num_warps=num_warps or 4, num_stages=num_stages or 3,
+    )
+    return y
+
+
+def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog, num_warps,
+                num_stages) -> torch.Tensor:
+    """lora_apply's fused kernel, TMA body (operands checked by lora_apply and tma_unfit_reason)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    T, K = x.shape
+    S, n, R, _ = A.shape
+    OUT = y.shape[1]
+    d_bk, d_bn, d_st, d_w = TMA_TILES
+    # a copy-engine box is at most 256 elements a side; BLOCK_N must divide every slice boundary
+    block_k = min(block_k or d_bk, 256, max(16, triton.next_power_of_2(K)))
+    block_n = block_n_for(offs, min(block_n or d_bn, 256, max(16, triton.next_power_of_2(widest))))
+    check_tile(block_k=block_k, block_n=block_n)
+    if cols_per_prog is None:
+        cols_per_prog = _auto_cols_per_prog(segs.num_segs * n, widest, block_n, y.device)
+    if cols_per_prog % block_n:
+        raise ValueError(f"lora_apply: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
+    tok = segs.token_index if segs.token_index is not None else segs.starts
+    grid = (segs.num_segs, n, triton.cdiv(widest, cols_per_prog))
+    _lora_fused_tma_kernel[grid](
+        TensorDescriptor.from_tensor(y, [1, block_n]), TensorDescriptor.from_tensor(x, [1, block_k]),
+        TensorDescriptor.from_tensor(A.view(S * n * R, K), [R, block_k]),
+        TensorDescriptor.from_tensor(B.view(S * OUT, R), [block_n, R]),
+        scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
+        K, OUT, R, n * R, offs[1] if n > 1 else OUT, offs[2] if n > 2 else OUT, cols_per_prog,
+        BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, num_warps=num_warps or d_w,
     )
     return y
 

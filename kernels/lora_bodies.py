@@ -2,7 +2,6 @@
 
     gemv_shrink(...) -> [BLOCK_N] fp32       h = x[row, k_lo:k_hi] · A rows          one token
     gemv_expand(...)                         y[row, c_lo:c_hi] (+)= B[c, :] · h       one token
-    l2_prefetch(ptr, nbytes, NT)             ask L2 to fetch bytes [ptr, ptr + nbytes) (a hint)
 
 Callers: lora_shrink and lora_expand for one-token segments (BLOCK_M = 1), and lora_apply's fused
 kernel (both). One body per loop, so a tuning or rounding fix lands in every kernel at once.
@@ -63,17 +62,3 @@ def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, r_mask, c_lo, c_hi, stride_yo, str
             y = tl.load(y_ptrs, mask=c_mask, other=0.0)
             acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
             tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=c_mask)
-
-
-@triton.jit
-def l2_prefetch(ptr, nbytes, NT: tl.constexpr):
-    """Ask the L2 to fetch the bytes [ptr, ptr + nbytes): one `prefetch.global.L2` per 128-byte line,
-    NT lines a step. A hint: no register waits for it, so a program can request what it will read
-    later (B, while it still streams A) at once; its later loads then hit L2. Addresses are clamped
-    to the last byte of the range, never past it. CUDA only (inline PTX): never under the interpreter."""
-    base = ptr.to(tl.pointer_type(tl.int8))
-    lines = tl.arange(0, NT).to(tl.int64) * 128
-    for off in range(0, nbytes, NT * 128):
-        p = base + tl.minimum(off + lines, nbytes - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p],
-                                  dtype=tl.int32, is_pure=False, pack=1)

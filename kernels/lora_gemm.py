@@ -24,9 +24,13 @@ L2, columns sweeping within a group (column tile 0 of every row tile of a group 
   its rows has an adapter, waits for the row tile's flag (acquire) and adds the delta: a tile started
   with the shrink's tile finds h ready after its own main loop in the measured shapes.
 - No deadlock: a tile waits only on a tile earlier in the order, which never waits before it raises
-  its flag. One tile a program: tiles are handed out by an atomic ticket in the order programs start
-  (CUDA does not promise to dispatch blocks in index order), so the earlier tile is running or done.
-  Persistent grid (outputs wider than PERSISTENT_MIN_OUT): each program walks its tiles in order.
+  its flag; and a wait is bounded (SPIN_LIMIT polls, far longer than a tile takes), after which the
+  tile computes its row tile's h itself (the same code on the same tiles: the same bits). One tile a
+  program, taken by block index: CUDA dispatches blocks in index order in practice but does not
+  promise it, and the bound covers the case where it does not. (An atomic ticket handing tiles out in
+  the order programs start, the earlier design, is kept as an option: it cost 0.2-2 points of the
+  GEMM's time, docs/benchmarks.md, round 6.) Persistent grid (outputs wider than
+  PERSISTENT_MIN_OUT): each program walks its tiles in order.
 - Mode h given (A None, h from lora_shrink, planes summed): no shrink, no flags (benchmarks, tests).
 
 The tile's columns lie in one slice: the launcher picks BLOCK_N dividing every slice boundary. x, W
@@ -201,13 +205,13 @@ def _lora_gemm_kernel(
         y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, persistent (None: for outputs over
-# PERSISTENT_MIN_OUT columns), BLOCK_KS, shrink stages (None: 4 where A's block is <= 32 rows, else 3,
-# the most that fit in shared memory)). H200, bf16: the best or within noise of the best of 16 configs
-# on the Llama-3.1-8B projections (docs/benchmarks.md). The shrink's wide K step matters most: one SM
-# streams a row tile's x there, at the bytes it keeps in flight.
-# CPU (interpreter) runs use small tiles: the tests only need the math.
-DEFAULT_TILES = (128, 256, 64, 8, 3, 8, None, 128, None)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M (None: group_m_for), persistent (None:
+# for outputs over PERSISTENT_MIN_OUT columns), BLOCK_KS, shrink stages (None: 4 where A's block is
+# <= 32 rows, else 3, the most that fit in shared memory), ticket). H200, bf16: the best or within
+# noise of the best of 16 configs on the Llama-3.1-8B projections (docs/benchmarks.md, rounds 5-6).
+# The shrink's wide K step matters most: one SM streams a row tile's x there, at the bytes it keeps
+# in flight. CPU (interpreter) runs use small tiles: the tests only need the math.
+DEFAULT_TILES = (128, 256, 64, 8, 3, None, None, 128, None, False)
 _CPU_TILES = (32, 32, 32, 4, 1, 2, False)
 # H200, docs/benchmarks.md: gate_up_proj (28672 columns) with the fused shrink, 4096-8192 tokens: 7.3-7.5 %
 # of the cuBLAS GEMM on a persistent grid against 11.5-12.2 % one tile a program; qkv/o/down_proj lost
@@ -215,6 +219,14 @@ _CPU_TILES = (32, 32, 32, 4, 1, 2, False)
 PERSISTENT_MIN_OUT = 16384
 # Polls of a row tile's flag before a tile computes that row tile's h itself (see the kernel's wait).
 SPIN_LIMIT = 20000
+
+
+def group_m_for(num_pid_n: int, persistent: bool) -> int:
+    """Row tiles grouped to sweep the columns together. H200, docs/benchmarks.md (round 6, two runs,
+    4096-8192 tokens, one tile a program): 16 for qkv_proj (24 column tiles: 8.5-9.4 % of the cuBLAS
+    GEMM against 10.5-11.0 % with 8), 8 for o_proj and down_proj (16 column tiles: 16 lost up to 7
+    points at 4096 tokens; 12, 24, 32 lost everywhere); the persistent grid (gate_up_proj) keeps 8."""
+    return 16 if num_pid_n >= 24 and not persistent else 8
 
 
 def block_n_for(out_offsets: Sequence[int], block_n: int) -> int:
@@ -280,7 +292,8 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     lora_shrink (planes summed); B [S, out, R] same dtype as x; row_slots [T] int32 (slot of each row,
     -1 = base); slot_ranks [S] int32; out_offsets [n + 1] slice boundaries; scalings [S] fp32 or None.
     tiles: (block_m, block_n, block_k, num_warps, num_stages, group_m, persistent[, block_ks,
-    shrink_stages]) override (None = DEFAULT_TILES on CUDA; block_ks, shrink_stages: the fused shrink's
+    shrink_stages, ticket]) override (None = DEFAULT_TILES on CUDA; ticket: tiles handed out by an
+    atomic ticket rather than taken by block index; block_ks, shrink_stages: the fused shrink's
     K step and pipeline depth); block_n shrinks to divide the slice boundaries.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -326,8 +339,10 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     # the fused shrink's K step and pipeline depth (None = the main loop's)
     block_ks = tiles[7] if len(tiles) > 7 else None
     shrink_stages = tiles[8] if len(tiles) > 8 else num_stages
-    ticket = tiles[9] if len(tiles) > 9 else True
+    ticket = tiles[9] if len(tiles) > 9 else False
     block_n = block_n_for(out_offsets, block_n)
+    if group_m is None:
+        group_m = group_m_for(triton.cdiv(N, block_n), persistent)
     if T == 0:
         return y
     o1 = out_offsets[1] if n > 1 else N

@@ -72,13 +72,14 @@ def compiled_keys() -> Optional[set[str]]:
     JIT keeps its cache elsewhere. A phase that compiled something can say which variant a warm-up missed."""
     if interpreter_active():
         return None
-    from kernels.lora_apply import _lora_fused_gemv_kernel
+    from kernels.lora_apply import _lora_fused_gemv_kernel, _lora_fused_tma_kernel
     from kernels.lora_expand import _lora_expand_gemv_kernel, _lora_expand_kernel
     from kernels.lora_shrink import _lora_shrink_kernel
     from kernels.paged_attention import _paged_decode_kernel
 
     out: set[str] = set()
     for fn in (_lora_shrink_kernel, _lora_expand_kernel, _lora_expand_gemv_kernel, _lora_fused_gemv_kernel,
+               _lora_fused_tma_kernel,
                _paged_decode_kernel):
         caches = getattr(fn, "device_caches", None)  # triton >= 3.3: device -> (kernel cache, ...)
         if caches is None:

@@ -100,6 +100,27 @@ def test_scalings_planes_and_rank_64() -> None:
     torch.testing.assert_close(got.double(), want(x, W, A, B, offs, ts, r, sc), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("ticket", [True, False], ids=["ticket", "block-index"])
+def test_tile_order_and_the_waits_way_out_give_the_same_bits(ticket: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tiles handed out by the ticket or taken by block index give the same bits. With SPIN_LIMIT 0 no
+    # tile waits for its row tile's column tile 0: each adapter tile computes that row tile's h itself
+    # (the way out of a wait that lasts too long), overwriting the h its column tile 0 stored (the
+    # interpreter runs tiles in order), and must still write the same bits. (A way out that computed
+    # other bits fails here; one that were missing cannot, in the interpreter's order: the GPU probe,
+    # benchmarks/probe_lora_gemm_gpu.py --variants, runs the same check compiled.)
+    import kernels.lora_gemm as lg
+
+    lens, slots, ranks = [20, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
+    x, W, A, B, offs, ts, r = case(torch.bfloat16, lens, slots, ranks, 40, [32, 16, 16], 16, seed=3)
+    tiles = (32, 32, 32, 4, 1, 2, False, None, None, ticket) if DEV.type == "cpu" else \
+        lg.DEFAULT_TILES[:9] + (ticket,)
+    got = run("triton", x, W, A, B, offs, ts, r, lens, slots, tiles=tiles)
+    torch.testing.assert_close(got.double(), want(x, W, A, B, offs, ts, r), atol=3e-2, rtol=2e-2)
+    monkeypatch.setattr(lg, "SPIN_LIMIT", 0)
+    alone = run("triton", x, W, A, B, offs, ts, r, lens, slots, tiles=tiles)
+    assert torch.equal(alone, got)
+
+
 def test_all_base_rows_is_the_plain_gemm() -> None:
     lens, slots, ranks = [10, 5], [-1, -1], [16]
     x, W, A, B, offs, ts, r = case(torch.float32, lens, slots, ranks, 24, [16, 16], 16, seed=2)

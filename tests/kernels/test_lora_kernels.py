@@ -209,6 +209,35 @@ def test_apply_fused_decode(layout: str, dtype: torch.dtype, strategy: str) -> N
 
 
 @pytest.mark.parametrize("strategy", ["triton", "csgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_apply_fused_decode_tma(dtype: torch.dtype, strategy: str) -> None:
+    # The fused kernel's TMA body (loads through the copy engine): whole slices per program, then
+    # 16-column programs (column tiles inside one slice: 32/16/16 columns); K = 80 is not a multiple of
+    # the K step (zero fill past the edge); A's rank padding (1000) and B's (NaN) are loaded and must be
+    # masked, an empty slot, base rows, scales; csgmv gathers its token rows.
+    if dtype == torch.float32 and DEV.type == "cuda":
+        pytest.skip("the TMA body takes bf16/fp16 on CUDA")
+    seg_slots = [0, -1, 1, 2, 4, 0, 3, -1, 1]
+    if strategy == "csgmv":
+        seg_slots = [s if s != 0 else 2 for s in seg_slots]
+    for kw in (dict(fused=True, tma=True), dict(fused=True, tma=True, block_k=16, block_n=16, cols_per_prog=16)):
+        check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
+                   R=16, chunk=1, with_scale=dtype != torch.float32, apply_kw=kw)
+
+
+def test_apply_tma_refuses_what_it_cannot_take() -> None:
+    # Slice boundaries no 16-column tile divides (40/24/24), or a B row under 16 bytes (rank 2 in fp32):
+    # tma=True refuses; the automatic choice takes the pointer body for them.
+    with pytest.raises(ValueError, match="slice boundaries"):
+        check_case("triton", torch.float32, [1, 1], [0, 1], [16, 8], K=48, slices=[40, 24, 24], R=16,
+                   apply_kw=dict(fused=True, tma=True))
+    with pytest.raises(ValueError, match="max rank 2"):
+        check_case("triton", torch.float32, [1, 1], [0, 1], [2, 1], K=48, slices=[32], R=2,
+                   apply_kw=dict(fused=True, tma=True))
+    check_case("triton", torch.float32, [1, 1], [0, 1], [2, 1], K=48, slices=[32], R=2, apply_kw=dict(fused=True))
+
+
+@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_apply_unfused_pdl(dtype: torch.dtype, strategy: str) -> None:
     # The decode path with the expand as a programmatic dependent of the shrink (on the CPU: the same
