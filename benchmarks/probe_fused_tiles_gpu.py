@@ -37,8 +37,6 @@ APPLY = lambda **kw: (lambda y, x, A, B, segs, ranks, offs: lora_apply(y, x, A, 
 VARIANTS = {
     "default": APPLY(),
     "fused": APPLY(fused=True),
-    "fused, no share": APPLY(fused=True, share=False),
-    "fused, share": APPLY(fused=True, share=True),
     "fused, pointer body": APPLY(fused=True, tma=False),
     "unfused": APPLY(fused=False),
     "tma st4": tma(stages=4),
@@ -80,15 +78,6 @@ def check() -> None:
     g.replay()
     torch.cuda.synchronize()
     print(f"check fused from a CUDA graph: bits equal to eager: {torch.equal(y, outs['fused'])}", flush=True)
-    # shared h with the wait cut to one poll, so most programs compute their partners' parts themselves
-    # (the wait's way out; a limit of 0 would fold the wait away, which triton 3.6 fails to compile)
-    import kernels.lora_apply as la
-    la.SHARE_SPIN_LIMIT, limit = 1, la.SHARE_SPIN_LIMIT
-    y = p.y.clone()
-    VARIANTS["fused, share"](y, p.x, p.A, p.B, segs, p.ranks, p.offs)
-    la.SHARE_SPIN_LIMIT = limit
-    print(f"check fused, share, a one-poll wait: bits equal: {torch.equal(y, outs['fused, share'])}",
-          flush=True)
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ from kernels.lora_gemm import block_n_for, platform_reason
 from kernels.lora_shrink import lora_shrink
 from kernels.lora_bodies import gemv_expand, gemv_shrink
 from kernels.segment_tile import segment_row, segment_tile
-from kernels.platform import interpreter_active, pdl_available
+from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
 
 
@@ -46,14 +46,15 @@ FUSE_MIN_WAVES = 1.5
 
 
 @triton.jit
-def _fused_program(pid_seg, i, split, seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2, cols_per_prog):
-    """The fused kernel's program (segment, slice i, column split) -> (segment, position, slot, rank,
-    columns c_lo:c_hi of slice i); c_lo >= c_hi when the split lies past a narrower slice's end."""
-    seg, m0, seg_len, slot, rank = segment_tile(pid_seg, 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
+def _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2, cols_per_prog):
+    """The fused kernel's program -> (segment, position, slot, rank, slice i, columns c_lo:c_hi of it);
+    c_lo >= c_hi when the program's column range lies past a narrower slice's end."""
+    seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
+    i = tl.program_id(1)  # slice
     lo = tl.where(i == 0, 0, tl.where(i == 1, o1, o2))
     hi = tl.where(i == 0, o1, tl.where(i == 1, o2, OUT))
-    c_lo = lo + split * cols_per_prog
-    return seg, m0, slot, rank, c_lo, tl.minimum(c_lo + cols_per_prog, hi)
+    c_lo = lo + tl.program_id(2) * cols_per_prog
+    return seg, m0, slot, rank, i, c_lo, tl.minimum(c_lo + cols_per_prog, hi)
 
 
 @triton.jit
@@ -75,9 +76,8 @@ def _lora_fused_gemv_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
-    i = tl.program_id(1)  # slice
-    seg, m0, slot, rank, c_lo, c_hi = _fused_program(tl.program_id(0), i, tl.program_id(2), seg_len_ptr,
-                                                     seg_slot_ptr, rank_ptr, OUT, o1, o2, cols_per_prog)
+    seg, m0, slot, rank, i, c_lo, c_hi = _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2,
+                                                       cols_per_prog)
     if (c_lo >= c_hi) | (rank == 0):
         return  # a slice narrower than the widest one, or an empty slot: nothing to add
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
@@ -95,84 +95,34 @@ def _lora_fused_gemv_kernel(
 
 
 @triton.jit
-def _tma_shrink_part(x_desc, a_desc, row, a_row, k_lo, k_hi,
-                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """sum over K steps k_lo <= k < k_hi of x[row, k-th BLOCK_K] · A rows a_row .. a_row + BLOCK_R: [BLOCK_R] fp32.
-    Products summed elementwise in a [BLOCK_R, BLOCK_K] tile, reduced over K once at the end."""
-    acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(k_lo, k_hi, num_stages=STAGES):
-        xt = x_desc.load([row, k * BLOCK_K])  # [1, BLOCK_K]; past K zero-filled
-        at = a_desc.load([a_row, k * BLOCK_K])  # [BLOCK_R, BLOCK_K]
-        acc2 += at.to(tl.float32) * xt.to(tl.float32)
-    return tl.sum(acc2, axis=1)
-
-
-@triton.jit
 def _lora_fused_tma_kernel(
     y_desc,  # TMA descriptor of y [T, OUT], blocks [1, BLOCK_N] (read, added to, written)
     x_desc,  # TMA descriptor of x [T, K], blocks [1, BLOCK_K]
     a_desc,  # TMA descriptor of A as [S*n*R, K], blocks [BLOCK_R, BLOCK_K] (BLOCK_R = R)
     b_desc,  # TMA descriptor of B as [S*OUT, R], blocks [BLOCK_N, BLOCK_R]
     scale_ptr, tok_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, rank_ptr,  # as _lora_fused_gemv_kernel's
-    part_ptr,  # [G*n, SPLITS, BLOCK_R] fp32: each split's partial h (SHARE only)
-    count_ptr,  # [>= G*n] int64 arrival counters, a multiple of SPLITS at launch (SHARE only)
     K, OUT, R, NR, o1, o2, cols_per_prog,  # NR = n*R
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, SHARE: tl.constexpr, SPLITS: tl.constexpr,
-    SPIN_LIMIT: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     """_lora_fused_gemv_kernel with every load through the copy engine: the compiler pipelines
     descriptor loads STAGES deep in these loops, where it leaves plain pointer loads one tile at a
     time (no shared-memory stages), so a program keeps several A tiles, then several B and y tiles, in
     flight instead of one. Rows of A past the slot's rank (and B's rank columns) are loaded and
     masked out in registers; column tiles never cross a slice boundary (the launcher's BLOCK_N
-    divides them; y's edge is clipped by the copy engine).
-
-    SHARE (grid [SPLITS, G, n]: a (token, slice)'s column splits adjacent): the SPLITS programs of a
-    (token, slice) each compute h over one part of K only, publish it and add it up from all of them,
-    so A is read once instead of once per column split. A program waits for its partners at most
-    SPIN_LIMIT polls, then computes their parts itself (the same code: the same bits, in the same sum
-    order), so none waits forever, whatever order the blocks start in."""
-    if SHARE:
-        pid_seg, i, split = tl.program_id(1), tl.program_id(2), tl.program_id(0)
-    else:
-        pid_seg, i, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seg, m0, slot, rank, c_lo, c_hi = _fused_program(pid_seg, i, split, seg_len_ptr, seg_slot_ptr, rank_ptr, OUT,
-                                                     o1, o2, cols_per_prog)
-    if rank == 0:
-        return  # an empty slot: nothing to add (all of a (token, slice)'s programs return here)
-    if not SHARE:
-        if c_lo >= c_hi:
-            return  # a slice narrower than the widest one
+    divides them; y's edge is clipped by the copy engine)."""
+    seg, m0, slot, rank, i, c_lo, c_hi = _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2,
+                                                       cols_per_prog)
+    if (c_lo >= c_hi) | (rank == 0):
+        return  # a slice narrower than the widest one, or an empty slot: nothing to add
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER).to(tl.int32)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    a_row = slot * NR + i * R
-    nk = tl.cdiv(K, BLOCK_K)
-    if SHARE:
-        kp = tl.cdiv(nk, SPLITS)  # K steps of one part
-        pair = pid_seg * tl.num_programs(2) + i
-        parts = part_ptr + pair.to(tl.int64) * (SPLITS * BLOCK_R)
-        mine = _tma_shrink_part(x_desc, a_desc, row, a_row, split * kp, tl.minimum(split * kp + kp, nk),
-                                BLOCK_R, BLOCK_K, STAGES)
-        tl.store(parts + split * BLOCK_R + offs_r, mine)
-        tl.debug_barrier()  # every thread's store before the release below
-        # Counters only grow (SPLITS a launch): the launch's arrivals end at the next multiple of SPLITS.
-        target = (tl.atomic_add(count_ptr + pair, 1, sem="release", scope="gpu") // SPLITS + 1) * SPLITS
-        spins = 0
-        while (tl.atomic_add(count_ptr + pair, 0, sem="acquire", scope="gpu") < target) & (spins < SPIN_LIMIT):
-            spins += 1
-        hv = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for p in range(SPLITS):  # a fixed order, whoever computed each part
-            if spins >= SPIN_LIMIT:
-                pv = _tma_shrink_part(x_desc, a_desc, row, a_row, p * kp, tl.minimum(p * kp + kp, nk),
-                                      BLOCK_R, BLOCK_K, STAGES)
-            else:
-                pv = tl.load(parts + p * BLOCK_R + offs_r, cache_modifier=".cg")  # from L2: other SMs wrote it
-            hv += pv
-    else:
-        hv = _tma_shrink_part(x_desc, a_desc, row, a_row, 0, nk, BLOCK_R, BLOCK_K, STAGES)
-    hv = tl.where(r_mask, hv, 0.0)
+    r_mask = tl.arange(0, BLOCK_R) < rank
+    acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # summed over K once, after the loop
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+        xt = x_desc.load([row, k * BLOCK_K])  # [1, BLOCK_K]; past K zero-filled
+        at = a_desc.load([slot * NR + i * R, k * BLOCK_K])  # [BLOCK_R, BLOCK_K]
+        acc2 += at.to(tl.float32) * xt.to(tl.float32)
+    hv = tl.where(r_mask, tl.sum(acc2, axis=1), 0.0)
     hv = hv.to(y_desc.dtype).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
     if HAS_SCALE:
         hv = hv * tl.load(scale_ptr + slot)
@@ -218,7 +168,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
                num_stages: Optional[int] = None, pdl: Optional[bool] = None,
-               tma: Optional[bool] = None, share: Optional[bool] = None) -> torch.Tensor:
+               tma: Optional[bool] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -234,8 +184,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     True off such devices runs the same bodies in plain launches (how the CPU tests reach them).
     tma (fused only): the kernel's body whose loads go through the copy engine (pipelined); None =
     on CUDA where tma_unfit_reason allows (and APPLIANCE_TMA is not 0), True = required (how the CPU
-    tests reach it). share (TMA body only): a (token, slice)'s column splits each compute h over one
-    part of K and share it (A read once, not once per split); None = SHARE_SPLITS decides.
+    tests reach it).
     """
     if fused is None:
         fused = fuses(segs, A, x.device)
@@ -275,7 +224,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     widest = max(b - a for a, b in zip(offs, offs[1:]))
     if tma:
         return _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog,
-                           num_warps, num_stages, share)
+                           num_warps, num_stages)
     block_r = max(16, triton.next_power_of_2(R))
     if block_k is None:
         block_k = max(16, 8192 // block_r)  # [BLOCK_R, BLOCK_K] fp32 partial sums: 64 per thread
@@ -307,7 +256,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 
 
 def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog, num_warps,
-                num_stages, share) -> torch.Tensor:
+                num_stages) -> torch.Tensor:
     """lora_apply's fused kernel, TMA body (operands checked by lora_apply and tma_unfit_reason)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -324,54 +273,17 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
     if cols_per_prog % block_n:
         raise ValueError(f"lora_apply: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
     tok = segs.token_index if segs.token_index is not None else segs.starts
-    G = segs.num_segs
-    splits = triton.cdiv(widest, cols_per_prog)
-    if share is None:
-        share = splits >= SHARE_SPLITS
-    share = share and splits > 1
-    if share:
-        grid = (splits, G, n)  # a (token, slice)'s splits adjacent: they start together
-        parts = torch.empty(G * n * splits * R, dtype=torch.float32, device=y.device)
-        counts = _share_counters(y.device, splits, G * n)
-    else:
-        grid = (G, n, splits)
-        parts = counts = slot_ranks  # not read
+    grid = (segs.num_segs, n, triton.cdiv(widest, cols_per_prog))
     _lora_fused_tma_kernel[grid](
         TensorDescriptor.from_tensor(y, [1, block_n]), TensorDescriptor.from_tensor(x, [1, block_k]),
         TensorDescriptor.from_tensor(A.view(S * n * R, K), [R, block_k]),
         TensorDescriptor.from_tensor(B.view(S * OUT, R), [block_n, R]),
         scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
-        parts, counts,
         K, OUT, R, n * R, offs[1] if n > 1 else OUT, offs[2] if n > 2 else OUT, cols_per_prog,
         BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
-        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, SHARE=share, SPLITS=splits,
-        # the interpreter runs programs one after another: a partner not yet run never arrives
-        SPIN_LIMIT=min(SHARE_SPIN_LIMIT, 1) if interpreter_active() else SHARE_SPIN_LIMIT,
-        num_warps=num_warps or d_w,
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, num_warps=num_warps or d_w,
     )
     return y
-
-
-# Column splits of a (token, slice) from which they share h (lora_apply's share=None).
-SHARE_SPLITS = 2
-# Polls of a (token, slice)'s arrival counter before a program computes its partners' parts itself.
-SHARE_SPIN_LIMIT = 20000
-_COUNTERS: dict = {}
-
-
-def _share_counters(device: torch.device, splits: int, pairs: int) -> torch.Tensor:
-    """Arrival counters for the shared-h launches with `splits` splits, one per (token, slice): zeroed
-    once, then only added to, SPLITS per (token, slice) per launch, so each launch finds every
-    counter at a multiple of SPLITS (int64: no wrap). One set per (device, splits, stream): launches
-    on one stream run one after another, so two never share counters; a launch captured into a CUDA
-    graph keeps the set of the capture's stream. Grown (fresh zeros) when a launch needs more."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), splits, stream)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < pairs:
-        c = torch.zeros(max(pairs, 2 * (0 if c is None else c.numel()), 1024), dtype=torch.int64, device=device)
-        _COUNTERS[key] = c
-    return c
 
 
 def fuses(segs: LoRASegments, A: torch.Tensor, device: torch.device) -> bool:

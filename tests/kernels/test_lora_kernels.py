@@ -225,36 +225,6 @@ def test_apply_fused_decode_tma(dtype: torch.dtype, strategy: str) -> None:
                    R=16, chunk=1, with_scale=dtype != torch.float32, apply_kw=kw)
 
 
-@pytest.mark.parametrize("strategy", ["triton", "csgmv"])
-def test_apply_tma_shared_h(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # share: a (token, slice)'s column splits each compute h over a part of K and add up all parts.
-    # 3 splits of the 48-column slice; the 16-column slices' splits 1 and 2 have no columns but still
-    # compute and publish their part. Under the interpreter the programs run one after another: the
-    # first of each (token, slice) gives up waiting and computes its partners' parts itself, the last
-    # reads them. Run twice (the arrival counters carry over between launches) and with every program
-    # computing every part itself (SHARE_SPIN_LIMIT 0): the same bits each time.
-    import kernels.lora_apply as la
-
-    seg_slots = [0, -1, 1, 2, 4, 0, 3, -1, 1]
-    if strategy == "csgmv":
-        seg_slots = [s if s != 0 else 2 for s in seg_slots]
-    kw = dict(fused=True, tma=True, share=True, block_k=16, block_n=16, cols_per_prog=16)
-    check_case(strategy, torch.bfloat16, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[48, 16, 16],
-               R=16, chunk=1, with_scale=True, apply_kw=kw)
-    g = torch.Generator().manual_seed(5)
-    A = torch.randn(5, 3, 16, 80, generator=g).to(torch.bfloat16).to(DEV)
-    B = torch.randn(5, 80, 16, generator=g).to(torch.bfloat16).to(DEV)
-    x = torch.randn(9, 80, generator=g).to(torch.bfloat16).to(DEV)
-    ranks = torch.tensor([16, 8, 12, 0, 5], dtype=torch.int32, device=DEV)
-    segs = segments(strategy, [1] * 9, seg_slots, 1)
-    outs = []
-    for limit in (la.SHARE_SPIN_LIMIT, la.SHARE_SPIN_LIMIT, 0):
-        monkeypatch.setattr(la, "SHARE_SPIN_LIMIT", limit)
-        outs.append(lora_apply(torch.zeros(9, 80, dtype=torch.bfloat16, device=DEV), x, A, B, segs, ranks,
-                               [0, 48, 64, 80], **kw).cpu())
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
 def test_apply_tma_refuses_what_it_cannot_take() -> None:
     # Slice boundaries no 16-column tile divides (40/24/24), or a B row under 16 bytes (rank 2 in fp32):
     # tma=True refuses; the automatic choice takes the pointer body for them.
