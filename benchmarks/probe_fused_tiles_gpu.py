@@ -45,6 +45,11 @@ VARIANTS = {
     "tma st4 bk128 bn128": tma(stages=4, block_k=128, block_n=128),
     "tma st4 bn128, 1 split": tma(stages=4, block_n=128, cols_per_prog=1 << 16),
     "tma st4 bn128 2 warps": tma(stages=4, block_n=128, num_warps=2),
+    "tma st4, 4 splits": tma(stages=4, cols_per_prog=1024),
+    "tma st4, 8 splits": tma(stages=4, cols_per_prog=512),
+    "tma st4 2 warps": tma(stages=4, num_warps=2),
+    "tma st3": tma(stages=3),
+    "tma st2": tma(stages=2),
 }
 
 

@@ -264,10 +264,19 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
     S, n, R, _ = A.shape
     OUT = y.shape[1]
     d_bk, d_bn, d_st, d_w = TMA_TILES
+    # Whole slices (one program a (token, slice)) where A's rows are long: every column split streams
+    # the slot's whole A slice again. H200, down_proj (K 14336, 4096 columns), 256 tokens on 256
+    # adapters, whole slices in 128-column steps: 50.7 and 51.5 µs against 53.5 and 56.1 in two splits
+    # of 256-column steps, two runs (docs/benchmarks.md, round 6); o_proj (K = its width) gained nothing.
+    whole = cols_per_prog is None and K >= 2 * widest
+    if whole and block_n is None:
+        block_n = 128
     # a copy-engine box is at most 256 elements a side; BLOCK_N must divide every slice boundary
     block_k = min(block_k or d_bk, 256, max(16, triton.next_power_of_2(K)))
     block_n = block_n_for(offs, min(block_n or d_bn, 256, max(16, triton.next_power_of_2(widest))))
     check_tile(block_k=block_k, block_n=block_n)
+    if whole:
+        cols_per_prog = triton.cdiv(widest, block_n) * block_n
     if cols_per_prog is None:
         cols_per_prog = _auto_cols_per_prog(segs.num_segs * n, widest, block_n, y.device)
     if cols_per_prog % block_n:
