@@ -36,10 +36,13 @@ from kernels.segments import LoRASegments
 MIN_TOKENS_CUDA = 64
 # Tokens in a step for which lora_linear's automatic choice (gemm=None) is the Triton GEMM with the delta
 # in its epilogue (kernels/lora_gemm.py) on sm90+. H200, Llama-3.1-8B projections, docs/benchmarks.md:
-# from 4096 tokens it took less LoRA time than the cuBLAS order for qkv/o/down_proj (qkv 4096: 10.7
-# against 20.6 % of the GEMM) and, on a persistent grid, gate_up_proj; below 4096 its row tiles are
-# too few to hide the shrink's tiles (qkv 1024: 40 against 31 %), above 8192 cuBLAS's GEMM pulled
-# ahead for qkv and gate_up (16384: 13.7 against 11.9 %). The GPU config's steps hold at most 8192.
+# from 4096 tokens it took less LoRA time than the cuBLAS order for qkv/o/down_proj (round 6, 4096-8192
+# tokens: qkv 7.9-9.4 against 13.8-21.7 % of the GEMM, o 7.7-10.8 against 13.3-15.7, down 3.0-6.4
+# against 7.5-8.9) and, on a persistent grid, gate_up_proj at 4096 (6.8-11.2 against 10.7-11.3; at
+# 8192 it measured behind in 3 of 4 runs, by 1.7-5.7 points of a GEMM whose own time moved by 5-10 %:
+# kept, not re-decided on that noise); below 4096 its row tiles are too few to hide the shrink's
+# tiles (qkv 1024: 40 against 31 %), above 8192 cuBLAS's GEMM pulled ahead for qkv and gate_up (round
+# 5, 16384: 13.7 against 11.9 %). The GPU config's steps hold at most 8192.
 TRITON_GEMM_TOKENS = (4096, 8192)
 _REFUSED: set = set()  # shapes whose lora_gemm launch ran out of resources on their device
 # Output width up to which the shrink's K splits leave planes of partial sums (summed by the expand)
