@@ -62,6 +62,22 @@ def offsets(slices):
     return o
 
 
+def projection(K: int, slices: list[int], slots: int):
+    """One Llama-3.1-8B projection's bf16 operands at rank R: (N, offsets, W [N, K], A [slots, n, R, K],
+    B [slots, N, R], slot ranks)."""
+    N, n = sum(slices), len(slices)
+    w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02
+    A = torch.randn(slots, n, R, K, device=DEV, dtype=torch.bfloat16) * 0.02
+    B = torch.randn(slots, N, R, device=DEV, dtype=torch.bfloat16) * 0.02
+    return N, offsets(slices), w, A, B, torch.full((slots,), R, dtype=torch.int32, device=DEV)
+
+
+def one_adapter(T: int):
+    """T tokens of slot 0 in segments of up to 4096 (one prefill sequence each)."""
+    seq = min(T, 4096)
+    return sgmv_segments([seq] * (T // seq), [0] * (T // seq), DEV)
+
+
 def check(smoke: bool) -> None:
     K, slices = (4096, [4096, 1024, 1024]) if not smoke else (64, [64, 32, 32])
     lens = [1000, 500, 1300, 1296] if not smoke else [40, 9, 30, 17]
@@ -151,12 +167,8 @@ def main() -> None:
     configs = CONFIGS if args.configs == "all" else [DEFAULT_TILES]
     rows = []
     for name, (K, slices) in LLAMA_8B.items():
-        N, n = sum(slices), len(slices)
-        offs = offsets(slices)
-        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
-        A = torch.randn(SLOTS, n, R, K, device=dev, dtype=torch.bfloat16) * 0.02
-        B = torch.randn(SLOTS, N, R, device=dev, dtype=torch.bfloat16) * 0.02
-        ranks = torch.full((SLOTS,), R, dtype=torch.int32, device=dev)
+        N, offs, w, A, B, ranks = projection(K, slices, SLOTS)
+        n = len(slices)
         for T in [int(t) for t in args.t.split(",")]:
             x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
             y = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
@@ -232,17 +244,11 @@ def variants(args: argparse.Namespace) -> None:
     rows = []
     for name in args.proj.split(","):
         K, slices = LLAMA_8B[name]
-        N, n = sum(slices), len(slices)
-        offs = offsets(slices)
-        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
-        A = torch.randn(16, n, R, K, device=dev, dtype=torch.bfloat16) * 0.02
-        B = torch.randn(16, N, R, device=dev, dtype=torch.bfloat16) * 0.02
-        ranks = torch.full((16,), R, dtype=torch.int32, device=dev)
+        N, offs, w, A, B, ranks = projection(K, slices, 16)
         for T in [int(t) for t in args.t.split(",")]:
             x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
             y = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
-            seq = min(T, 4096)
-            segs = sgmv_segments([seq] * (T // seq), [0] * (T // seq), dev)
+            segs = one_adapter(T)
             want = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton")
             fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
                    "cublas path": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas")}
@@ -282,19 +288,13 @@ def table(args: argparse.Namespace) -> None:
     rows = []
     persistent = DEFAULT_TILES[:6] + (True,) + DEFAULT_TILES[7:]
     for name, (K, slices) in LLAMA_8B.items():
-        N, n = sum(slices), len(slices)
-        offs = offsets(slices)
-        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02
-        A = torch.randn(16, n, R, K, device=dev, dtype=torch.bfloat16) * 0.02
-        B = torch.randn(16, N, R, device=dev, dtype=torch.bfloat16) * 0.02
-        ranks = torch.full((16,), R, dtype=torch.int32, device=dev)
+        N, offs, w, A, B, ranks = projection(K, slices, 16)
         for T in [int(t) for t in args.t.split(",")]:
             x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
             y = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
             for layout in ("1", "16x512"):
                 if layout == "1":
-                    seq = min(T, 4096)
-                    segs = sgmv_segments([seq] * (T // seq), [0] * (T // seq), dev)
+                    segs = one_adapter(T)
                 elif T >= 8192:
                     segs = sgmv_segments([512] * (T // 512), [i % 16 for i in range(T // 512)], dev)
                 else:

@@ -213,7 +213,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     if not A.is_contiguous():
         raise ValueError("lora_apply: A must be contiguous (its [n, R] dims are read as one)")
     offs = check_out_slices("lora_apply", y, out_offsets, n, R, segs, slot_ranks, S, scalings)
-    reason = tma_unfit_reason(y, x, A, B, offs)
+    reason = None if tma is False else tma_unfit_reason(y, x, A, B, offs)  # host-side checks, per call
     if tma and reason is not None:
         raise ValueError(f"lora_apply: the TMA body does not take these operands: {reason}")
     if tma is None:  # APPLIANCE_TMA=0: the pointer body everywhere (read per call: a benchmark's A/B)
