@@ -32,7 +32,7 @@ import triton.language as tl
 from kernels.lora_expand import check_out_slices, lora_expand
 from kernels.lora_gemm import block_n_for, platform_reason
 from kernels.lora_shrink import lora_shrink
-from kernels.lora_bodies import gemv_expand, gemv_shrink
+from kernels.lora_bodies import gemv_expand, gemv_shrink, rank_cols
 from kernels.segment_tile import segment_row, segment_tile
 from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
@@ -74,7 +74,7 @@ def _lora_fused_gemv_kernel(
     stride_xt, stride_xk, stride_as, stride_an, stride_ak,
     stride_yt, stride_yo, stride_bs, stride_bo, stride_br,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, R8: tl.constexpr,
 ):
     seg, m0, slot, rank, i, c_lo, c_hi = _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2,
                                                        cols_per_prog)
@@ -90,8 +90,8 @@ def _lora_fused_gemv_kernel(
     hv = hv.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
     if HAS_SCALE:
         hv = hv * tl.load(scale_ptr + slot)
-    gemv_expand(y_ptr + row * stride_yt, b_ptr + slot.to(tl.int64) * stride_bs, hv, offs_r, r_mask, c_lo, c_hi,
-                stride_yo, stride_bo, stride_br, BLOCK_N, False)
+    gemv_expand(y_ptr + row * stride_yt, b_ptr + slot.to(tl.int64) * stride_bs, hv, offs_r, r_mask,
+                rank_cols(offs_r, rank, R8), c_lo, c_hi, stride_yo, stride_bo, stride_br, BLOCK_N, False)
 
 
 @triton.jit
@@ -249,7 +249,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         x.stride(0), x.stride(1), a3.stride(0), a3.stride(1), a3.stride(2),
         y.stride(0), y.stride(1), B.stride(0), B.stride(1), B.stride(2),
         BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
-        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, R8=R % 8 == 0,
         num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     return y

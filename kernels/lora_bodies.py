@@ -2,20 +2,36 @@
 
     gemv_shrink(...) -> [BLOCK_N] fp32       h = x[row, k_lo:k_hi] · A rows          one token
     gemv_expand(...)                         y[row, c_lo:c_hi] (+)= B[c, :] · h       one token
+    rank_cols(offs_r, rank, R8) -> mask      the rank columns a load of B or h takes   every body
 
 Callers: lora_shrink and lora_expand for one-token segments (BLOCK_M = 1), and lora_apply's fused
 kernel (both). One body per loop, so a tuning or rounding fix lands in every kernel at once.
 
 The GEMV bodies read the weights in their own layout (A: [BLOCK_N, BLOCK_K] tiles, K contiguous;
 B: [BLOCK_N, BLOCK_R] tiles, R contiguous) and reduce in fp32 registers: a one-token tl.dot would
-leave 15/16 of the tensor-core tile empty. Masked lanes (rank padding, past the end) are never
-loaded, so NaN or garbage there cannot leak. The scale is folded into h by the caller.
+leave 15/16 of the tensor-core tile empty. Rank padding is read at most up to the next multiple of
+8 (rank_cols) and set to 0 in registers before use, so NaN or garbage there cannot leak. The scale is
+folded into h by the caller.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def rank_cols(offs_r, rank, R8: tl.constexpr):
+    """The mask of the rank columns (offs_r = arange(BLOCK_R), the contiguous dim) to load of a slot of
+    rank `rank`: up to the rank rounded up to a multiple of 8 where the buffers' max rank R is one
+    (R8), else up to the rank. A mask constant over runs of 8 elements lets the compiler issue 16-byte
+    (bf16) loads; masked to the exact rank it splits every row of B into 2-byte loads, each its own
+    request (an ahead-of-time sm90 compile: ld.global.b16 per element). The caller zeroes the columns
+    from `rank` on (tl.where) after the load: padding may hold anything."""
+    if R8:
+        return offs_r < tl.cdiv(rank, 8) * 8
+    else:
+        return offs_r < rank
 
 
 @triton.jit
@@ -40,17 +56,19 @@ def gemv_shrink(x_row_ptr, a_rows, row_mask, k_lo, k_hi, stride_xk, stride_ak,
 
 
 @triton.jit
-def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, r_mask, c_lo, c_hi, stride_yo, stride_bo, stride_br,
+def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, r_mask, r_load, c_lo, c_hi, stride_yo, stride_bo, stride_br,
                 BLOCK_N: tl.constexpr, WRITE: tl.constexpr):
     """y[c] (+)= sum_r B[c, r] * hv[r] for c_lo <= c < c_hi, BLOCK_N columns a step.
 
-    b_ptr: B of the slot; hv [BLOCK_R] fp32 (scale folded in, 0 beyond the rank); WRITE: y is only
+    b_ptr: B of the slot; hv [BLOCK_R] fp32 (scale folded in, 0 beyond the rank); r_mask: the rank's
+    columns, r_load: the columns loaded (rank_cols, a superset); WRITE: y is only
     written (no read), else read, added in fp32, written back. c_lo >= c_hi: nothing."""
     for c0 in range(c_lo, c_hi, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_mask = offs_c < c_hi
         bt = tl.load(b_ptr + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                     mask=c_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+                     mask=c_mask[:, None] & r_load[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+        bt = tl.where(r_mask[None, :], bt, 0.0)  # rank padding may hold anything
         y_ptrs = y_row_ptr + offs_c * stride_yo
         if WRITE:
             acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32

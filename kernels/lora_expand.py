@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
-from kernels.lora_bodies import gemv_expand
+from kernels.lora_bodies import gemv_expand, rank_cols
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
@@ -64,7 +64,7 @@ def _lora_expand_kernel(
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, ZERO_M: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
     WRITE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, R8: tl.constexpr,
 ):
     if PDL:
         gdc_wait()  # launched early (PDL): everything below waits for the shrink's h to be complete
@@ -93,6 +93,7 @@ def _lora_expand_kernel(
             return  # empty slot: nothing to add (WRITE goes on: its rows must become 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
+    r_load = rank_cols(offs_r, rank, R8)  # loaded, then zeroed from the rank on
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
     b_ty = b_ptr.dtype.element_ty
     scale = 1.0
@@ -120,21 +121,24 @@ def _lora_expand_kernel(
             for p in range(n_parts):  # K splits' partial sums, added in a fixed order
                 hv += tl.load(h_ptrs1 + p * stride_hp, mask=r_mask, other=0.0)
             hv = hv.to(b_ty).to(tl.float32) * scale  # h rounded to the weights' dtype, as the torch twin does
-            gemv_expand(y_ptr + row * stride_yt, b_base, hv, offs_r, r_mask, c_lo, c_hi, stride_yo, stride_bo,
+            gemv_expand(y_ptr + row * stride_yt, b_base, hv, offs_r, r_mask, r_load, c_lo, c_hi, stride_yo, stride_bo,
                         stride_br, BLOCK_N, WRITE)
         else:
             h_ptrs = h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn
             ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for p in range(n_parts):
-                ht += tl.load(h_ptrs + p * stride_hp, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+                ht += tl.load(h_ptrs + p * stride_hp, mask=m_mask[:, None] & r_load[None, :], other=0.0)
+            ht = tl.where(r_mask[None, :], ht, 0.0)  # the shrink leaves garbage past the rank
             ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
             if UPCAST:
                 ht = ht.to(tl.float32)
             for c0 in range(c_lo, c_hi, BLOCK_N):
                 offs_c = c0 + tl.arange(0, BLOCK_N)
                 c_mask = offs_c < c_hi
-                bt = tl.load(b_base + offs_c[None, :] * stride_bo + offs_r[:, None] * stride_br,
-                             mask=c_mask[None, :] & r_mask[:, None], other=0.0)  # [BLOCK_R, BLOCK_N]
+                # B [BLOCK_N, R] in its own layout (R contiguous: wide loads), transposed in registers
+                bt = tl.load(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
+                             mask=c_mask[:, None] & r_load[None, :], other=0.0)
+                bt = tl.trans(tl.where(r_mask[None, :], bt, 0.0))  # [BLOCK_R, BLOCK_N]
                 y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_c[None, :] * stride_yo
                 y_mask = m_mask[:, None] & c_mask[None, :]
                 if UPCAST:
@@ -161,7 +165,7 @@ def _lora_expand_gemv_kernel(
     OUT, R, o1, o2,  # output width, max rank, first column of slices 1 and 2 (= OUT when absent)
     stride_yt, stride_yo, stride_ht, stride_hn, stride_hp, stride_bs, stride_bo, stride_br,
     N_SLICES: tl.constexpr, N_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PDL: tl.constexpr, R8: tl.constexpr,
 ):
     """One token, one BLOCK_N block of output columns (any slices it spans): B tile first, then the wait."""
     seg, m0, seg_len, slot, rank = segment_tile(tl.program_id(0), 1, seg_len_ptr, seg_slot_ptr, rank_ptr, 1)
@@ -172,7 +176,8 @@ def _lora_expand_gemv_kernel(
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     # B [BLOCK_N, R] in its own layout (R contiguous: one contiguous run of BLOCK_N * R elements)
     bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                 mask=c_mask[:, None] & r_mask[None, :], other=0.0)
+                 mask=c_mask[:, None] & rank_cols(offs_r, rank, R8)[None, :], other=0.0)
+    bt = tl.where(r_mask[None, :], bt, 0.0)  # rank padding may hold anything
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr + tl.maximum(slot, 0))
@@ -287,7 +292,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         max(tiles_per_seg, 1), num_base, P,
         N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ZERO_M=zero_m,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, WRITE=write,
-        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype),
+        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype), R8=R % 8 == 0,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(launch_pdl),
     )
     return y
@@ -325,7 +330,7 @@ def _expand_gemv_pdl(y: torch.Tensor, h4: torch.Tensor, B: torch.Tensor, segs: L
         slot_ranks, OUT, R, o1, o2,
         y.stride(0), y.stride(1), h4.stride(1), h4.stride(3), h4.stride(0), B.stride(0), B.stride(1), B.stride(2),
         N_SLICES=n, N_PARTS=h4.shape[0], BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(R)),
-        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, R8=R % 8 == 0,
         num_warps=num_warps or 4, num_stages=num_stages or 1, **pdl_launch(launch_pdl),
     )
     return y

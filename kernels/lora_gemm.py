@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_bodies import rank_cols
 from kernels.lora_expand import check_out_slices
 from kernels.platform import dot_upcast, interpreter_active
 
@@ -60,7 +61,7 @@ _NO_SLOT = tl.constexpr(2**31 - 1)  # "no slot left" in the epilogue's walk over
 def lora_epilogue(acc, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr, rank_ptr,
                   stride_hp, stride_hm, stride_hn, stride_bs, stride_bn, stride_br, n_parts, w_ty: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, R8: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 (rows offs_m, columns offs_n < N from c0, all in one slice) plus the
     delta of every adapter among the rows: one rank-R tensor-core product per distinct slot."""
     m_mask = offs_m < M
@@ -72,18 +73,24 @@ def lora_epilogue(acc, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr
     while cur != _NO_SLOT:
         rank = tl.load(rank_ptr + cur)
         r_mask = offs_r < rank
-        hm = (slots == cur)[:, None] & r_mask[None, :]
+        # rank columns loaded up to a multiple of 8 (wide loads: kernels/lora_bodies.py's rank_cols),
+        # then zeroed from the rank on
+        hm = (slots == cur)[:, None] & rank_cols(offs_r, rank, R8)[None, :]
         h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :] * stride_hn
         ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for p in range(n_parts):  # K splits' partial sums, in a fixed order
             # from L2 (.cg): h may have been written by another SM during this launch
             ht += tl.load(h_ptrs + p * stride_hp, mask=hm, other=0.0, cache_modifier=".cg")
+        ht = tl.where(r_mask[None, :], ht, 0.0)  # the shrink's columns past the rank: garbage
         if HAS_SCALE:
             ht = ht * tl.load(scale_ptr + cur)
         ht = ht.to(w_ty)
-        # [BLOCK_R, BLOCK_N] of the slot's B; rank padding never read (edge columns wrap, never stored)
-        bt = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + rn[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                     mask=r_mask[:, None], other=0.0)
+        # [BLOCK_N, R] of the slot's B in its own layout (R contiguous: wide loads; loaded as
+        # [R, BLOCK_N] every element was a 2-byte load of its own), transposed in registers; rank
+        # padding zeroed (edge columns wrap, never stored)
+        bt = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + rn[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                     mask=rank_cols(offs_r, rank, R8)[None, :], other=0.0)
+        bt = tl.trans(tl.where(r_mask[None, :], bt, 0.0))
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)
@@ -150,6 +157,7 @@ def _lora_gemm_kernel(
     BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr, TICKET: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    R8: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -201,7 +209,7 @@ def _lora_gemm_kernel(
         offs_n = (n0 + tl.arange(0, BLOCK_N)) % N  # edge columns wrap for B's load, clipped on store
         acc = lora_epilogue(acc, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr,
                             rank_ptr, stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_desc.dtype,
-                            BLOCK_M, BLOCK_N, BLOCK_R, HAS_SCALE, PRECISION, UPCAST)
+                            BLOCK_M, BLOCK_N, BLOCK_R, HAS_SCALE, PRECISION, UPCAST, R8)
         y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
 
 
@@ -377,7 +385,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
         NUM_PROGS=progs, TICKET=ticket, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype), R8=R % 8 == 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return y
