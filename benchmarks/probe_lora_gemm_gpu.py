@@ -17,6 +17,9 @@ First a correctness check (bf16, qkv shape, 3 adapters + base rows, both paths a
     python3 benchmarks/probe_lora_gemm_gpu.py --variants --t 4096,8192 [--proj qkv,o]
         (lora_gemm's tile order options, interleaved against cuBLAS: the ticket or the block index,
         GROUP_M, main-loop depth)
+    python3 benchmarks/probe_lora_gemm_gpu.py --activation --t 512,4096,8192
+        (gate_up_proj as the engine's MLP runs it: its delta inside the activation, kernels/silu_mul_lora.py,
+        against lora_linear's two orders followed by silu_mul; LoRA % of cuBLAS's GEMM)
 """
 
 from __future__ import annotations
@@ -36,9 +39,13 @@ from bench_kernels_gpu import DEV, LLAMA_8B, copy_bandwidth, graph_time, interle
 from kernels import reference as ref  # noqa: E402
 import kernels.lora_gemm as lg  # noqa: E402
 from kernels.lora_gemm import DEFAULT_TILES, lora_gemm  # noqa: E402
+from kernels.lora_expand import lora_expand  # noqa: E402
 from kernels.lora_linear import lora_linear  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
 from kernels.segments import sgmv_segments  # noqa: E402
+from kernels.silu_mul import silu_mul  # noqa: E402
+import kernels.silu_mul_lora as sml  # noqa: E402
+from kernels.silu_mul_lora import silu_mul_lora  # noqa: E402
 
 R, SLOTS = 16, 4
 # (block_m, block_n, block_k, warps, stages, group_m, persistent)
@@ -150,6 +157,8 @@ def main() -> None:
     p.add_argument("--check-small", action="store_true", help="only check_small (SmolLM2 shapes, fp16/bf16)")
     p.add_argument("--variants", action="store_true", help="no sweep: VARIANTS interleaved against cuBLAS, per T")
     p.add_argument("--proj", default="qkv,o,gate_up,down")
+    p.add_argument("--activation", action="store_true",
+                   help="no sweep: gate_up_proj with its delta inside the activation against lora_linear + silu_mul")
     p.add_argument("--table", action="store_true",
                    help="no tile sweep: the default tiles (and persistent), interleaved against cuBLAS, per T")
     args = p.parse_args()
@@ -162,6 +171,8 @@ def main() -> None:
         return table(args)
     if args.variants:
         return variants(args)
+    if args.activation:
+        return activation(args)
     dev = DEV
     print_device()
     configs = CONFIGS if args.configs == "all" else [DEFAULT_TILES]
@@ -277,6 +288,96 @@ def variants(args: argparse.Namespace) -> None:
     for name, T, t in rows:
         c = t["cuBLAS"]
         print(f"| {name} | {T} | {c:.1f} | " + " | ".join(f"{100 * (t[k] - c) / c:.1f} %" for k in keys[1:]) + " |")
+
+
+# silu_mul_lora's tile body: name -> (launcher overrides, TILE_WAVES or None)
+ACTIVATION_TILES = {
+    "default": ({}, None),
+    "16-row": ({"block_m": 16}, None),
+    "64-col": ({"block_n": 64}, None),
+    "256-col": ({"block_n": 256}, None),
+    "1 stage": ({"num_stages": 1}, None),
+    "3 stages": ({"num_stages": 3}, None),
+    "4 waves": ({}, 4),
+    "16 waves": ({}, 16),
+    "8 warps": ({"num_warps": 8}, None),
+    "16 x 64": ({"block_m": 16, "block_n": 64}, None),
+    "16-row, 3 stages": ({"block_m": 16, "num_stages": 3}, None),
+    "64-col, 3 stages": ({"block_n": 64, "num_stages": 3}, None),
+    "16 x 64, 3 stages": ({"block_m": 16, "block_n": 64, "num_stages": 3}, None),
+    "16-row, 8 warps": ({"block_m": 16, "num_warps": 8}, None),
+}
+
+
+def activation(args: argparse.Namespace) -> None:
+    """gate_up_proj, per T and layout (one adapter over 4096-token segments; 16 adapters over 512-token
+    sequences with every fourth sequence a base one): the engine's MLP runs the GEMM and then the
+    activation, so its LoRA time is (GEMM + LoRA + activation) - (cuBLAS GEMM + silu_mul), as % of the
+    cuBLAS GEMM. Interleaved: the base pair; lora_linear (cuBLAS order; lora_gemm where it applies)
+    + silu_mul; cuBLAS GEMM + lora_shrink + silu_mul_lora (the delta inside the activation) per tile.
+    First each path's output against fp32 torch, and silu_mul_lora against lora_expand + silu_mul."""
+    dev = DEV
+    print_device()
+    K, slices = LLAMA_8B["gate_up"]
+    N, offs, w, A, B, ranks = projection(K, slices, 16)
+    I = N // 2
+    rows = []
+    for T in [int(t) for t in args.t.split(",")]:
+        x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
+        gu = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
+        out = torch.empty(T, I, device=dev, dtype=torch.bfloat16)
+        layouts = {"1": one_adapter(T)}
+        if T >= 2048:
+            n_seq = T // 512
+            layouts["16x512"] = sgmv_segments([512] * n_seq, [-1 if i % 4 == 3 else i % 16 for i in range(n_seq)],
+                                              dev)
+        for layout, segs in layouts.items():
+            def deferred(kw, waves, segs=segs):
+                torch.mm(x, w.t(), out=gu)
+                h = lora_shrink(x, A, segs, ranks, partials=True)
+                keep = sml.TILE_WAVES
+                sml.TILE_WAVES = waves or keep  # read by the launcher as the graph is captured
+                try:
+                    return silu_mul_lora(gu, h, B, segs, ranks, out=out, **kw)
+                finally:
+                    sml.TILE_WAVES = keep
+
+            ts = segs.row_slots.long()
+            want = ref.silu_mul(ref.lora_expand(x.float() @ w.float().T, ref.lora_shrink(
+                x.float(), A.float(), ts, ranks), B.float(), ts, offs, ranks))
+            fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=gu),
+                   "cuBLAS + silu_mul": lambda: silu_mul(torch.mm(x, w.t(), out=gu), out=out),
+                   "cublas order + silu_mul": lambda segs=segs: silu_mul(
+                       lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas"), out=out)}
+            if lg.unfit_reason(x, w, offs) is None:
+                fns["lora_gemm + silu_mul"] = lambda segs=segs: silu_mul(
+                    lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton"), out=out)
+            fns["shrink"] = lambda segs=segs: lora_shrink(x, A, segs, ranks, partials=True)
+            for name, (kw, waves) in ACTIVATION_TILES.items():
+                fns[f"in activation, {name}"] = lambda kw=kw, waves=waves: deferred(kw, waves)
+            for k in [k for k in list(fns)[2:] if k != "shrink"]:
+                got = fns[k]().float()
+                print(f"  {T} {layout} {k}: rel err {((got - want).norm() / want.norm()).item():.2e} "
+                      f"against fp32 torch, NaN {bool(got.isnan().any())}", flush=True)
+            h = lora_shrink(x, A, segs, ranks, partials=True)
+            torch.mm(x, w.t(), out=gu)
+            two = silu_mul(lora_expand(gu.clone(), h, B, segs, ranks, offs))
+            print(f"  {T} {layout}: silu_mul_lora bits equal to lora_expand + silu_mul: "
+                  f"{torch.equal(silu_mul_lora(gu, h, B, segs, ranks), two)}", flush=True)
+            t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
+            c, base = t["cuBLAS"], t["cuBLAS + silu_mul"]
+            rows.append((T, layout, {k: v * 1e6 for k, v in t.items()}))
+            print(f"gate_up {T:6d} {layout:7s} " + " | ".join(
+                f"{k} {v * 1e6:.1f}" + ("" if k in ("cuBLAS", "cuBLAS + silu_mul", "shrink") else
+                                        f" ({100 * (v - base) / c:+.1f} %)") for k, v in t.items()), flush=True)
+    keys = list(rows[0][2]) if rows else []
+    print("\n| T | adapters | cuBLAS µs | + silu_mul µs | " + " | ".join(keys[2:]) + " |")
+    print("|---|---|---|---|" + "---|" * (len(keys) - 2))
+    for T, layout, t in rows:
+        c, base = t["cuBLAS"], t["cuBLAS + silu_mul"]
+        print(f"| {T} | {layout} | {c:.1f} | {base:.1f} | " + " | ".join(
+            (f"{t[k]:.1f} µs" if k == "shrink" else f"{100 * (t[k] - base) / c:.1f} %") if k in t else "-"
+            for k in keys[2:]) + " |")
 
 
 def table(args: argparse.Namespace) -> None:

@@ -42,7 +42,9 @@ MIN_TOKENS_CUDA = 64
 # 8192 it measured behind in 3 of 4 runs, by 1.7-5.7 points of a GEMM whose own time moved by 5-10 %:
 # kept, not re-decided on that noise); below 4096 its row tiles are too few to hide the shrink's
 # tiles (qkv 1024: 40 against 31 %), above 8192 cuBLAS's GEMM pulled ahead for qkv and gate_up (round
-# 5, 16384: 13.7 against 11.9 %). The GPU config's steps hold at most 8192.
+# 5, 16384: 13.7 against 11.9 %). The GPU config's steps hold at most 8192. (In the engine, gate_up_proj
+# under the fused kernels takes neither order: its delta goes inside the activation,
+# kernels/silu_mul_lora.py, appliance/lora/layers.py's forward_deferred.)
 TRITON_GEMM_TOKENS = (4096, 8192)
 _REFUSED: set = set()  # shapes whose lora_gemm launch ran out of resources on their device
 # Output width up to which the shrink's K splits leave planes of partial sums (summed by the expand)

@@ -1,4 +1,4 @@
-"""silu_mul_lora: gate_up_proj's LoRA expand fused into the MLP's activation, for one-token segments (decode).
+"""silu_mul_lora: gate_up_proj's LoRA expand fused into the MLP's activation (decode and prefill).
 
     g = gate_up[t, j]     + scale[s] * h[t, 0, :r] · B[s, j, :r]          s = slot(t), r = rank[s]
     u = gate_up[t, I + j] + scale[s] * h[t, 1, :r] · B[s, I + j, :r]      (no delta for base rows)
@@ -7,14 +7,21 @@
 what lora_expand (add mode) into gate_up followed by silu_mul computes, with the same roundings (h
 summed over the shrink's planes in fp32 and rounded to B's dtype, g and u rounded to gate_up's dtype
 before the activation), in one launch instead of two. The expand's read-modify-write of the [T, 2I]
-gate_up output goes (2 x 7.3 MB a layer at batch 64 on Llama-3.1-8B), and so does one launch with
-its ramp and tail; gate_up's B (58.7 MB a layer at 64 distinct rank-16 adapters) streams in the
-activation's pass. With PDL (sm90+) a program loads its B tiles before it waits for the kernel before
-it (the base GEMM): B is an adapter weight, which no kernel of the step writes.
+gate_up output goes (2 x 7.3 MB a layer at batch 64 on Llama-3.1-8B; 2 x 470 MB at 8192 prefill
+tokens), and so does one launch with its ramp and tail; gate_up's B streams in the activation's pass.
 
-Rows: program p < G takes segment p's one token (its slot; -1 = a base or padding row of the static
-decode batch, no delta); programs G.. take segs.base_rows (eager decode lists base tokens there).
-Every row of gate_up must be one or the other. h: lora_shrink's partials=True planes [P, T, 2, R].
+Two bodies, picked by the longest segment:
+- one-token segments (decode): program p < G takes segment p's one token (its slot; -1 = a base or
+  padding row of the static decode batch, no delta); programs G.. take segs.base_rows (eager decode
+  lists base tokens there); a [BLOCK, R] GEMV per program. With PDL (sm90+) a program loads its B
+  tiles before it waits for the kernel before it (the base GEMM): B is an adapter weight, which no
+  kernel of the step writes.
+- multi-token segments (prefill): BLOCK_M positions of one segment (or BLOCK_M listed base rows) a
+  program, walking its columns in BLOCK_N steps, the delta on the tensor cores (lora_expand's tile
+  body). H200, 8192 tokens: LoRA time (shrink included) 2.8-4.5 % of the cuBLAS GEMM against 8.4-10.5 %
+  for lora_gemm + silu_mul (docs/benchmarks.md, round 7).
+Every row of gate_up must be in a segment or a listed base row. h: lora_shrink's partials=True planes
+[P, T, 2, R].
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
+from kernels.lora_bodies import rank_cols
 from kernels.lora_expand import check_out_slices
-from kernels.platform import pdl_available
-from kernels.segment_tile import segment_row
-from kernels.segments import LoRASegments, rows_covered
+from kernels.platform import dot_upcast, pdl_available
+from kernels.segment_tile import segment_row, segment_rows, segment_tile
+from kernels.segments import LoRASegments, check_tile, rows_covered
 
 
 @triton.jit(do_not_specialize=["n_parts", "stride_hp", "num_segs"])
@@ -47,7 +55,7 @@ def _silu_mul_lora_kernel(
     I, R, num_segs, n_parts,
     stride_x, stride_o, stride_ht, stride_hn, stride_hp, stride_bs, stride_bo, stride_br,
     BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, R8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -62,9 +70,11 @@ def _silu_mul_lora_kernel(
     row = tl.where(is_seg, segment_row(seg_start_ptr, tok_ptr, seg, 0, GATHER), base_row)
     r_mask = offs_r < rank  # rank 0 (base row, empty slot): nothing loaded, no delta
     b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
-    bm = mask[:, None] & r_mask[None, :]
+    bm = mask[:, None] & rank_cols(offs_r, rank, R8)[None, :]
     bg = tl.load(b_rows + offs[:, None] * stride_bo, mask=bm, other=0.0)  # [BLOCK, BLOCK_R]
     bu = tl.load(b_rows + (I + offs)[:, None] * stride_bo, mask=bm, other=0.0)
+    bg = tl.where(r_mask[None, :], bg, 0.0)  # rank padding may hold anything
+    bu = tl.where(r_mask[None, :], bu, 0.0)
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr + tl.maximum(slot, 0))
@@ -91,16 +101,117 @@ def _silu_mul_lora_kernel(
              mask=mask)
 
 
+@triton.jit(do_not_specialize=["n_parts", "stride_hp", "num_segs", "tiles_per_seg", "num_base"])
+def _silu_mul_lora_tile_kernel(
+    x_ptr,  # [T, 2I] gate | up, the base GEMM's output (read only)
+    out_ptr,  # [T, I]
+    h_ptr,  # [P, T, 2*R] fp32 planes of partial sums from lora_shrink
+    b_ptr,  # [S, 2I, R] B of every slot
+    scale_ptr,  # [S] fp32 (HAS_SCALE only)
+    tok_ptr,  # [P] int32 token row per position (GATHER only)
+    seg_start_ptr,  # [G] int32
+    seg_len_ptr,  # [G] int32
+    seg_slot_ptr,  # [G] int32
+    rank_ptr,  # [S] int32
+    base_ptr,  # [Tb] int32 rows of base tokens (the programs after the segments' tiles)
+    I, R, num_segs, tiles_per_seg, num_base, n_parts, cols_per_prog,
+    stride_x, stride_o, stride_ht, stride_hn, stride_hp, stride_bs, stride_bo, stride_br,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr, R8: tl.constexpr,
+):
+    """Multi-token segments (prefill): a program owns BLOCK_M positions of one segment (or BLOCK_M of
+    the listed base rows) and cols_per_prog columns of gate and of up, which it walks BLOCK_N at a time
+    (the loop pipelined STAGES deep). The delta is lora_expand's tile body (tl.dot of h [BLOCK_M, R]
+    with B [R, BLOCK_N] on the tensor cores, the same roundings); base rows take it too, with h and B
+    all zero (no load: rank 0 masks them), so the loop has no branch and adds exactly 0.
+
+    Why a loop and not a program per tile: the prologue (segment, slot, rank, then the rows, then h)
+    is a chain of dependent loads, paid once per program; with a [32, 128] program per tile that chain
+    ran ~28 000 times at 8192 tokens (gate_up_proj) and the kernel took about twice silu_mul's time."""
+    pid = tl.program_id(0)
+    # branch-free prologue: programs past the segments' tiles take BLOCK_M base rows (rank 0)
+    n_seg_tiles = num_segs * tiles_per_seg  # the launcher guarantees num_segs >= 1
+    is_seg = pid < n_seg_tiles
+    seg, m0, seg_len, slot, rank = segment_tile(tl.minimum(pid, n_seg_tiles - 1), tiles_per_seg, seg_len_ptr,
+                                                seg_slot_ptr, rank_ptr, BLOCK_M)
+    if is_seg & (m0 >= seg_len):
+        return  # a tile past a shorter segment's end
+    seg_rows, seg_mask = segment_rows(seg_start_ptr, tok_ptr, seg, m0, seg_len, BLOCK_M, GATHER)
+    offs_b = (pid - n_seg_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    b_mask = (offs_b >= 0) & (offs_b < num_base)
+    base_rows = tl.load(base_ptr + offs_b, mask=b_mask, other=0).to(tl.int64)
+    rows = tl.where(is_seg, seg_rows, base_rows)
+    m_mask = tl.where(is_seg, seg_mask, b_mask)
+    rank = tl.where(is_seg, rank, 0)
+    slot = tl.maximum(slot, 0)  # rank 0 (base rows, slot -1 padding): nothing of it is loaded
+    b_ty = b_ptr.dtype.element_ty
+    scale = 1.0
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + slot)
+    # h's and B's rank columns loaded up to a multiple of 8 (wide loads, kernels/lora_bodies.py's
+    # rank_cols), those past the slot's rank then set to 0 in registers: the shrink leaves garbage there
+    # and B's padding may hold anything.
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    r_load = rank_cols(offs_r, rank, R8)
+    if PDL:
+        gdc_wait()  # gate_up is the GEMM's output and h the shrink's: only from here on
+    h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hn
+    hm = m_mask[:, None] & r_load[None, :]
+    hg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    hu = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for p in range(n_parts):  # the shrink's K splits, added in a fixed order (as lora_expand)
+        hg += tl.load(h_ptrs + p * stride_hp, mask=hm, other=0.0)
+        hu += tl.load(h_ptrs + p * stride_hp + R * stride_hn, mask=hm, other=0.0)
+    hg = tl.where(r_mask[None, :], hg, 0.0).to(b_ty)  # rounded to the weights' dtype, as lora_expand does
+    hu = tl.where(r_mask[None, :], hu, 0.0).to(b_ty)
+    if UPCAST:
+        hg = hg.to(tl.float32)
+        hu = hu.to(tl.float32)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
+    x_rows = x_ptr + rows[:, None] * stride_x
+    o_rows = out_ptr + rows[:, None] * stride_o
+    c_lo = tl.program_id(1) * cols_per_prog
+    c_hi = tl.minimum(c_lo + cols_per_prog, I)
+    for c0 in tl.range(c_lo, c_hi, BLOCK_N, num_stages=STAGES):
+        offs_n = c0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < c_hi
+        mask = m_mask[:, None] & n_mask[None, :]
+        g = tl.load(x_rows + offs_n[None, :], mask=mask, other=0.0)
+        u = tl.load(x_rows + I + offs_n[None, :], mask=mask, other=0.0)
+        # B [BLOCK_N, R] in its own layout (one contiguous run of BLOCK_N * R elements: wide loads),
+        # transposed in registers for the dot
+        bm = n_mask[:, None] & r_load[None, :]
+        bg = tl.load(b_rows + offs_n[:, None] * stride_bo, mask=bm, other=0.0)
+        bu = tl.load(b_rows + (I + offs_n)[:, None] * stride_bo, mask=bm, other=0.0)
+        bg = tl.trans(tl.where(r_mask[None, :], bg, 0.0))  # [BLOCK_R, BLOCK_N]
+        bu = tl.trans(tl.where(r_mask[None, :], bu, 0.0))
+        if UPCAST:
+            bg = bg.to(tl.float32)
+            bu = bu.to(tl.float32)
+        g = (g.to(tl.float32) + tl.dot(hg, bg, input_precision=PRECISION) * scale).to(g.dtype)
+        u = (u.to(tl.float32) + tl.dot(hu, bu, input_precision=PRECISION) * scale).to(u.dtype)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(out_ptr.dtype.element_ty)  # silu_mul's fp32 math, rounded
+        tl.store(o_rows + offs_n[None, :], (act.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
 def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
                   slot_ranks: torch.Tensor, scalings: Optional[torch.Tensor] = None, *,
-                  out: Optional[torch.Tensor] = None, block: int = 256) -> torch.Tensor:
+                  out: Optional[torch.Tensor] = None, block: int = 256, block_m: Optional[int] = None,
+                  block_n: Optional[int] = None, cols_per_prog: Optional[int] = None,
+                  num_stages: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
     """out = silu(gate + delta_gate) * (up + delta_up), the deltas those of lora_expand; returns out [T, I].
 
     gate_up [T, 2I] fp32/bf16/fp16 (rows may be strided, columns contiguous), left unchanged;
     h [P, T, 2, R] fp32 (lora_shrink partials=True; [T, 2, R] = one plane); B [S, 2I, R] in gate_up's
-    dtype; segs: one-token segments (max_len 1) whose rows together with segs.base_rows cover every
-    row of gate_up once (or, with base_rows None, one segment per row: the static decode batch);
-    slot_ranks [S] int32; scalings [S] fp32 or None (= 1). block: columns per program (power of 2).
+    dtype; segs: segments whose rows together with segs.base_rows cover every row of gate_up once
+    (or, with base_rows None, one-token segments, one per row: the static decode batch);
+    slot_ranks [S] int32; scalings [S] fp32 or None (= 1). block: columns per program of the
+    one-token body (power of 2). block_m, block_n, cols_per_prog, num_stages, num_warps: the tile
+    body's tile, columns per program and pipeline (multi-token segments; None = the launcher's
+    choice), overrides for benchmarks and tests.
     """
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"silu_mul_lora: gate_up must be [T, 2I] with contiguous columns, got {tuple(gate_up.shape)}")
@@ -116,8 +227,9 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
                          f"{B.dtype}")
     if segs.num_segs == 0:
         raise ValueError("silu_mul_lora: no segment (a step without adapter rows takes silu_mul)")
-    if segs.max_len != 1:
-        raise ValueError(f"silu_mul_lora: takes one-token segments, the longest is {segs.max_len}")
+    if segs.max_len != 1 and segs.base_rows is None:
+        raise ValueError(f"silu_mul_lora: segments longer than one token ({segs.max_len}) must list the base "
+                         "rows (segs.base_rows)")
     if block < 16 or block & (block - 1):
         raise ValueError(f"silu_mul_lora: block must be a power of two >= 16, got {block}")
     S, R = B.shape[0], B.shape[2]
@@ -134,17 +246,70 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
         raise ValueError(f"silu_mul_lora: out must be [{T}, {I}] {gate_up.dtype}, columns contiguous")
     if T == 0 or I == 0:
         return out
-    block = min(block, max(16, triton.next_power_of_2(I)))
     pdl = pdl_available(gate_up.device)
     tok = segs.token_index if segs.token_index is not None else segs.starts
     base = segs.base_rows if num_base else slot_ranks  # a valid int32 pointer; not read without base rows
+    block_r = max(16, triton.next_power_of_2(R))
+    if segs.max_len > 1:
+        return _launch_tiles(gate_up, out, h4, B, segs, slot_ranks, scalings, tok, base, num_base, block_r,
+                             block_m, block_n, cols_per_prog, num_stages, num_warps, pdl)
+    block = min(block, max(16, triton.next_power_of_2(I)))
     _silu_mul_lora_kernel[(G + num_base, triton.cdiv(I, block))](
         gate_up, out, h4, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.slots,
         slot_ranks, base,
         I, R, G, h4.shape[0],
         gate_up.stride(0), out.stride(0), h4.stride(1), h4.stride(3), h4.stride(0),
         B.stride(0), B.stride(1), B.stride(2),
-        BLOCK=block, BLOCK_R=max(16, triton.next_power_of_2(R)), GATHER=segs.token_index is not None,
-        HAS_SCALE=scalings is not None, num_warps=4, **pdl_launch(pdl),
+        BLOCK=block, BLOCK_R=block_r, GATHER=segs.token_index is not None,
+        HAS_SCALE=scalings is not None, R8=R % 8 == 0, num_warps=4, **pdl_launch(pdl),
+    )
+    return out
+
+
+# The tile body's tile: TILE_M rows (16 for segments of <= 16 tokens), TILE_N columns of gate and of
+# up a step, each program walking enough steps that the grid is about TILE_WAVES programs an SM,
+# TILE_STAGES deep. H200, gate_up_proj, 512-8192 tokens (benchmarks/probe_lora_gemm_gpu.py
+# --activation, docs/benchmarks.md round 7): 32 x 64 in 3 stages best or within ~1 point of the best
+# at 4096-8192 tokens (8192: 2.8 / 3.3 % of the GEMM against 4.4-7.1 % for 32 x 128 in 2 stages, 16 x
+# 64, 16-row tiles, 4 or 16 waves, 8 warps); 256-column steps and 1 stage lost everywhere. Engine
+# prefill, one process, 5 runs round robin: 0.957 of base against 0.950 for 32 x 128 in 2 stages.
+TILE_M, TILE_N, TILE_WAVES, TILE_STAGES = 32, 64, 8, 3
+
+
+def _launch_tiles(gate_up, out, h4, B, segs, slot_ranks, scalings, tok, base, num_base, block_r, block_m, block_n,
+                  cols_per_prog, num_stages, num_warps, pdl) -> torch.Tensor:
+    """silu_mul_lora's tile body (multi-token segments; operands checked by silu_mul_lora)."""
+    T, I = out.shape
+    R = B.shape[2]
+    if block_m is None:
+        ml = segs.max_len
+        block_m = 16 if ml <= 16 else TILE_M
+    if block_n is None:
+        block_n = TILE_N
+    block_n = min(block_n, max(16, triton.next_power_of_2(I)))
+    check_tile(block_m=block_m, block_n=block_n)
+    G = segs.num_segs
+    tiles_per_seg = triton.cdiv(segs.max_len, block_m)
+    programs_m = G * tiles_per_seg + triton.cdiv(num_base, block_m)
+    n_steps = triton.cdiv(I, block_n)
+    if cols_per_prog is None:
+        splits = n_steps  # interpreter: a program per column step
+        if gate_up.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(gate_up.device).multi_processor_count
+            splits = max(1, min(n_steps, triton.cdiv(TILE_WAVES * sms, programs_m)))
+        cols_per_prog = triton.cdiv(n_steps, splits) * block_n
+    if cols_per_prog % block_n:
+        raise ValueError(f"silu_mul_lora: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
+    grid = (programs_m, triton.cdiv(I, cols_per_prog))
+    _silu_mul_lora_tile_kernel[grid](
+        gate_up, out, h4, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens,
+        segs.slots, slot_ranks, base,
+        I, R, G, tiles_per_seg, num_base, h4.shape[0], cols_per_prog,
+        gate_up.stride(0), out.stride(0), h4.stride(1), h4.stride(3), h4.stride(0),
+        B.stride(0), B.stride(1), B.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, STAGES=num_stages or TILE_STAGES,
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
+        PRECISION="ieee" if B.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(B.dtype), R8=R % 8 == 0,
+        num_warps=num_warps or 4, **pdl_launch(pdl),
     )
     return out

@@ -106,19 +106,32 @@ class LoRALinear(nn.Module):
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple]]:
         """For a gate_up_proj whose consumer can add the delta itself (MLP with the fused kernels:
         kernels/silu_mul_lora.py). Where the step allows, returns the base output and (h, B, segments,
-        slot ranks): the shrink done (on the side stream beside the GEMM when lora.decode_side_stream
-        is on), the expand left to the consumer, which saves the expand's launch and its read and
-        write of the [T, 2I] output. Else (None): forward(x), the delta already added.
+        slot ranks): the shrink done, the expand left to the consumer, which saves the expand's launch
+        and its read and write of the [T, 2I] output (for prefill, lora_linear's write of the delta
+        and cuBLAS's read of it, or lora_gemm's GEMM in place of cuBLAS's). Else (None): forward(x),
+        the delta already added.
 
-        Allowed: backend triton/csgmv, one-token segments (decode with distinct adapters) that
-        lora_apply would not fuse into one launch, covering every row of x with base_rows (or one
-        segment per row: the static decode batch). h's memory: see _base_and_shrink."""
+        Allowed: backend triton/csgmv, two slices, segments and base rows covering every row of x (or
+        one segment per row: the static decode batch), and either
+        - one-token segments (decode with distinct adapters) that lora_apply would not fuse into one
+          launch; the shrink runs on the side stream beside the GEMM when lora.decode_side_stream is on;
+        - multi-token segments (prefill-shaped) under lora.prefill_gemm auto (cublas or triton pin
+          lora_linear for every projection, a benchmark's A/B).
+        h's memory: see _base_and_shrink."""
         info = self.ctx.info
         segs = None if info is None else info.segments
-        if (segs is None or segs.max_len != 1 or segs.num_segs == 0 or len(self.slice_names) != 2
-                or self._fuses(segs, self.A, x.device) or self._rows_covered(segs) != x.shape[0]):
+        if (segs is None or segs.num_segs == 0 or len(self.slice_names) != 2
+                or self._rows_covered(segs) != x.shape[0]):
             return self.forward(x), None
-        y, h = self._base_and_shrink(x, info, self.ctx.side_stream if self.ctx.decode_aside else None)
+        if segs.max_len == 1:
+            if self._fuses(segs, self.A, x.device):
+                return self.forward(x), None
+            side = self.ctx.side_stream if self.ctx.decode_aside else None
+        elif self.ctx.prefill_gemm is None and segs.base_rows is not None:
+            side = None
+        else:
+            return self.forward(x), None
+        y, h = self._base_and_shrink(x, info, side)
         return y, (h, self.B, segs, info.slot_ranks)
 
     def _decode_aside(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
@@ -133,7 +146,7 @@ class LoRALinear(nn.Module):
 
     def _base_and_shrink(self, x: torch.Tensor, info: LoRABatchInfo,
                          side: Optional["torch.cuda.Stream"]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The base output and the shrink's h (K-split planes) of a one-token step; with a side stream
+        """The base output and the shrink's h (K-split planes) of a step; with a side stream
         the shrink runs on it beside the GEMM (None, e.g. on cpu: the same kernels on one stream).
 
         h is allocated on the side stream and read on this one after the join. Its block goes back to

@@ -1,11 +1,12 @@
-"""kernels/silu_mul_lora.py: gate_up's LoRA expand fused into the MLP's activation (one-token segments).
+"""kernels/silu_mul_lora.py: gate_up's LoRA expand fused into the MLP's activation (both bodies).
 
 Checked two ways: against the two kernels it replaces (lora_expand in add mode on a copy of gate_up,
 then silu_mul), which it must equal bit for bit, and against the torch twin within the dtype's
 rounding. Layouts: the static decode batch (one segment per row, base and padding rows at slot -1,
 no base_rows), eager decode (segments for adapter rows, base_rows for the rest) and chunked SGMV
-(rows gathered through token_index); h in one plane and in K-split planes; mixed ranks with NaN in
-B's rank padding (must never be read); the output poisoned with NaN first.
+(rows gathered through token_index); prefill-shaped steps (multi-token segments, the tile body) in
+both strategies with base rows and decode tokens mixed in; h in one plane and in K-split planes; mixed
+ranks with NaN in B's rank padding (must never be read); the output poisoned with NaN first.
 """
 
 from __future__ import annotations
@@ -84,6 +85,53 @@ def test_equals_expand_then_silu_mul(dtype: torch.dtype, layout: str, split_k: i
     torch.testing.assert_close(got[1].float(), silu_mul(gate_up)[1].float(), atol=0, rtol=0)  # base row
 
 
+PREFILL = {  # (sequence lengths, slots): the tile body
+    # a 37-token prefill (three 16-row tiles, the last partial), a base prefill, decode tokens, rank 4
+    "mixed": ([37, 9, 1, 1, 20, 1], [0, -1, 1, -1, 3, 2]),
+    "one adapter": ([24, 24], [1, 1]),  # merged into one 48-token segment
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", ["sgmv", "csgmv"])
+@pytest.mark.parametrize("step", list(PREFILL))
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_prefill_tiles_equal_expand_then_silu_mul(dtype: torch.dtype, strategy: str, step: str,
+                                                  split_k: int) -> None:
+    lens, slots = PREFILL[step]
+    segs = (sgmv_segments(lens, slots, DEV) if strategy == "sgmv" else csgmv_segments(lens, slots, 11, DEV))
+    assert segs.max_len > 1
+    T = sum(lens)
+    A, B, ranks = weights(dtype)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, K, generator=g).to(dtype).to(DEV)
+    gate_up = (torch.randn(T, 2 * I, generator=g) * 2).to(dtype).to(DEV)
+    h = lora_shrink(x, A, segs, ranks, split_k=split_k, partials=True, block_k=16)
+    before = gate_up.clone()
+    out = torch.full((T, I), float("nan"), dtype=dtype, device=DEV)
+    # 16-column steps, 48 columns a program: I = 80 takes two programs, the second's last step partial
+    got = silu_mul_lora(gate_up, h, B, segs, ranks, out=out, block_m=16, block_n=16, cols_per_prog=48)
+    assert got is out and not got.isnan().any(), "an output element was not written (or B's padding leaked)"
+    assert torch.equal(gate_up, before), "gate_up must be left as it was"
+    assert torch.equal(silu_mul_lora(gate_up, h, B, segs, ranks, block_m=16, block_n=16), got), \
+        "the column split must not change a bit"
+    want = silu_mul(lora_expand(gate_up.clone(), h, B, segs, ranks, [0, I, 2 * I]))
+    if dtype == torch.float32:
+        # the interpreter's fp32 tl.dot is numpy's matmul, whose summation order follows the tile's
+        # shape (lora_expand's tiles are 64 x 128 here): the last bits may differ
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+    else:
+        assert torch.equal(got, want), "must equal lora_expand then silu_mul bit for bit"
+    token_slots = torch.tensor([s for n, s in zip(lens, slots) for _ in range(n)], device=DEV)
+    twin = ref.silu_mul_lora(gate_up, h, B.nan_to_num(0.0), token_slots, ranks)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), twin.float(), atol=atol, rtol=rtol)
+    plain = silu_mul(gate_up)
+    base = token_slots < 0
+    torch.testing.assert_close(got[base].float(), plain[base].float(), atol=0, rtol=0)  # base rows
+    assert not torch.allclose(got[~base].float(), plain[~base].float())  # the delta is really there
+
+
 def test_scalings_and_refusals() -> None:
     A, B, ranks = weights(torch.float32)
     slots = [1, 0, -1]
@@ -95,8 +143,15 @@ def test_scalings_and_refusals() -> None:
     got = silu_mul_lora(gate_up, h, B, segs, ranks, scal)
     want = silu_mul(lora_expand(gate_up.clone(), h, B, segs, ranks, [0, I, 2 * I], scal))
     assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="one-token segments"):
-        silu_mul_lora(gate_up, h, B, sgmv_segments([2, 1], [0, -1], DEV), ranks)
+    long = sgmv_segments([2, 1], [0, -1], DEV)
+    long.base_rows = None
+    with pytest.raises(ValueError, match="must list the base rows"):
+        silu_mul_lora(gate_up, h, B, long, ranks)
+    got = silu_mul_lora(gate_up, h, B, sgmv_segments([2, 1], [1, -1], DEV), ranks, scal)  # the tile body
+    want = silu_mul(lora_expand(gate_up.clone(), h, B, sgmv_segments([2, 1], [1, -1], DEV), ranks, [0, I, 2 * I],
+                                scal))
+    # fp32 tile shapes differ from lora_expand's: the interpreter's matmul may differ in the last bits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
     with pytest.raises(ValueError, match="cover every row"):
         silu_mul_lora(gate_up, h, B, sgmv_segments([1, 1], [0, 1], DEV), ranks)  # row 2 in neither
     with pytest.raises(ValueError, match="no segment"):

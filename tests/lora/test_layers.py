@@ -57,8 +57,9 @@ def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
 def test_deferred_gate_up_delta_through_silu_mul_lora() -> None:
     """forward_deferred (gate_up_proj under the fused kernels): where the step allows, the base output and
     the shrink's h come back and kernels/silu_mul_lora.py adds the delta inside the activation; the
-    result equals silu_mul of forward(x). Otherwise (multi-token segments, steps lora_apply fuses into
-    one launch; on CPU it always would, so that is forced off here) forward(x) comes back whole."""
+    result equals silu_mul of forward(x) (for prefill-shaped steps, whose forward(x) is lora_linear's
+    order, within rounding). Otherwise (a pinned lora.prefill_gemm, steps lora_apply fuses into one
+    launch; on CPU it always would, so that is forced off here) forward(x) comes back whole."""
     from kernels.silu_mul import silu_mul
     from kernels.silu_mul_lora import silu_mul_lora
 
@@ -82,12 +83,20 @@ def test_deferred_gate_up_delta_through_silu_mul_lora() -> None:
                 got = silu_mul_lora(gate_up, *later)
                 want = silu_mul(lin(x))
             torch.testing.assert_close(got, want, atol=0, rtol=0, msg=lambda m: f"{backend} aside={aside}: {m}")
-            # multi-token segments (prefill-shaped): nothing deferred
-            ctx.info = LoRABatchInfo.build([3, 2], [0, 1], ranks, DEV, backend=backend, max_chunk_size=4)
+            # multi-token segments (prefill-shaped, a base row among them): deferred too, under
+            # lora.prefill_gemm auto; a pinned prefill_gemm keeps lora_linear (nothing deferred)
+            ctx.info = LoRABatchInfo.build([3, 1, 1], [0, -1, 1], ranks, DEV, backend=backend, max_chunk_size=4)
             with torch.no_grad():
-                y, later = lin.forward_deferred(x)
-                assert later is None
+                gate_up, later = lin.forward_deferred(x)
+                assert later is not None and later[2].max_len > 1, backend
+                got = silu_mul_lora(gate_up, *later)
+                ctx.prefill_gemm = "cublas"
+                y, none = lin.forward_deferred(x)
+                assert none is None
                 torch.testing.assert_close(y, lin(x), atol=0, rtol=0)
+                ctx.prefill_gemm = None
+            torch.testing.assert_close(got, silu_mul(y), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{backend} aside={aside} prefill: {m}")
             lin._fuses = lambda *args: True  # a step lora_apply runs as one launch: nothing deferred
             ctx.info = LoRABatchInfo.build([1] * 5, [1, 0, -1, 2, 0], ranks, DEV, backend=backend, max_chunk_size=1)
             with torch.no_grad():

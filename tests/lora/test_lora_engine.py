@@ -309,9 +309,10 @@ def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], 
     to 8 rows. Then a base-only batch, which takes the variant without LoRA launches. async: each
     decode step launched before the last one's tokens are read (engine/async_step.py).
 
-    The async run also takes the decode path of a GPU batch too small for lora_apply's one-launch
-    kernel (on CPU it would always fuse): shrink then expand per projection, and gate_up_proj's
-    expand inside the activation (LoRALinear.forward_deferred + kernels/silu_mul_lora.py).
+    The prefill puts gate_up_proj's expand inside the activation (LoRALinear.forward_deferred +
+    kernels/silu_mul_lora.py's tile body). The async run also takes the decode path of a GPU batch too
+    small for lora_apply's one-launch kernel (on CPU it would always fuse): shrink then expand per
+    projection, and gate_up_proj's expand inside the activation (the one-token body).
 
     SHORT tokens, not NEW: each step runs every kernel in Triton's interpreter (~2 s with LoRA rows), and
     the prefill plus SHORT-1 decode steps already cover every row kind and async's launch-ahead. Pages
@@ -320,12 +321,12 @@ def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], 
     import kernels.silu_mul_lora
     from appliance.engine.cuda_graph import StaticDecode
 
-    deferred: list[int] = []
+    deferred: list[int] = []  # the longest segment of each silu_mul_lora call
     if async_on:
         monkeypatch.setattr(kernels.lora_apply, "_fuse_pays", lambda pairs, device: False)
-        real_silu_mul_lora = kernels.silu_mul_lora.silu_mul_lora
-        monkeypatch.setattr(kernels.silu_mul_lora, "silu_mul_lora",
-                            lambda *a, **k: (deferred.append(1), real_silu_mul_lora(*a, **k))[1])
+    real_silu_mul_lora = kernels.silu_mul_lora.silu_mul_lora
+    monkeypatch.setattr(kernels.silu_mul_lora, "silu_mul_lora",
+                        lambda *a, **k: (deferred.append(a[3].max_len), real_silu_mul_lora(*a, **k))[1])
     root = next(iter(adapters.values())).parent
     engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=4", "lora.backend=triton",
                          "engine.attention_backend=triton", "engine.fused_kernels=triton",
@@ -344,7 +345,9 @@ def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], 
     for j, (name, p) in enumerate(jobs):
         assert got[j] == oracle[name][0][p][:SHORT], f"{name} prompt {p}"
     assert variants and all(variants)  # an adapter row in every decode step
-    assert bool(deferred) == async_on  # the deferred gate_up expand ran (async run only)
+    # gate_up's expand inside the activation: the prefill (tile body) in both runs, decode steps (one-token
+    # body) only where lora_apply does not fuse them (the async run)
+    assert any(n > 1 for n in deferred) and any(n == 1 for n in deferred) == async_on, deferred
     variants.clear()
     base_jobs = [(None, 1), (None, 2)]
     got = run_mixed(engine, base_jobs, SHORT)
