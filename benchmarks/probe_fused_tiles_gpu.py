@@ -50,12 +50,6 @@ VARIANTS = {
     "tma st4 2 warps": tma(stages=4, num_warps=2),
     "tma st3": tma(stages=3),
     "tma st2": tma(stages=2),
-    # EXPERIMENT: the persistent skewed body (kernels/lora_apply._lora_fused_skew_kernel), programs an SM
-    "skew 1": APPLY(fused=True, skew=1),
-    "skew 2": APPLY(fused=True, skew=2),
-    "skew 1 st6": APPLY(fused=True, skew=1, num_stages=6),
-    "skew 2 st3": APPLY(fused=True, skew=2, num_stages=3),
-    "skew 1 bn128": APPLY(fused=True, skew=1, block_n=128),
 }
 
 

@@ -134,69 +134,6 @@ def _lora_fused_tma_kernel(
         y_desc.store([row, c0], (yt.to(tl.float32) + acc[None, :]).to(y_desc.dtype))
 
 
-@triton.jit
-def _lora_fused_skew_kernel(
-    y_desc, x_desc, a_desc, b_desc,  # as _lora_fused_tma_kernel's
-    scale_ptr, tok_ptr, seg_start_ptr, seg_slot_ptr, rank_ptr,
-    T, K, OUT, R, NR, o1, o2, n_items, L,  # n_items = G * n (token, slice) pairs; L steps an item
-    a_rows, b_rows,  # S*n*R and S*OUT: A's and B's first row out of bounds
-    N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
-):
-    """EXPERIMENT (benchmarks only, lora_apply(skew=True)): the TMA body as a persistent loop that
-    streams item j's A tiles and item j-1's B and y tiles in the same steps, so the copy engine's
-    queue never drains between an item's shrink and its expand, nor between items. Program p takes
-    items p, p + P, ...; step s of phase f loads A / x tile s of item f (its shrink) and B / y tile s
-    of item f - 1 (its expand, with the h finished at the end of phase f - 1). Loads past an item's
-    K or columns, and of phases without an item, go out of bounds (zero-filled, no traffic); stores
-    there are dropped by the copy engine."""
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    mine = tl.cdiv(tl.maximum(n_items - pid, 0), P)
-    offs_r = tl.arange(0, BLOCK_R)
-    acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-    h_prev = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for it in tl.range(0, (mine + 1) * L, num_stages=STAGES):
-        phase = it // L
-        k = it - phase * L
-        cur = pid + phase * P
-        prev = cur - P
-        # the item being shrunk (cur) and the one being expanded (prev): segment, slice, slot, rank, row
-        jc = tl.minimum(cur, n_items - 1)
-        jp = tl.maximum(tl.minimum(prev, n_items - 1), 0)
-        sc = jc // N_SLICES
-        sp = jp // N_SLICES
-        ic = jc - sc * N_SLICES
-        ip = jp - sp * N_SLICES
-        slot_c = tl.load(seg_slot_ptr + sc)
-        slot_p = tl.load(seg_slot_ptr + sp)
-        rank_c = tl.where(slot_c < 0, 0, tl.load(rank_ptr + tl.maximum(slot_c, 0)))
-        rank_p = tl.where(slot_p < 0, 0, tl.load(rank_ptr + tl.maximum(slot_p, 0)))
-        row_c = segment_row(seg_start_ptr, tok_ptr, sc, 0, GATHER).to(tl.int32)
-        row_p = segment_row(seg_start_ptr, tok_ptr, sp, 0, GATHER).to(tl.int32)
-        live_c = (phase < mine) & (rank_c > 0)
-        lo_p = tl.where(ip == 0, 0, tl.where(ip == 1, o1, o2))
-        hi_p = tl.where(ip == 0, o1, tl.where(ip == 1, o2, OUT))
-        c0 = lo_p + k * BLOCK_N
-        live_p = (phase > 0) & (rank_p > 0) & (c0 < hi_p)
-        xt = x_desc.load([tl.where(live_c, row_c, T), k * BLOCK_K])  # [1, BLOCK_K]
-        at = a_desc.load([tl.where(live_c, slot_c * NR + ic * R, a_rows), k * BLOCK_K])  # [BLOCK_R, BLOCK_K]
-        acc2 += at.to(tl.float32) * xt.to(tl.float32)
-        y_row = tl.where(live_p, row_p, T)
-        bt = b_desc.load([tl.where(live_p, slot_p * OUT + c0, b_rows), 0])  # [BLOCK_N, BLOCK_R]
-        yt = y_desc.load([y_row, c0])  # [1, BLOCK_N]
-        bt = tl.where((offs_r < rank_p)[None, :], bt.to(tl.float32), 0.0)
-        acc = tl.sum(bt * h_prev[None, :], axis=1)
-        y_desc.store([y_row, c0], (yt.to(tl.float32) + acc[None, :]).to(y_desc.dtype))
-        if k == L - 1:  # the end of item cur's shrink: its h is the next phase's expand's
-            hv = tl.where(offs_r < rank_c, tl.sum(acc2, axis=1), 0.0)
-            hv = hv.to(y_desc.dtype).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
-            if HAS_SCALE:
-                hv = hv * tl.load(scale_ptr + tl.maximum(slot_c, 0))
-            h_prev = hv
-            acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-
-
 # The TMA body's tiles (block_k, block_n, stages, warps). H200, Llama-3.1-8B projections, 256 tokens on
 # 256 adapters (docs/benchmarks.md, round 6): against 128-column steps, 6-8 stages, 128-wide K steps, 2
 # or 8 warps and whole-slice programs, these were best or within noise of the best for every projection.
@@ -231,7 +168,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
                num_stages: Optional[int] = None, pdl: Optional[bool] = None,
-               tma: Optional[bool] = None, skew: int = 0) -> torch.Tensor:
+               tma: Optional[bool] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -277,7 +214,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
         raise ValueError("lora_apply: A must be contiguous (its [n, R] dims are read as one)")
     offs = check_out_slices("lora_apply", y, out_offsets, n, R, segs, slot_ranks, S, scalings)
     reason = None if tma is False else tma_unfit_reason(y, x, A, B, offs)  # host-side checks, per call
-    if (tma or skew) and reason is not None:
+    if tma and reason is not None:
         raise ValueError(f"lora_apply: the TMA body does not take these operands: {reason}")
     if tma is None:  # APPLIANCE_TMA=0: the pointer body everywhere (read per call: a benchmark's A/B)
         tma = reason is None and y.device.type == "cuda" and os.environ.get("APPLIANCE_TMA", "1") != "0"
@@ -285,9 +222,6 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     if G == 0 or T == 0:
         return y
     widest = max(b - a for a, b in zip(offs, offs[1:]))
-    if skew:
-        return _launch_skew(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, num_warps,
-                            num_stages, skew)
     if tma:
         return _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog,
                            num_warps, num_stages)
@@ -356,35 +290,6 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
         scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
         K, OUT, R, n * R, offs[1] if n > 1 else OUT, offs[2] if n > 2 else OUT, cols_per_prog,
         BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
-        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, num_warps=num_warps or d_w,
-    )
-    return y
-
-
-def _launch_skew(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, num_warps, num_stages,
-                 waves) -> torch.Tensor:
-    """EXPERIMENT: _lora_fused_skew_kernel on `waves` programs an SM (benchmarks only)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    T, K = x.shape
-    S, n, R, _ = A.shape
-    OUT = y.shape[1]
-    d_bk, d_bn, d_st, d_w = TMA_TILES
-    block_k = min(block_k or d_bk, 256, max(16, triton.next_power_of_2(K)))
-    block_n = block_n_for(offs, min(block_n or d_bn, 256, max(16, triton.next_power_of_2(widest))))
-    check_tile(block_k=block_k, block_n=block_n)
-    n_items = segs.num_segs * n
-    L = max(triton.cdiv(K, block_k), triton.cdiv(widest, block_n))
-    sms = torch.cuda.get_device_properties(y.device).multi_processor_count if y.device.type == "cuda" else 4
-    progs = max(1, min(n_items, waves * sms))
-    tok = segs.token_index if segs.token_index is not None else segs.starts
-    _lora_fused_skew_kernel[(progs,)](
-        TensorDescriptor.from_tensor(y, [1, block_n]), TensorDescriptor.from_tensor(x, [1, block_k]),
-        TensorDescriptor.from_tensor(A.view(S * n * R, K), [R, block_k]),
-        TensorDescriptor.from_tensor(B.view(S * OUT, R), [block_n, R]),
-        scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.slots, slot_ranks,
-        T, K, OUT, R, n * R, offs[1] if n > 1 else OUT, offs[2] if n > 2 else OUT, n_items, L, S * n * R, S * OUT,
-        N_SLICES=n, BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, num_warps=num_warps or d_w,
     )
     return y
