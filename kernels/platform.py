@@ -74,12 +74,14 @@ def compiled_keys() -> Optional[set[str]]:
         return None
     from kernels.lora_apply import _lora_fused_gemv_kernel, _lora_fused_tma_kernel
     from kernels.lora_expand import _lora_expand_gemv_kernel, _lora_expand_kernel
+    from kernels.lora_gemm import _lora_gemm_kernel
     from kernels.lora_shrink import _lora_shrink_kernel
     from kernels.paged_attention import _paged_decode_kernel
+    from kernels.silu_mul_lora import _silu_mul_lora_kernel, _silu_mul_lora_tile_kernel
 
     out: set[str] = set()
     for fn in (_lora_shrink_kernel, _lora_expand_kernel, _lora_expand_gemv_kernel, _lora_fused_gemv_kernel,
-               _lora_fused_tma_kernel,
+               _lora_fused_tma_kernel, _lora_gemm_kernel, _silu_mul_lora_kernel, _silu_mul_lora_tile_kernel,
                _paged_decode_kernel):
         caches = getattr(fn, "device_caches", None)  # triton >= 3.3: device -> (kernel cache, ...)
         if caches is None:
