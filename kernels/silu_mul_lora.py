@@ -197,6 +197,7 @@ def _silu_mul_lora_tile_kernel(
         tl.store(o_rows + offs_n[None, :], (act.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty),
                  mask=mask)
 
+
 def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASegments,
                   slot_ranks: torch.Tensor, scalings: Optional[torch.Tensor] = None, *,
                   out: Optional[torch.Tensor] = None, block: int = 256, block_m: Optional[int] = None,
@@ -271,8 +272,9 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
 # TILE_STAGES deep. H200, gate_up_proj, 512-8192 tokens (benchmarks/probe_lora_gemm_gpu.py
 # --activation, docs/benchmarks.md round 7): 32 x 64 in 3 stages best or within ~1 point of the best
 # at 4096-8192 tokens (8192: 2.8 / 3.3 % of the GEMM against 4.4-7.1 % for 32 x 128 in 2 stages, 16 x
-# 64, 16-row tiles, 4 or 16 waves, 8 warps); 256-column steps and 1 stage lost everywhere. Engine
-# prefill, one process, 5 runs round robin: 0.957 of base against 0.950 for 32 x 128 in 2 stages.
+# 64, 16-row tiles, 4 or 16 waves, 8 warps; 16-row tiles in 3 stages 3.8-4.5); 256-column steps and 1
+# stage lost everywhere. Engine prefill, one process, 5 runs round robin: 0.957 of base against 0.950
+# for 32 x 128 in 2 stages and 0.956 for 16 x 64 in 3.
 TILE_M, TILE_N, TILE_WAVES, TILE_STAGES = 32, 64, 8, 3
 
 
