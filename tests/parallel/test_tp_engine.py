@@ -182,12 +182,15 @@ def test_tp_refused_adapter_load_changes_nothing_on_any_rank(tiny_model_dir: Pat
 def test_tp2_lora_kernel_backends_match_peft(tiny_model_dir: Path, tiny_adapters: dict[str, Path],
                                              backend: str) -> None:
     """The Triton kernels (interpreter on CPU) on each rank's shard: row-parallel A slices included; the
-    Triton decode attention over each rank's heads too (the GPU default under TP)."""
+    Triton decode attention over each rank's heads too, and the fused kernels (the GPU defaults under
+    TP), so each rank's gate_up_proj column shard takes its prefill delta inside the activation
+    (kernels/silu_mul_lora.py's tile body; on CPU lora_apply fuses every decode step)."""
     root = next(iter(tiny_adapters.values())).parent
     oracle = peft_tokens(tiny_model_dir, {None: None, "pattern": tiny_adapters["pattern"],
                                           "qv4": tiny_adapters["qv4"]})
     engine = tp_engine(tiny_model_dir, 2, "lora.enabled=true", "lora.max_lora_rank=8", f"lora.backend={backend}",
-                       f"lora.adapter_roots=[{root}]", "engine.attention_backend=triton")
+                       f"lora.adapter_roots=[{root}]", "engine.attention_backend=triton",
+                       "engine.fused_kernels=triton")
     try:
         for name in ("pattern", "qv4"):
             engine.lora.load(name, str(tiny_adapters[name]))
