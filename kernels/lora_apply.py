@@ -32,7 +32,7 @@ import triton.language as tl
 from kernels.lora_expand import check_out_slices, lora_expand
 from kernels.lora_gemm import block_n_for, platform_reason
 from kernels.lora_shrink import lora_shrink
-from kernels.lora_bodies import gemv_expand, gemv_shrink, rank_cols
+from kernels.lora_bodies import gemv_expand, gemv_shrink
 from kernels.segment_tile import segment_row, segment_tile
 from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
@@ -90,8 +90,8 @@ def _lora_fused_gemv_kernel(
     hv = hv.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
     if HAS_SCALE:
         hv = hv * tl.load(scale_ptr + slot)
-    gemv_expand(y_ptr + row * stride_yt, b_ptr + slot.to(tl.int64) * stride_bs, hv, offs_r, r_mask,
-                rank_cols(offs_r, rank, R8), c_lo, c_hi, stride_yo, stride_bo, stride_br, BLOCK_N, False)
+    gemv_expand(y_ptr + row * stride_yt, b_ptr + slot.to(tl.int64) * stride_bs, hv, offs_r, rank, c_lo, c_hi,
+                stride_yo, stride_bo, stride_br, BLOCK_N, False, R8)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
     gemv_shrink(...) -> [BLOCK_N] fp32       h = x[row, k_lo:k_hi] · A rows          one token
     gemv_expand(...)                         y[row, c_lo:c_hi] (+)= B[c, :] · h       one token
-    rank_cols(offs_r, rank, R8) -> mask      the rank columns a load of B or h takes   every body
+    rank_tile(ptrs, row_mask, ...) -> tile   [ROWS, BLOCK_R] of B or h, 0 past the rank   every body
 
 Callers: lora_shrink and lora_expand for one-token segments (BLOCK_M = 1), and lora_apply's fused
 kernel (both). One body per loop, so a tuning or rounding fix lands in every kernel at once.
@@ -10,7 +10,7 @@ kernel (both). One body per loop, so a tuning or rounding fix lands in every ker
 The GEMV bodies read the weights in their own layout (A: [BLOCK_N, BLOCK_K] tiles, K contiguous;
 B: [BLOCK_N, BLOCK_R] tiles, R contiguous) and reduce in fp32 registers: a one-token tl.dot would
 leave 15/16 of the tensor-core tile empty. Rank padding is read at most up to the next multiple of
-8 (rank_cols) and set to 0 in registers before use, so NaN or garbage there cannot leak. The scale is
+8 and set to 0 in registers before use (rank_tile), so NaN or garbage there cannot leak. The scale is
 folded into h by the caller.
 """
 
@@ -21,17 +21,22 @@ import triton.language as tl
 
 
 @triton.jit
-def rank_cols(offs_r, rank, R8: tl.constexpr):
-    """The mask of the rank columns (offs_r = arange(BLOCK_R), the contiguous dim) to load of a slot of
-    rank `rank`: up to the rank rounded up to a multiple of 8 where the buffers' max rank R is one
-    (R8), else up to the rank. A mask constant over runs of 8 elements lets the compiler issue 16-byte
-    (bf16) loads; masked to the exact rank it splits every row of B into 2-byte loads, each its own
-    request (an ahead-of-time sm90 compile: ld.global.b16 per element). The caller zeroes the columns
-    from `rank` on (tl.where) after the load: padding may hold anything."""
+def rank_tile(ptrs, row_mask, offs_r, rank, R8: tl.constexpr, CACHE: tl.constexpr = ""):
+    """[ROWS, BLOCK_R] of B or of h, whose dim 1 (contiguous) is the rank (offs_r = arange(BLOCK_R)):
+    rows where row_mask, columns from `rank` on 0.
+
+    Loaded up to the rank rounded up to a multiple of 8 where the buffers' max rank R is one (R8),
+    else up to the rank, then zeroed from the rank on: a mask constant over runs of 8 elements lets
+    the compiler issue 16-byte (bf16) loads, where a mask at the exact rank split every row of B into
+    2-byte loads, each its own request (an ahead-of-time sm90 compile: ld.global.b16 per element).
+    The padding may hold anything (NaN in B's, garbage in the shrink's h). CACHE: tl.load's
+    cache_modifier."""
     if R8:
-        return offs_r < tl.cdiv(rank, 8) * 8
+        cols = offs_r < tl.cdiv(rank, 8) * 8
     else:
-        return offs_r < rank
+        cols = offs_r < rank
+    t = tl.load(ptrs, mask=row_mask[:, None] & cols[None, :], other=0.0, cache_modifier=CACHE)
+    return tl.where((offs_r < rank)[None, :], t, 0.0)
 
 
 @triton.jit
@@ -56,19 +61,18 @@ def gemv_shrink(x_row_ptr, a_rows, row_mask, k_lo, k_hi, stride_xk, stride_ak,
 
 
 @triton.jit
-def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, r_mask, r_load, c_lo, c_hi, stride_yo, stride_bo, stride_br,
-                BLOCK_N: tl.constexpr, WRITE: tl.constexpr):
+def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, rank, c_lo, c_hi, stride_yo, stride_bo, stride_br,
+                BLOCK_N: tl.constexpr, WRITE: tl.constexpr, R8: tl.constexpr):
     """y[c] (+)= sum_r B[c, r] * hv[r] for c_lo <= c < c_hi, BLOCK_N columns a step.
 
-    b_ptr: B of the slot; hv [BLOCK_R] fp32 (scale folded in, 0 beyond the rank); r_mask: the rank's
-    columns, r_load: the columns loaded (rank_cols, a superset); WRITE: y is only
+    b_ptr: B of the slot; hv [BLOCK_R] fp32 (scale folded in, 0 beyond the rank); rank, R8: as
+    rank_tile's; WRITE: y is only
     written (no read), else read, added in fp32, written back. c_lo >= c_hi: nothing."""
     for c0 in range(c_lo, c_hi, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_mask = offs_c < c_hi
-        bt = tl.load(b_ptr + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                     mask=c_mask[:, None] & r_load[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-        bt = tl.where(r_mask[None, :], bt, 0.0)  # rank padding may hold anything
+        bt = rank_tile(b_ptr + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br, c_mask, offs_r, rank,
+                       R8)  # [BLOCK_N, BLOCK_R]
         y_ptrs = y_row_ptr + offs_c * stride_yo
         if WRITE:
             acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32

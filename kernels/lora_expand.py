@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
-from kernels.lora_bodies import gemv_expand, rank_cols
+from kernels.lora_bodies import gemv_expand, rank_tile
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_segments, check_tile
@@ -93,7 +93,6 @@ def _lora_expand_kernel(
             return  # empty slot: nothing to add (WRITE goes on: its rows must become 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    r_load = rank_cols(offs_r, rank, R8)  # loaded, then zeroed from the rank on
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
     b_ty = b_ptr.dtype.element_ty
     scale = 1.0
@@ -121,14 +120,13 @@ def _lora_expand_kernel(
             for p in range(n_parts):  # K splits' partial sums, added in a fixed order
                 hv += tl.load(h_ptrs1 + p * stride_hp, mask=r_mask, other=0.0)
             hv = hv.to(b_ty).to(tl.float32) * scale  # h rounded to the weights' dtype, as the torch twin does
-            gemv_expand(y_ptr + row * stride_yt, b_base, hv, offs_r, r_mask, r_load, c_lo, c_hi, stride_yo, stride_bo,
-                        stride_br, BLOCK_N, WRITE)
+            gemv_expand(y_ptr + row * stride_yt, b_base, hv, offs_r, rank, c_lo, c_hi, stride_yo, stride_bo,
+                        stride_br, BLOCK_N, WRITE, R8)
         else:
             h_ptrs = h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn
             ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for p in range(n_parts):
-                ht += tl.load(h_ptrs + p * stride_hp, mask=m_mask[:, None] & r_load[None, :], other=0.0)
-            ht = tl.where(r_mask[None, :], ht, 0.0)  # the shrink leaves garbage past the rank
+                ht += rank_tile(h_ptrs + p * stride_hp, m_mask, offs_r, rank, R8)
             ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
             if UPCAST:
                 ht = ht.to(tl.float32)
@@ -136,9 +134,8 @@ def _lora_expand_kernel(
                 offs_c = c0 + tl.arange(0, BLOCK_N)
                 c_mask = offs_c < c_hi
                 # B [BLOCK_N, R] in its own layout (R contiguous: wide loads), transposed in registers
-                bt = tl.load(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                             mask=c_mask[:, None] & r_load[None, :], other=0.0)
-                bt = tl.trans(tl.where(r_mask[None, :], bt, 0.0))  # [BLOCK_R, BLOCK_N]
+                bt = tl.trans(rank_tile(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br, c_mask,
+                                        offs_r, rank, R8))  # [BLOCK_R, BLOCK_N]
                 y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_c[None, :] * stride_yo
                 y_mask = m_mask[:, None] & c_mask[None, :]
                 if UPCAST:
@@ -175,9 +172,8 @@ def _lora_expand_gemv_kernel(
     r_mask = offs_r < rank  # rank 0 (empty slot, padding row): nothing loaded
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     # B [BLOCK_N, R] in its own layout (R contiguous: one contiguous run of BLOCK_N * R elements)
-    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                 mask=c_mask[:, None] & rank_cols(offs_r, rank, R8)[None, :], other=0.0)
-    bt = tl.where(r_mask[None, :], bt, 0.0)  # rank padding may hold anything
+    bt = rank_tile(b_ptr + slot.to(tl.int64) * stride_bs + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
+                   c_mask, offs_r, rank, R8)
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr + tl.maximum(slot, 0))

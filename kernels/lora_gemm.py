@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_bodies import rank_cols
+from kernels.lora_bodies import rank_tile
 from kernels.lora_expand import check_out_slices
 from kernels.platform import dot_upcast, interpreter_active
 
@@ -72,25 +72,20 @@ def lora_epilogue(acc, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr
     cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
     while cur != _NO_SLOT:
         rank = tl.load(rank_ptr + cur)
-        r_mask = offs_r < rank
-        # rank columns loaded up to a multiple of 8 (wide loads: kernels/lora_bodies.py's rank_cols),
-        # then zeroed from the rank on
-        hm = (slots == cur)[:, None] & rank_cols(offs_r, rank, R8)[None, :]
+        # h's and B's rank columns through kernels/lora_bodies.py's rank_tile (wide loads, 0 past the rank)
         h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :] * stride_hn
         ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for p in range(n_parts):  # K splits' partial sums, in a fixed order
             # from L2 (.cg): h may have been written by another SM during this launch
-            ht += tl.load(h_ptrs + p * stride_hp, mask=hm, other=0.0, cache_modifier=".cg")
-        ht = tl.where(r_mask[None, :], ht, 0.0)  # the shrink's columns past the rank: garbage
+            ht += rank_tile(h_ptrs + p * stride_hp, slots == cur, offs_r, rank, R8, ".cg")
         if HAS_SCALE:
             ht = ht * tl.load(scale_ptr + cur)
         ht = ht.to(w_ty)
         # [BLOCK_N, R] of the slot's B in its own layout (R contiguous: wide loads; loaded as
-        # [R, BLOCK_N] every element was a 2-byte load of its own), transposed in registers; rank
-        # padding zeroed (edge columns wrap, never stored)
-        bt = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + rn[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                     mask=rank_cols(offs_r, rank, R8)[None, :], other=0.0)
-        bt = tl.trans(tl.where(r_mask[None, :], bt, 0.0))
+        # [R, BLOCK_N] every element was a 2-byte load of its own), transposed in registers; every
+        # column is loaded (edge columns wrap, never stored)
+        bt = tl.trans(rank_tile(b_ptr + cur.to(tl.int64) * stride_bs + rn[:, None] * stride_bn
+                                + offs_r[None, :] * stride_br, rn >= 0, offs_r, rank, R8))
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
-from kernels.lora_bodies import rank_cols
+from kernels.lora_bodies import rank_tile
 from kernels.lora_expand import check_out_slices
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
@@ -70,11 +70,8 @@ def _silu_mul_lora_kernel(
     row = tl.where(is_seg, segment_row(seg_start_ptr, tok_ptr, seg, 0, GATHER), base_row)
     r_mask = offs_r < rank  # rank 0 (base row, empty slot): nothing loaded, no delta
     b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
-    bm = mask[:, None] & rank_cols(offs_r, rank, R8)[None, :]
-    bg = tl.load(b_rows + offs[:, None] * stride_bo, mask=bm, other=0.0)  # [BLOCK, BLOCK_R]
-    bu = tl.load(b_rows + (I + offs)[:, None] * stride_bo, mask=bm, other=0.0)
-    bg = tl.where(r_mask[None, :], bg, 0.0)  # rank padding may hold anything
-    bu = tl.where(r_mask[None, :], bu, 0.0)
+    bg = rank_tile(b_rows + offs[:, None] * stride_bo, mask, offs_r, rank, R8)  # [BLOCK, BLOCK_R]
+    bu = rank_tile(b_rows + (I + offs)[:, None] * stride_bo, mask, offs_r, rank, R8)
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr + tl.maximum(slot, 0))
@@ -149,23 +146,18 @@ def _silu_mul_lora_tile_kernel(
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr + slot)
-    # h's and B's rank columns loaded up to a multiple of 8 (wide loads, kernels/lora_bodies.py's
-    # rank_cols), those past the slot's rank then set to 0 in registers: the shrink leaves garbage there
-    # and B's padding may hold anything.
+    # h's and B's rank columns through kernels/lora_bodies.py's rank_tile (wide loads, 0 past the rank)
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    r_load = rank_cols(offs_r, rank, R8)
     if PDL:
         gdc_wait()  # gate_up is the GEMM's output and h the shrink's: only from here on
     h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hn
-    hm = m_mask[:, None] & r_load[None, :]
     hg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     hu = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for p in range(n_parts):  # the shrink's K splits, added in a fixed order (as lora_expand)
-        hg += tl.load(h_ptrs + p * stride_hp, mask=hm, other=0.0)
-        hu += tl.load(h_ptrs + p * stride_hp + R * stride_hn, mask=hm, other=0.0)
-    hg = tl.where(r_mask[None, :], hg, 0.0).to(b_ty)  # rounded to the weights' dtype, as lora_expand does
-    hu = tl.where(r_mask[None, :], hu, 0.0).to(b_ty)
+        hg += rank_tile(h_ptrs + p * stride_hp, m_mask, offs_r, rank, R8)
+        hu += rank_tile(h_ptrs + p * stride_hp + R * stride_hn, m_mask, offs_r, rank, R8)
+    hg = hg.to(b_ty)  # rounded to the weights' dtype, as lora_expand does
+    hu = hu.to(b_ty)
     if UPCAST:
         hg = hg.to(tl.float32)
         hu = hu.to(tl.float32)
@@ -182,11 +174,8 @@ def _silu_mul_lora_tile_kernel(
         u = tl.load(x_rows + I + offs_n[None, :], mask=mask, other=0.0)
         # B [BLOCK_N, R] in its own layout (one contiguous run of BLOCK_N * R elements: wide loads),
         # transposed in registers for the dot
-        bm = n_mask[:, None] & r_load[None, :]
-        bg = tl.load(b_rows + offs_n[:, None] * stride_bo, mask=bm, other=0.0)
-        bu = tl.load(b_rows + (I + offs_n)[:, None] * stride_bo, mask=bm, other=0.0)
-        bg = tl.trans(tl.where(r_mask[None, :], bg, 0.0))  # [BLOCK_R, BLOCK_N]
-        bu = tl.trans(tl.where(r_mask[None, :], bu, 0.0))
+        bg = tl.trans(rank_tile(b_rows + offs_n[:, None] * stride_bo, n_mask, offs_r, rank, R8))  # [BLOCK_R, BLOCK_N]
+        bu = tl.trans(rank_tile(b_rows + (I + offs_n)[:, None] * stride_bo, n_mask, offs_r, rank, R8))
         if UPCAST:
             bg = bg.to(tl.float32)
             bu = bu.to(tl.float32)
