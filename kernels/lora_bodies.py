@@ -21,7 +21,7 @@ import triton.language as tl
 
 
 @triton.jit
-def rank_tile(ptrs, row_mask, offs_r, rank, R8: tl.constexpr, CACHE: tl.constexpr = ""):
+def rank_tile(ptrs, row_mask, offs_r, rank, R8: tl.constexpr, CACHE: tl.constexpr):
     """[ROWS, BLOCK_R] of B or of h, whose dim 1 (contiguous) is the rank (offs_r = arange(BLOCK_R)):
     rows where row_mask, columns from `rank` on 0.
 
@@ -30,7 +30,9 @@ def rank_tile(ptrs, row_mask, offs_r, rank, R8: tl.constexpr, CACHE: tl.constexp
     the compiler issue 16-byte (bf16) loads, where a mask at the exact rank split every row of B into
     2-byte loads, each its own request (an ahead-of-time sm90 compile: ld.global.b16 per element).
     The padding may hold anything (NaN in B's, garbage in the shrink's h). CACHE: tl.load's
-    cache_modifier."""
+    cache_modifier ("" for none), passed by every caller: triton 3.6 does not make a jit helper's
+    default argument a constexpr (a default "" failed to compile on the H200, "'str' object has no
+    attribute 'type'", where triton 3.9's interpreter took it)."""
     if R8:
         cols = offs_r < tl.cdiv(rank, 8) * 8
     else:
@@ -72,7 +74,7 @@ def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, rank, c_lo, c_hi, stride_yo, strid
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_mask = offs_c < c_hi
         bt = rank_tile(b_ptr + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br, c_mask, offs_r, rank,
-                       R8)  # [BLOCK_N, BLOCK_R]
+                       R8, "")  # [BLOCK_N, BLOCK_R]
         y_ptrs = y_row_ptr + offs_c * stride_yo
         if WRITE:
             acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32

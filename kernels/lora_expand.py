@@ -126,7 +126,7 @@ def _lora_expand_kernel(
             h_ptrs = h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn
             ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for p in range(n_parts):
-                ht += rank_tile(h_ptrs + p * stride_hp, m_mask, offs_r, rank, R8)
+                ht += rank_tile(h_ptrs + p * stride_hp, m_mask, offs_r, rank, R8, "")
             ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
             if UPCAST:
                 ht = ht.to(tl.float32)
@@ -135,7 +135,7 @@ def _lora_expand_kernel(
                 c_mask = offs_c < c_hi
                 # B [BLOCK_N, R] in its own layout (R contiguous: wide loads), transposed in registers
                 bt = tl.trans(rank_tile(b_base + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br, c_mask,
-                                        offs_r, rank, R8))  # [BLOCK_R, BLOCK_N]
+                                        offs_r, rank, R8, ""))  # [BLOCK_R, BLOCK_N]
                 y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_c[None, :] * stride_yo
                 y_mask = m_mask[:, None] & c_mask[None, :]
                 if UPCAST:
@@ -173,7 +173,7 @@ def _lora_expand_gemv_kernel(
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER)
     # B [BLOCK_N, R] in its own layout (R contiguous: one contiguous run of BLOCK_N * R elements)
     bt = rank_tile(b_ptr + slot.to(tl.int64) * stride_bs + offs_c[:, None] * stride_bo + offs_r[None, :] * stride_br,
-                   c_mask, offs_r, rank, R8)
+                   c_mask, offs_r, rank, R8, "")
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr + tl.maximum(slot, 0))

@@ -85,7 +85,7 @@ def lora_epilogue(acc, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr
         # [R, BLOCK_N] every element was a 2-byte load of its own), transposed in registers; every
         # column is loaded (edge columns wrap, never stored)
         bt = tl.trans(rank_tile(b_ptr + cur.to(tl.int64) * stride_bs + rn[:, None] * stride_bn
-                                + offs_r[None, :] * stride_br, rn >= 0, offs_r, rank, R8))
+                                + offs_r[None, :] * stride_br, rn >= 0, offs_r, rank, R8, ""))
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)

@@ -70,8 +70,8 @@ def _silu_mul_lora_kernel(
     row = tl.where(is_seg, segment_row(seg_start_ptr, tok_ptr, seg, 0, GATHER), base_row)
     r_mask = offs_r < rank  # rank 0 (base row, empty slot): nothing loaded, no delta
     b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_r[None, :] * stride_br
-    bg = rank_tile(b_rows + offs[:, None] * stride_bo, mask, offs_r, rank, R8)  # [BLOCK, BLOCK_R]
-    bu = rank_tile(b_rows + (I + offs)[:, None] * stride_bo, mask, offs_r, rank, R8)
+    bg = rank_tile(b_rows + offs[:, None] * stride_bo, mask, offs_r, rank, R8, "")  # [BLOCK, BLOCK_R]
+    bu = rank_tile(b_rows + (I + offs)[:, None] * stride_bo, mask, offs_r, rank, R8, "")
     scale = 1.0
     if HAS_SCALE:
         scale = tl.load(scale_ptr + tl.maximum(slot, 0))
@@ -154,8 +154,8 @@ def _silu_mul_lora_tile_kernel(
     hg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     hu = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for p in range(n_parts):  # the shrink's K splits, added in a fixed order (as lora_expand)
-        hg += rank_tile(h_ptrs + p * stride_hp, m_mask, offs_r, rank, R8)
-        hu += rank_tile(h_ptrs + p * stride_hp + R * stride_hn, m_mask, offs_r, rank, R8)
+        hg += rank_tile(h_ptrs + p * stride_hp, m_mask, offs_r, rank, R8, "")
+        hu += rank_tile(h_ptrs + p * stride_hp + R * stride_hn, m_mask, offs_r, rank, R8, "")
     hg = hg.to(b_ty)  # rounded to the weights' dtype, as lora_expand does
     hu = hu.to(b_ty)
     if UPCAST:
@@ -174,8 +174,8 @@ def _silu_mul_lora_tile_kernel(
         u = tl.load(x_rows + I + offs_n[None, :], mask=mask, other=0.0)
         # B [BLOCK_N, R] in its own layout (one contiguous run of BLOCK_N * R elements: wide loads),
         # transposed in registers for the dot
-        bg = tl.trans(rank_tile(b_rows + offs_n[:, None] * stride_bo, n_mask, offs_r, rank, R8))  # [BLOCK_R, BLOCK_N]
-        bu = tl.trans(rank_tile(b_rows + (I + offs_n)[:, None] * stride_bo, n_mask, offs_r, rank, R8))
+        bg = tl.trans(rank_tile(b_rows + offs_n[:, None] * stride_bo, n_mask, offs_r, rank, R8, ""))  # [BLOCK_R, BLOCK_N]
+        bu = tl.trans(rank_tile(b_rows + (I + offs_n)[:, None] * stride_bo, n_mask, offs_r, rank, R8, ""))
         if UPCAST:
             bg = bg.to(tl.float32)
             bu = bu.to(tl.float32)

@@ -1,0 +1,113 @@
+"""Compile every Triton kernel the CPU kernel tests launch, for sm90, with the GPU host's triton, here.
+
+The CPU suite runs the kernels in triton's interpreter, which takes code that the compiler refuses
+(a jit helper's default string argument compiled under triton 3.9's interpreter and failed on the
+H200's triton 3.6: "'str' object has no attribute 'type'"). This runs the kernel tests with the
+interpreter off and triton's driver replaced by one that reports an sm90 CUDA target, each launch
+turned into a compile only (JITFunction.run with warmup=True): every (kernel, specialization) the
+tests reach is compiled to PTX and cubin with the installed ptxas. The tests' own assertions fail
+(nothing runs); only compile errors count.
+
+    make compile-check        # installs triton 3.6.0 (the GPU host's) beside the venv once, then runs this
+    PYTHONPATH=DIR/with/triton-3.6 .venv/bin/python benchmarks/sm90_compile_check.py [pytest args, default tests/kernels]
+
+Prints the kernels compiled and each compile error (kernel, exception); exit 1 on any error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported: compile, do not interpret
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+COMPILED: dict[str, int] = {}
+ERRORS: dict[tuple[str, str], str] = {}
+
+
+class _Sm90Driver:
+    """What JITFunction.run asks of the active driver when it only compiles."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _compile_only(self, *args, grid, warmup, **kwargs):
+    name = self.fn.__qualname__
+    try:
+        kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
+        COMPILED[name] = COMPILED.get(name, 0) + 1
+        return kernel
+    except Exception as e:  # noqa: BLE001 - every compile error is the report
+        msg = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
+        ERRORS.setdefault((name, msg[-1][:300]), "\n".join(msg[-12:]))
+        raise
+
+
+class _Plugin:
+    """Makes the kernels' launchers accept CPU tensors (they check for CUDA or the interpreter)."""
+
+    def pytest_collection_finish(self, session) -> None:
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("kernels.") and hasattr(mod, "interpreter_active"):
+                mod.interpreter_active = lambda: True
+
+
+_run = JITFunction.run
+
+
+def main() -> int:
+    if not triton.__version__.startswith("3.6"):
+        print(f"note: triton {triton.__version__} (the H200 host has 3.6: PYTHONPATH=/tmp/t36)", flush=True)
+    driver.set_active(_Sm90Driver(driver.active if _has_driver() else None))
+    JITFunction.run = _compile_only
+    import kernels.platform as platform
+    platform.interpreter_active = lambda: True
+    args = sys.argv[1:] or [str(ROOT / "tests" / "kernels")]
+    print("sm90 compile check: the kernel tests below only compile their kernels (their pass/fail means "
+          "nothing); compile errors are listed at the end", flush=True)
+    # the tests' own outcomes are noise here (nothing runs): no tracebacks, no summary lines
+    pytest.main(["-q", "-p", "no:cacheprovider", "--no-header", "--tb=no", "-rN", "-o", "addopts=",
+                 "--timeout=0", *args], plugins=[_Plugin()])
+    print(f"\ntriton {triton.__version__}, sm90: compiled {sum(COMPILED.values())} specializations of "
+          f"{len(COMPILED)} kernels:", flush=True)
+    for name, n in sorted(COMPILED.items()):
+        print(f"  {name}: {n}")
+    for (name, first), text in ERRORS.items():
+        print(f"\nCOMPILE ERROR in {name}: {first}\n{text}")
+    print(f"\n{len(ERRORS)} compile errors")
+    return 1 if ERRORS else 0
+
+
+def _has_driver() -> bool:
+    try:
+        driver.active  # noqa: B018 - raises without a GPU
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
