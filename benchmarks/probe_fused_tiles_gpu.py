@@ -33,6 +33,18 @@ def tma(stages=None, **kw):
                                                           num_stages=stages, **kw)
 
 
+def round7(y, x, A, B, segs, ranks, offs):
+    """The TMA body's column splits as rounds 6-7 chose them: whole slices in 128-column steps where A's
+    rows are at least twice the slice's width (down_proj), else split until the programs cover the SMs
+    twice (o_proj at 256 tokens: two splits)."""
+    from kernels.lora_apply import _auto_cols_per_prog
+    widest = max(b - a for a, b in zip(offs, offs[1:]))
+    if x.shape[1] >= 2 * widest:
+        return lora_apply(y, x, A, B, segs, ranks, offs, fused=True, tma=True, block_n=128, cols_per_prog=1 << 20)
+    cols = _auto_cols_per_prog(segs.num_segs * A.shape[1], widest, 256, y.device)
+    return lora_apply(y, x, A, B, segs, ranks, offs, fused=True, tma=True, cols_per_prog=cols)
+
+
 APPLY = lambda **kw: (lambda y, x, A, B, segs, ranks, offs: lora_apply(y, x, A, B, segs, ranks, offs, **kw))  # noqa: E731
 VARIANTS = {
     "default": APPLY(),
@@ -50,6 +62,11 @@ VARIANTS = {
     "tma st4 2 warps": tma(stages=4, num_warps=2),
     "tma st3": tma(stages=3),
     "tma st2": tma(stages=2),
+    "round 7 splits": round7,
+    "whole bn128": tma(block_n=128),
+    "whole st3": tma(stages=3),
+    "whole st6": tma(stages=6),
+    "whole bn128 st6": tma(stages=6, block_n=128),
 }
 
 

@@ -5,7 +5,7 @@
 for every slice i and adapter token t, r = rank of the slot: what lora_shrink followed by
 lora_expand computes, with the same rounding (h in fp32, rounded to the weights' dtype before the
 expand). When every segment is one token (decode with distinct adapters) one launch does it all:
-a program takes one token and one slice (and, on small steps, one range of that slice's columns),
+a program takes one token and one slice (the pointer body, on small steps, one range of its columns),
 streams A[slot, i] against x to get h_i in registers, then streams B[slot, slice i] and adds into
 y. No h round trip through memory, no zeroing, no atomics, one launch instead of two or three.
 Two bodies of that kernel: on sm90+ (tma_unfit_reason) every load goes through the copy engine
@@ -135,8 +135,8 @@ def _lora_fused_tma_kernel(
 
 
 # The TMA body's tiles (block_k, block_n, stages, warps). H200, Llama-3.1-8B projections, 256 tokens on
-# 256 adapters (docs/benchmarks.md, round 6): against 128-column steps, 6-8 stages, 128-wide K steps, 2
-# or 8 warps and whole-slice programs, these were best or within noise of the best for every projection.
+# 256 adapters (docs/benchmarks.md, rounds 6 and 8): against 128-column steps, 3 or 6-8 stages,
+# 128-wide K steps, 2 or 8 warps, these were best or within noise of the best for every projection.
 TMA_TILES = (256, 256, 4, 4)
 
 
@@ -264,21 +264,19 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
     S, n, R, _ = A.shape
     OUT = y.shape[1]
     d_bk, d_bn, d_st, d_w = TMA_TILES
-    # Whole slices (one program a (token, slice)) where A's rows are long: every column split streams
-    # the slot's whole A slice again. H200, down_proj (K 14336, 4096 columns), 256 tokens on 256
-    # adapters, whole slices in 128-column steps: 50.7 and 51.5 µs against 53.5 and 56.1 in two splits
-    # of 256-column steps, two runs (docs/benchmarks.md, round 6); o_proj (K = its width) gained nothing.
-    whole = cols_per_prog is None and K >= 2 * widest
-    if whole and block_n is None:
-        block_n = 128
     # a copy-engine box is at most 256 elements a side; BLOCK_N must divide every slice boundary
     block_k = min(block_k or d_bk, 256, max(16, triton.next_power_of_2(K)))
     block_n = block_n_for(offs, min(block_n or d_bn, 256, max(16, triton.next_power_of_2(widest))))
     check_tile(block_k=block_k, block_n=block_n)
-    if whole:
-        cols_per_prog = triton.cdiv(widest, block_n) * block_n
+    # Whole slices: one program a (token, slice), streaming its A slice once, in 256-column steps. Where
+    # this body runs (>= FUSE_MIN_WAVES pairs an SM) column splits (more programs, each streaming A
+    # again) and 128-column steps lost. H200, docs/benchmarks.md round 8, against round 7's choice (o_proj
+    # at 200-263 tokens: two splits; down_proj: whole slices in 128-column steps), interleaved medians:
+    # 256 tokens on 256 adapters o 23.6 / 24.7 µs back to back (27.6 / 27.3 alone, another run 25.7 /
+    # 26.3), down 43.2 / 45.5 (46.0 / 48.7); 200 on 200: o 24.3 / 26.6, down 40.3 / 43.4; 256 on 64:
+    # o 18.8 / 21.0, down 31.0 / 33.3; qkv and gate_up (whole slices before too) unchanged.
     if cols_per_prog is None:
-        cols_per_prog = _auto_cols_per_prog(segs.num_segs * n, widest, block_n, y.device)
+        cols_per_prog = triton.cdiv(widest, block_n) * block_n
     if cols_per_prog % block_n:
         raise ValueError(f"lora_apply: cols_per_prog {cols_per_prog} must be a multiple of block_n {block_n}")
     tok = segs.token_index if segs.token_index is not None else segs.starts
@@ -311,8 +309,9 @@ def _fuse_pays(pairs: int, device: torch.device) -> bool:
 
 
 def _auto_cols_per_prog(programs: int, widest: int, block_n: int, device: torch.device) -> int:
-    """A whole slice per program when (token, slice) pairs fill the SMs twice over; else split the
-    columns (each split recomputes h from A, mostly out of L2) until they do."""
+    """The pointer body's column splits: a whole slice per program when (token, slice) pairs fill the
+    SMs twice over; else split the columns (each split recomputes h from A, mostly out of L2) until
+    they do. (The TMA body always takes whole slices: _launch_tma.)"""
     n_steps = triton.cdiv(widest, block_n)
     if device.type != "cuda":
         return n_steps * block_n

@@ -46,6 +46,12 @@ MIN_TOKENS_CUDA = 64
 # under the fused kernels takes neither order: its delta goes inside the activation,
 # kernels/silu_mul_lora.py, appliance/lora/layers.py's forward_deferred.)
 TRITON_GEMM_TOKENS = (4096, 8192)
+# Up to this many tokens for outputs at most NARROW_OUT wide (o_proj, down_proj: 4096 columns). H200,
+# 16384 tokens, one adapter, three runs (docs/benchmarks.md, rounds 7-8): o_proj 7.8 / 6.9 / 8.5 % of
+# the GEMM against 12.7 / 10.9 / 10.6 for the cuBLAS order, down_proj (two runs) 0.9 / 0.8 against
+# 5.3 / 5.6; qkv_proj (6144 columns) 9.4 / 9.1 / 13.1 against 10.8 / 11.1 / 11.0: not taken.
+TRITON_GEMM_TOKENS_NARROW = 16384
+NARROW_OUT = 4096
 _REFUSED: set = set()  # shapes whose lora_gemm launch ran out of resources on their device
 # Output width up to which the shrink's K splits leave planes of partial sums (summed by the expand)
 # rather than adding atomically into a zeroed h. Every expand program re-reads all planes of its
@@ -66,9 +72,11 @@ def lora_linear_pays(num_tokens: int, segs: LoRASegments, device: torch.device) 
 
 def triton_gemm_pays(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[int], segs: LoRASegments) -> bool:
     """lora_linear's automatic path choice (host facts only, no sync): the Triton GEMM on a CUDA device
-    for TRITON_GEMM_TOKENS, when the platform and operands fit it (kernels/lora_gemm.unfit_reason)."""
+    for TRITON_GEMM_TOKENS (up to TRITON_GEMM_TOKENS_NARROW for outputs at most NARROW_OUT wide), when
+    the platform and operands fit it (kernels/lora_gemm.unfit_reason)."""
     T = x.shape[0]
-    if x.device.type != "cuda" or not TRITON_GEMM_TOKENS[0] <= T <= TRITON_GEMM_TOKENS[1] or segs.row_slots is None:
+    hi = TRITON_GEMM_TOKENS_NARROW if weight.shape[0] <= NARROW_OUT else TRITON_GEMM_TOKENS[1]
+    if x.device.type != "cuda" or not TRITON_GEMM_TOKENS[0] <= T <= hi or segs.row_slots is None:
         return False
     return unfit_reason(x, weight, out_offsets) is None
 

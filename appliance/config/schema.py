@@ -239,7 +239,8 @@ class LoRAConfig:
     # (kernels/lora_linear.py). cublas: the delta written into y, then cuBLAS accumulates the GEMM into
     # it. triton: one Triton GEMM (kernels/lora_gemm.py) that computes h in extra work of its grid and
     # adds the delta in its epilogue (needs sm90+ on CUDA). auto: triton on sm90+ for steps of
-    # 4096-8192 tokens, where it was measured faster (docs/benchmarks.md), else cublas.
+    # 4096-8192 tokens (to 16384 for outputs at most 4096 wide: o_proj, down_proj), where it was
+    # measured faster (docs/benchmarks.md), else cublas.
     prefill_gemm: str = "auto"
     # Debug only: every cold read (disk -> CPU tier) sleeps this long first, as a slow disk would, to
     # exercise overlap loading end to end. 0 = off; never set it on a server that serves users.
