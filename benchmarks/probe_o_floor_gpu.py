@@ -385,17 +385,18 @@ def main() -> None:
                 var[f"floor flat w{waves} st{st}"] = lambda f=f: [f() for _ in range(len(segs) * reps)]
             var["torch sum"] = lambda: [rd.sum(dtype=torch.float32) for _ in range(len(segs) * reps)]
             var["torch copy"] = lambda: [dst.copy_(src) for _ in range(len(segs) * reps)]
-            names = list(var)
+            names += [v for v in var if v not in names]
             ts = [t / (len(segs) * reps) for t in scrubbed_times(list(var.values()), args.reps)]
-            row = (f"| {proj} | {T} | {D} | {nbytes / 1e6:.1f} | "
-                   + " | ".join(f"{t * 1e6:.1f} ({100 * nbytes / t / bw:.0f} %)" for t in ts) + " |")
-            rows.append(row)
-            print(row, flush=True)
+            cells = {v: f"{t * 1e6:.1f} ({100 * nbytes / t / bw:.0f} %)" for v, t in zip(var, ts)}
+            rows.append((f"| {proj} | {T} | {D} | {nbytes / 1e6:.1f} | ", cells))
+            print(rows[-1][0] + " | ".join(f"{v} {c}" for v, c in cells.items()), flush=True)
             p = rd = src = dst = None
-    print(f"\nµs (% of copy bandwidth for the adapter bytes), {args.b2b} back to back, interleaved medians:\n")
+    print(f"\nµs (% of copy bandwidth for the adapter bytes), {args.b2b} back to back, interleaved medians "
+          "(- : not run for that projection):\n")
     print("| proj | T | D | MB | " + " | ".join(names) + " |")
     print("|---|---|---|---|" + "---|" * len(names))
-    print("\n".join(rows))
+    for head, cells in rows:
+        print(head + " | ".join(cells.get(v, "-") for v in names) + " |")
 
 
 if __name__ == "__main__":
