@@ -16,6 +16,8 @@ zeroes exactly those rows of an output that is otherwise only written.
 
 Both are built on the host from Python lists the scheduler already has, with one host->device copy
 (from pinned memory on CUDA, non-blocking): no layer and no decode step waits on the device.
+`sorted_segments_device` builds csgmv's layout on the device instead, in shapes fixed by the row
+count, for decode steps replayed from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 @dataclass
 class LoRASegments:
     starts: torch.Tensor  # [G] int32: first position of each segment
-    lens: torch.Tensor  # [G] int32: positions in each segment (>= 1)
+    lens: torch.Tensor  # [G] int32: positions in each segment (>= 1; 0 only in sorted_segments_device's tail)
     slots: torch.Tensor  # [G] int32: slot of each segment (base tokens have no segment; -1 only in the
     # static decode batch of engine/cuda_graph.py: one segment per row, base and padding rows at -1)
     token_index: Optional[torch.Tensor]  # [P] int32: token row at each position; None = row = position
@@ -48,8 +50,11 @@ class LoRASegments:
 
 def rows_covered(segs: LoRASegments) -> int:
     """Rows of the step the segments and the listed base rows account for (each once); with base_rows
-    None (the static decode batch of engine/cuda_graph.py) one segment per row."""
-    return segs.num_segs if segs.base_rows is None else segs.num_rows + segs.base_rows.shape[0]
+    None (the static decode batch of engine/cuda_graph.py) one segment per row, or -1 (never a row
+    count) for sorted_segments_device's layout, whose base rows are in no segment and not listed."""
+    if segs.base_rows is None:
+        return segs.num_segs if segs.token_index is None else -1
+    return segs.num_rows + segs.base_rows.shape[0]
 
 
 def sgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], device: torch.device) -> LoRASegments:
@@ -107,6 +112,35 @@ def csgmv_segments(seg_lens: Sequence[int], seg_slots: Sequence[int], max_chunk_
     starts_t, lens_t, slots_t, index_t, base_t, rs_t = to_device(
         [starts, lens, slots, token_index, base, row_slots], device)
     return LoRASegments(starts_t, lens_t, slots_t, index_t, max(lens, default=0), base_t, len(token_index), rs_t)
+
+
+def sorted_segments_device(row_slots: torch.Tensor, num_slots: int, chunk: int) -> LoRASegments:
+    """csgmv_segments' layout built on the device from the rows' slots, with shapes that depend only on
+    the row count: what a CUDA graph can replay for any step of that size (engine/cuda_graph.py).
+
+    row_slots [b] int32 (-1 = base or padding row). Adapter rows are stably sorted by slot
+    (token_index; base rows last, in no segment) and each slot's rows cut into chunks of `chunk`. The
+    segment grid is fixed at cdiv(b, chunk) + min(num_slots, b), the most chunks b rows can need; the
+    unused tail gets length 0 and slot -1 (its programs return at once). max_len = chunk."""
+    b = row_slots.shape[0]
+    dev = row_slots.device
+    key = torch.where(row_slots < 0, num_slots, row_slots).long()  # base rows sort last
+    token_index = torch.sort(key, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_slots]
+    first_row = torch.cumsum(counts, 0) - counts  # position of each slot's first row in token_index
+    nchunks = (counts + chunk - 1) // chunk
+    chunk_end = torch.cumsum(nchunks, 0)  # one past each slot's last segment
+    G = -(-b // chunk) + min(num_slots, b)
+    g = torch.arange(G, device=dev)
+    slot = torch.searchsorted(chunk_end, g, right=True)  # the slot whose segments hold segment g
+    live = slot < num_slots
+    s = slot.clamp(max=num_slots - 1)
+    c = g - (chunk_end[s] - nchunks[s])  # chunk number within its slot
+    starts = torch.where(live, first_row[s] + c * chunk, 0).to(torch.int32)
+    lens = torch.where(live, (counts[s] - c * chunk).clamp(0, chunk), 0).to(torch.int32)
+    slots = torch.where(live, s, -1).to(torch.int32)
+    return LoRASegments(starts, lens, slots, token_index, chunk)
 
 
 # Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,

@@ -12,8 +12,10 @@ so with async scheduling (engine/async_step.py) a step can decode on tokens the 
 - attention: the Triton decode kernel reads the lengths on the device; its split-K count is fixed per
   size from max_model_len (ModelRunner.decode_splits);
 - LoRA (backends triton/csgmv): a fixed grid of one-token segments with max_len 1; rows without an
-  adapter exit at once. The csgmv backend's sorted chunks have a data-dependent count, so under graphs
-  its decode steps use this per-row layout too (A/B then read once per row, mostly from L2);
+  adapter exit at once. Backend csgmv at sizes with at least SORTED_MIN_ROWS_PER_SLOT rows a slot
+  instead sorts the rows by slot inside the graph (kernels/segments.sorted_segments_device: chunks of
+  lora.max_chunk_size rows of one slot on a segment grid fixed by the size), so a slot's A and B are
+  read once per chunk instead of once per row;
 - adapter slot loads only change the contents of the A/B slot tensors and of `slot_ranks` (a loader
   that replaced those tensors instead of copying into them would invalidate the graphs).
 
@@ -45,7 +47,7 @@ from appliance.engine.scheduler import SchedulerOutput
 from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.layers import LoRAContext
 from appliance.models.attention import AttentionMetadata
-from kernels.segments import LoRASegments
+from kernels.segments import LoRASegments, sorted_segments_device
 
 if TYPE_CHECKING:
     from appliance.engine.model_runner import ModelRunner
@@ -71,6 +73,16 @@ class DecodeBuffers:
     seg_starts: torch.Tensor  # [Bm] int32 = arange: one LoRA segment per row
     seg_lens: torch.Tensor  # [Bm] int32 = 1
     slot_ranks: torch.Tensor  # [S] int32: rank of each LoRA slot (0 = empty)
+
+
+# Backend csgmv: graph sizes with at least this many rows per LoRA slot (lora.max_loras_per_batch) sort
+# their rows by slot inside the graph; smaller ones keep one segment per row (the fused kernel, which
+# wins when most rows have their own adapter). H200, Llama-3.1-8B projections, one-token rows on D
+# adapters (docs/benchmarks.md, round 8 table): 256 rows on 16 adapters, slot-sorted chunks of 16 against
+# one segment per row, qkv 17.0 / 28.4 µs, o 10.7 / 17.7, gate_up 20.6 / 66.8, down 13.1 / 27.8; on 64
+# adapters (4 rows each) 24.8 / 31.0, 16.4 / 18.6, 46.5 / 72.8, 26.2 / 30.8; on 256 (1 each) the fused
+# kernel wins (qkv 48-52 µs against 61 for shrink + expand, round 6).
+SORTED_MIN_ROWS_PER_SLOT = 4
 
 
 @dataclass(frozen=True)
@@ -260,12 +272,21 @@ class StaticDecode:
             decode_max_len=max_len, attention_backend=r.attention_backend,
             decode_splits=r.decode_splits(b, r.max_model_len), decode_len_bound=r.max_model_len)
 
+    def sorted_layout(self, b: int) -> bool:
+        """Whether size b's LoRA launches take the slot-sorted layout (backend csgmv, enough rows a slot)."""
+        ctx = self.lora
+        return (ctx is not None and ctx.backend == "csgmv" and ctx.num_slots > 0
+                and b >= SORTED_MIN_ROWS_PER_SLOT * ctx.num_slots)
+
     def _lora_info(self, b: int) -> Optional[LoRABatchInfo]:
         if self.lora is None:
             return None
         d = self.buf
         empty = torch.empty(0, dtype=torch.long, device=self.runner.device)
-        segs = LoRASegments(d.seg_starts[:b], d.seg_lens[:b], d.lora_slots[:b], None, 1)
+        if self.sorted_layout(b):  # device ops: captured into the graph, run again at each replay
+            segs = sorted_segments_device(d.lora_slots[:b], self.lora.num_slots, self.lora.max_chunk_size)
+        else:
+            segs = LoRASegments(d.seg_starts[:b], d.seg_lens[:b], d.lora_slots[:b], None, 1)
         return LoRABatchInfo(seg_indptr=empty, seg_slots=d.lora_slots[:b], slot_ranks=d.slot_ranks,
                              token_slots=empty, groups=[], segments=segs)
 

@@ -45,6 +45,8 @@ class LoRAContext:
     side_stream: Optional["torch.cuda.Stream"] = None
     # lora.prefill_gemm for lora_linear: None (auto) | "cublas" | "triton"
     prefill_gemm: Optional[str] = None
+    # lora.max_chunk_size: csgmv's rows per chunk (also the CUDA-graph decode's sorted layout)
+    max_chunk_size: int = 16
 
 
 class LoRALinear(nn.Module):
@@ -185,9 +187,9 @@ class LoRALinear(nn.Module):
 
 
 def apply_lora(model: LlamaModel, targets: tuple[str, ...], num_slots: int, max_rank: int,
-               backend: str = "torch") -> LoRAContext:
+               backend: str = "torch", max_chunk_size: int = 16) -> LoRAContext:
     """Wrap the projections that carry any of `targets`; return the context the runner fills per step."""
-    ctx = LoRAContext(backend=backend, num_slots=num_slots)
+    ctx = LoRAContext(backend=backend, num_slots=num_slots, max_chunk_size=max_chunk_size)
     for i, layer in enumerate(model.layers):
         for path, names in FUSED_SLICES.items():
             if not set(names) & set(targets):

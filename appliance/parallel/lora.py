@@ -93,7 +93,7 @@ class WorkerAdapters:
         self.dtype = dtype
         self.device = device
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
-                                           cfg.max_lora_rank, cfg.backend)
+                                           cfg.max_lora_rank, cfg.backend, cfg.max_chunk_size)
         self.specs: dict[str, AdapterSpec] = {}  # every key rank 0 holds
         self.shards: OrderedDict[str, Weights] = OrderedDict()
 

@@ -354,3 +354,35 @@ def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], 
     for j, (_, p) in enumerate(base_jobs):
         assert got[j] == oracle[None][0][p][:SHORT], f"base prompt {p}"
     assert variants and not any(variants)  # base rows only: no LoRA launches
+
+
+def test_static_decode_with_csgmv_sorts_rows_by_slot_and_matches_peft(adapters: dict[str, Path], oracle: dict,
+                                                                     tiny_model_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backend csgmv in the CUDA-graph decode layout (not captured, CPU): a size with enough rows per
+    slot sorts its rows by slot on the device (kernels/segments.sorted_segments_device, chunks of
+    lora.max_chunk_size = 2, so the two all8rs rows share a chunk), base and padding rows in no
+    segment; the projections run lora_shrink + lora_expand over the chunks, gate_up_proj's expand not
+    in the activation. 6 requests padded to 8 rows, 4 slots (the threshold lowered to 2 rows a slot)."""
+    import appliance.engine.cuda_graph as cg
+
+    monkeypatch.setattr(cg, "SORTED_MIN_ROWS_PER_SLOT", 2)
+    built: list[list[int]] = []
+    real_build = cg.sorted_segments_device
+    monkeypatch.setattr(cg, "sorted_segments_device",
+                        lambda rs, S, chunk: (built.append(rs.tolist()), real_build(rs, S, chunk))[1])
+    root = next(iter(adapters.values())).parent
+    engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=4", "lora.backend=csgmv",
+                         "lora.max_chunk_size=2", "engine.attention_backend=triton",
+                         "engine.fused_kernels=triton")
+    for name in ["qv4", "all8rs", "pattern"]:
+        engine.lora.load(name, str(adapters[name]))
+    engine.runner.start_static_decode([8], capture=False)
+    assert engine.runner.static_decode.sorted_layout(8) and not engine.runner.static_decode.sorted_layout(4)
+    jobs = [(None, 0), ("qv4", 1), ("all8rs", 2), ("pattern", 3), ("all8rs", 0), (None, 3)]
+    got = run_mixed(engine, jobs, SHORT)
+    for j, (name, p) in enumerate(jobs):
+        assert got[j] == oracle[name][0][p][:SHORT], f"{name} prompt {p}"
+    assert built and all(len(rs) == 8 and rs[6:] == [-1, -1] for rs in built)  # padded rows: no adapter
+    slots = [s for s in built[0] if s >= 0]
+    assert len(slots) == 4 and len(set(slots)) == 3  # all8rs's two rows on one slot

@@ -1,0 +1,37 @@
+"""GPU check (issue 6, round 8): lora.backend csgmv with CUDA graphs (the slot-sorted decode layout at
+sizes with >= 4 rows a slot) gives the eager engine's greedy tokens (fp32, torch ops), 12 requests on 4 adapters + base.
+The SmolLM2-135M architecture with random weights (gpu_engine_check.py's helpers); H200: 12/12.
+
+    python3 benchmarks/csgmv_graph_check_gpu.py TOKENIZER_DIR
+"""
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_engine_check as g  # noqa: E402
+
+tok = Path(sys.argv[1])
+with tempfile.TemporaryDirectory() as td:
+    d, prompts = g.small_model(td, tok, 1)
+    lens = [4 + (i * 7) % 29 for i in range(12)]
+    adapters = g.rank8_adapters(Path(td) / "adapters", d)
+    keys = g.adapter_keys(list(adapters))
+    root = next(iter(adapters.values())).parent
+    toks, sorted_sizes = [], None
+    for extra in ((), ("engine.enforce_eager=true", "engine.fused_kernels=torch")):
+        eng = g.engine_for(d, "float32", 16, "lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
+                           "lora.max_loras_per_batch=4", "lora.backend=csgmv", *extra)
+        for name, path in adapters.items():
+            eng.lora.load(name, str(path))
+        sd = eng.runner.static_decode
+        if sd is not None:
+            sorted_sizes = [b for b in sd.sizes if sd.sorted_layout(b)]
+        toks.append(g.generate(eng, prompts[:12], lens, keys))
+        del eng
+        torch.cuda.empty_cache()
+    same = sum(toks[0][k] == toks[1][k] for k in toks[1])
+    print(f"csgmv, graphs (sorted layout at sizes {sorted_sizes}) + fused vs eager + torch ops, fp32 greedy: "
+          f"{same}/12 identical ({sum(lens)} tokens)")
