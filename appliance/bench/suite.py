@@ -66,7 +66,7 @@ class Bench:
         return {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": dev, "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft_v,
                 "python": platform.python_version(), "model": self.cfg.model.name, "model_init": self.cfg.model.init,
-                "dtype": str(self.dtype).removeprefix("torch."), "lora_backend": self.cfg.lora.backend,
+                "dtype": str(self.dtype).removeprefix("torch."), "lora_backend": self.cfg.lora.resolved_backend(self.device),
                 "options": asdict(self.opts)}
 
     def _phase(self, name: str, fn: Callable[[], None]) -> None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+if TYPE_CHECKING:
+    import torch
 
 # Where `appliance model prepare` writes the embedded default model unless model.path says otherwise.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -195,7 +198,7 @@ class ServerConfig:
             raise ConfigError("server.admin_key: must be null or a non-empty string")
 
 
-LORA_BACKENDS = ("torch", "triton", "csgmv")
+LORA_BACKENDS = ("auto", "torch", "triton", "csgmv")
 PREFILL_GEMMS = ("auto", "cublas", "triton")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -216,8 +219,9 @@ class LoRAConfig:
     eviction_policy: str = "lru"  # lru | fifo
     # torch: plain torch ops (any device). triton: segmented shrink/expand kernels (SGMV), one program
     # per sequence tile. csgmv: adapter tokens sorted by slot and cut into chunks, for high concurrency.
-    # triton and csgmv need a CUDA device (or TRITON_INTERPRET=1 on CPU, slow: tests only).
-    backend: str = "torch"
+    # triton and csgmv need a CUDA device (or TRITON_INTERPRET=1 on CPU, slow: tests only). auto:
+    # triton on a CUDA device, torch elsewhere (resolved_backend).
+    backend: str = "auto"
     # csgmv: most tokens of one adapter per chunk (one kernel program's rows).
     max_chunk_size: int = 16
     # true: a cold adapter (not in the CPU tier) is read from disk by a background thread while the
@@ -250,6 +254,13 @@ class LoRAConfig:
     drain_wait_threshold_s: float = 0.0
     # Directories adapters may be loaded from (after resolving symlinks and `..`).
     adapter_roots: list[str] = field(default_factory=list)
+
+    def resolved_backend(self, device: "torch.device") -> str:
+        """The backend that runs on `device`: auto = triton on CUDA (the kernels and the decode CUDA
+        graphs), torch elsewhere (no Triton compiler on CPU); any other value as given."""
+        if self.backend != "auto":
+            return self.backend
+        return "triton" if device.type == "cuda" else "torch"
 
     def resolved_targets(self) -> tuple[str, ...]:
         return LORA_TARGETS if list(self.target_modules) == ["all"] else tuple(self.target_modules)

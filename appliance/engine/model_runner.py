@@ -183,7 +183,7 @@ class ModelRunner:
             return f"the model runs on {self.device}"
         if self.attention_backend != "triton":
             return "engine.attention_backend is torch (its gather is sized by a host int)"
-        if self.lora is not None and self.lora.cfg.backend == "torch":
+        if self.lora is not None and self.lora.backend == "torch":
             return "lora.backend torch groups tokens on the host per step"
         if e.fault_injection_token_id is not None:
             return "engine.fault_injection_token_id checks the inputs on the host"

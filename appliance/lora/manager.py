@@ -93,26 +93,27 @@ class LoRAManager:
         self._key_numbers = itertools.count()
         self.host = HostCache(cfg.max_loaded_loras, self._read_weights,
                               on_evict=lambda _: self.stats.eviction("cpu", "lru"))
-        if cfg.backend != "torch":
+        self.backend = cfg.resolved_backend(device)  # lora.backend, auto resolved for this device
+        if self.backend != "torch":
             from kernels.platform import triton_unavailable_reason
 
             why = triton_unavailable_reason(device)
             if why is not None:
                 raise ConfigError(f"lora.backend: {cfg.backend!r} cannot run here: {why}")
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
-                                           cfg.max_lora_rank, cfg.backend, cfg.max_chunk_size)
+                                           cfg.max_lora_rank, self.backend, cfg.max_chunk_size)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
         aside = cfg.decode_side_stream
         if aside is None:  # where it was measured to pay: one CUDA device (docs/benchmarks.md)
             aside = device.type == "cuda" and tp is None
         self.ctx.prefill_gemm = None if cfg.prefill_gemm == "auto" else cfg.prefill_gemm
-        if cfg.prefill_gemm == "triton" and cfg.backend != "torch":
+        if cfg.prefill_gemm == "triton" and self.backend != "torch":
             from kernels.lora_gemm import platform_reason
 
             why = platform_reason(device, next(model.parameters()).dtype)
             if why is not None:
                 raise ConfigError(f"lora.prefill_gemm: 'triton' cannot run here: {why}; use auto or cublas")
-        if aside and cfg.backend != "torch":
+        if aside and self.backend != "torch":
             self.ctx.decode_aside = True
             self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).
@@ -418,7 +419,7 @@ class LoRAManager:
         layout = None if all(s == -1 for s in slots) else LoRAStepLayout(
             list(seg_lens), list(slots), list(self.slot_ranks))
         self.ctx.info = None if layout is None else LoRABatchInfo.from_layout(
-            layout, self.device, self.cfg.backend, self.cfg.max_chunk_size)
+            layout, self.device, self.backend, self.cfg.max_chunk_size)
         return layout
 
     # ------------------------------------------------------------------ internals

@@ -92,8 +92,9 @@ class WorkerAdapters:
         self.layout = layout
         self.dtype = dtype
         self.device = device
+        self.backend = cfg.resolved_backend(device)
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
-                                           cfg.max_lora_rank, cfg.backend, cfg.max_chunk_size)
+                                           cfg.max_lora_rank, self.backend, cfg.max_chunk_size)
         self.specs: dict[str, AdapterSpec] = {}  # every key rank 0 holds
         self.shards: OrderedDict[str, Weights] = OrderedDict()
 
@@ -127,7 +128,7 @@ class WorkerAdapters:
 
     def begin_step(self, layout: Optional[LoRAStepLayout]) -> None:
         self.ctx.info = None if layout is None else LoRABatchInfo.from_layout(
-            layout, self.device, self.cfg.backend, self.cfg.max_chunk_size)
+            layout, self.device, self.backend, self.cfg.max_chunk_size)
 
     def _read(self, spec: AdapterSpec) -> Weights:
         # The whole file is read (its checksum covers every byte); only this rank's part is kept.

@@ -114,7 +114,9 @@ def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
         return None
     from appliance import __version__
 
-    metrics = Metrics(cfg.metrics, BuildInfo(__version__, cfg.model.name, cfg.lora.backend),
+    lora = engine.engine.lora  # its backend with auto resolved for the device
+    metrics = Metrics(cfg.metrics, BuildInfo(__version__, cfg.model.name,
+                                             lora.backend if lora is not None else cfg.lora.backend),
                       eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled)
     engine.set_stats_sink(metrics.record_events)
     return metrics

@@ -105,3 +105,11 @@ def test_llama_8b_gpu_example_composes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.model.dtype == "bfloat16" and cfg.model.source is None and cfg.lora.max_loras_per_batch == 32
     assert cfg.lora.adapter_roots == ["/data/loras"] and cfg.adapters["sql"].path == "/data/loras/sql-lora"
     assert cfg.adapters["sql"].pinned and cfg.adapters["support"].base_model == "meta-llama/Llama-3.1-8B-Instruct"
+    # lora.backend auto: the kernels (and the decode CUDA graphs) on a GPU, plain torch elsewhere
+    import torch
+
+    assert cfg.lora.backend == "auto"
+    assert cfg.lora.resolved_backend(torch.device("cuda", 0)) == "triton"
+    assert cfg.lora.resolved_backend(torch.device("cpu")) == "torch"
+    pinned = shipped_config("model=llama-3.1-8b-instruct", "engine=gpu", "lora=gpu", "lora.backend=csgmv")
+    assert pinned.lora.resolved_backend(torch.device("cpu")) == "csgmv"  # refused later, at engine start
