@@ -6,7 +6,7 @@ H200's triton 3.6: "'str' object has no attribute 'type'"). This runs the kernel
 interpreter off and triton's driver replaced by one that reports an sm90 CUDA target, each launch
 turned into a compile only (JITFunction.run with warmup=True): every (kernel, specialization) the
 tests reach is compiled to PTX and cubin with the installed ptxas. The tests' own assertions fail
-(nothing runs); only compile errors count.
+(nothing runs): their output is not shown; only compile errors count (and pytest failing to run).
 
     make compile-check        # installs triton 3.6.0 (the GPU host's) beside the venv once, then runs this
     PYTHONPATH=DIR/with/triton-3.6 .venv/bin/python benchmarks/sm90_compile_check.py [pytest args, default tests/kernels]
@@ -16,6 +16,8 @@ Prints the kernels compiled and each compile error (kernel, exception); exit 1 o
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 import traceback
@@ -86,11 +88,17 @@ def main() -> int:
     import kernels.platform as platform
     platform.interpreter_active = lambda: True
     args = sys.argv[1:] or [str(ROOT / "tests" / "kernels")]
-    print("sm90 compile check: the kernel tests below only compile their kernels (their pass/fail means "
-          "nothing); compile errors are listed at the end", flush=True)
-    # the tests' own outcomes are noise here (nothing runs): no tracebacks, no summary lines
-    pytest.main(["-q", "-p", "no:cacheprovider", "--no-header", "--tb=no", "-rN", "-o", "addopts=",
-                 "--timeout=0", *args], plugins=[_Plugin()])
+    print(f"sm90 compile check: compiling the kernels that {' '.join(args)} launch ...", flush=True)
+    # The tests' own outcomes are noise here (nothing runs): their output is kept back unless pytest
+    # itself failed (exit codes other than 0 / 1: collection or usage errors, no tests).
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "--no-header", "--tb=no", "-rN", "-o", "addopts=",
+                            "--timeout=0", *args], plugins=[_Plugin()])
+    if code not in (0, 1):
+        print(out.getvalue())
+        print(f"pytest could not run the tests (exit code {int(code)})")
+        return 1
     print(f"\ntriton {triton.__version__}, sm90: compiled {sum(COMPILED.values())} specializations of "
           f"{len(COMPILED)} kernels:", flush=True)
     for name, n in sorted(COMPILED.items()):
@@ -98,6 +106,9 @@ def main() -> int:
     for (name, first), text in ERRORS.items():
         print(f"\nCOMPILE ERROR in {name}: {first}\n{text}")
     print(f"\n{len(ERRORS)} compile errors")
+    if not COMPILED:
+        print("nothing was compiled: the tests launched no kernel")
+        return 1
     return 1 if ERRORS else 0
 
 
