@@ -222,11 +222,19 @@ def graph_time(fns: list[Callable[[], None]], reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def interleaved_times(fns: list[Callable[[], None]], reps: int = 7) -> list[float]:
+def interleaved_times(fns: list[Callable[[], None]], reps: int = 7, scrub_mb: int = 256) -> list[float]:
     """Seconds per call of each fn, one CUDA graph each, replayed round robin reps times (medians): the
-    clock drift of a long run (a 5 ms GEMM's time moved by 5-10 % between rows) hits all of them alike."""
+    clock drift of a long run (a 5 ms GEMM's time moved by 5-10 % between rows) hits all of them alike.
+    Before every timed replay an untimed read of scrub_mb MB (0 = none) leaves the L2 clean: otherwise a
+    graph pays for the previous one's dirty lines (round 8: a 67 MB copy cost the next variant ~4 µs,
+    and the first lora_linear column of each prefill row, timed after the add-after order's write of
+    y, read 1-3 points of the GEMM higher than the same code in the next columns)."""
     if DEV.type == "cpu":
         return [graph_time([f]) for f in fns]
+    scrub = None
+    if scrub_mb:
+        junk = torch.empty(scrub_mb * 2**19, device=DEV, dtype=torch.bfloat16)
+        fns = [lambda: junk.sum(dtype=torch.float32)] + list(fns)
     graphs = []
     for f in fns:
         side = torch.cuda.Stream()
@@ -239,10 +247,14 @@ def interleaved_times(fns: list[Callable[[], None]], reps: int = 7) -> list[floa
             f()
         g.replay()
         graphs.append(g)
+    if scrub_mb:
+        scrub, graphs = graphs[0], graphs[1:]
     torch.cuda.synchronize()
-    times: list[list[float]] = [[] for _ in fns]
+    times: list[list[float]] = [[] for _ in graphs]
     for _ in range(reps):
         for g, ts in zip(graphs, times):
+            if scrub is not None:
+                scrub.replay()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             g.replay()

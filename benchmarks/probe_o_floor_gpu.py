@@ -16,8 +16,8 @@ same buffers), for each Llama-3.1-8B projection at T tokens on D adapters:
   loads only (= floor grid), + the segment metadata, + x and the math, + y's load and store.
 - "floor flat": one program an SM x WAVES streaming A and B as flat [rows, 256] tiles: the floor of
   reading those bytes with ideal tiles.
-A read of 256 MB runs before every timed replay (not timed), so no variant pays for another's dirty
-L2 lines.
+A read of 256 MB runs before every timed replay (not timed; bench_kernels_gpu.interleaved_times), so no
+variant pays for another's dirty L2 lines.
 - "torch sum" / "torch copy": one torch sum over a buffer of the adapter bytes; a device copy moving
   that many bytes (half read, half written): what a plain read / copy of this size reaches with its
   own launch, ramp and tail.
@@ -288,33 +288,6 @@ def floor_flat_fn(p: "bk.Proj", D: int, stages: int, waves: int = 4, box: int = 
                                                       BOX=box, STAGES=stages, num_warps=4)
 
 
-def scrubbed_times(fns, reps: int) -> list[float]:
-    """bench_kernels_gpu.interleaved_times with a read of 256 MB before every timed replay: a variant
-    never pays for the previous one's dirty L2 lines (a 67 MB copy leaves ~34 MB to write back, which
-    cost the next variant ~4 µs in the first run of this probe)."""
-    junk = torch.empty(128 * 2**20, device="cuda", dtype=torch.bfloat16)
-    graphs = []
-    for f in [lambda: junk.sum(dtype=torch.float32)] + list(fns):
-        f()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            f()
-        graphs.append(g)
-    scrub, graphs = graphs[0], graphs[1:]
-    torch.cuda.synchronize()
-    times: list[list[float]] = [[] for _ in graphs]
-    for _ in range(reps):
-        for g, ts in zip(graphs, times):
-            scrub.replay()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-    return [sorted(ts)[len(ts) // 2] for ts in times]
-
-
 def check(smoke: bool) -> None:
     """one loop against the shipped TMA body: bits, mixed ranks, rank padding poisoned, scalings."""
     if smoke:
@@ -386,7 +359,7 @@ def main() -> None:
             var["torch sum"] = lambda: [rd.sum(dtype=torch.float32) for _ in range(len(segs) * reps)]
             var["torch copy"] = lambda: [dst.copy_(src) for _ in range(len(segs) * reps)]
             names += [v for v in var if v not in names]
-            ts = [t / (len(segs) * reps) for t in scrubbed_times(list(var.values()), args.reps)]
+            ts = [t / (len(segs) * reps) for t in bk.interleaved_times(list(var.values()), reps=args.reps)]
             cells = {v: f"{t * 1e6:.1f} ({100 * nbytes / t / bw:.0f} %)" for v, t in zip(var, ts)}
             rows.append((f"| {proj} | {T} | {D} | {nbytes / 1e6:.1f} | ", cells))
             print(rows[-1][0] + " | ".join(f"{v} {c}" for v, c in cells.items()), flush=True)
