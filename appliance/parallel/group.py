@@ -146,6 +146,21 @@ class TPGroup:
         dist.gather_object(obj, out, dst=0, group=self.control_group)
         return out
 
+    def quiesce(self, timeout_s: float = 10.0) -> None:
+        """Before destroy, on CPU ranks: meet every rank in a barrier so that no rank tears its gloo
+        groups down (or exits) while a peer still uses them; torch 2.13's gloo then aborts a process
+        ("terminate called without an active exception"): 4-5 of 16 runs in tests/parallel/test_tp_group.py
+        without a barrier, 0 of 46 with it, and once a rank-0 server on SIGTERM in the two-node test.
+        CUDA workers leave with os._exit right after Stop (parallel/worker.py): nothing to meet there.
+        A peer that never arrives (dead) costs timeout_s and a warning, then teardown goes on."""
+        if self.device.type == "cuda" or not dist.is_initialized():
+            return
+        try:
+            dist.monitored_barrier(group=self.control_group, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_all_ranks=True)
+        except RuntimeError as e:
+            log.warning("tensor-parallel rank %d: not every rank reached teardown: %s", self.rank, e)
+
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

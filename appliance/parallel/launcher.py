@@ -97,6 +97,7 @@ class Workers:
             return
         self._stopping.set()
         group.broadcast(Stop())
+        group.quiesce()  # every rank, this host's and other hosts', at teardown together (CPU)
         for p in self.procs:
             try:
                 p.wait(timeout=_STOP_WAIT_S)

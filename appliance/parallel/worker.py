@@ -53,6 +53,7 @@ def run_worker(cfg: ApplianceConfig, rank: int) -> None:
         # its GPU memory and sockets. Not yet re-measured on GPUs.
         logging.shutdown()
         os._exit(0)
+    group.quiesce()  # rank 0 and every worker tear down together (TPGroup.quiesce)
     group.destroy()
 
 
