@@ -19,13 +19,9 @@ with tempfile.TemporaryDirectory() as td:
     lens = [4 + (i * 7) % 29 for i in range(12)]
     adapters = g.rank8_adapters(Path(td) / "adapters", d)
     keys = g.adapter_keys(list(adapters))
-    root = next(iter(adapters.values())).parent
     toks, sorted_sizes = [], None
     for extra in ((), ("engine.enforce_eager=true", "engine.fused_kernels=torch")):
-        eng = g.engine_for(d, "float32", 16, "lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
-                           "lora.max_loras_per_batch=4", "lora.backend=csgmv", *extra)
-        for name, path in adapters.items():
-            eng.lora.load(name, str(path))
+        eng = g.lora_engine(d, adapters, *extra, backend="csgmv")
         sd = eng.runner.static_decode
         if sd is not None:
             sorted_sizes = [b for b in sd.sizes if sd.sorted_layout(b)]

@@ -260,11 +260,11 @@ def rank8_adapters(root: Path, model_dir: Path) -> dict[str, Path]:
                          torch.float32, torch.device("cuda"), progress=False)
 
 
-def lora_engine(d: Path, adapters: "dict[str, Path]", *extra: str):
-    """An fp32 engine on the model in d with lora.backend triton and `adapters` loaded (4 slots)."""
+def lora_engine(d: Path, adapters: "dict[str, Path]", *extra: str, backend: str = "triton"):
+    """An fp32 engine on the model in d with lora.backend `backend` and `adapters` loaded (4 slots)."""
     root = next(iter(adapters.values())).parent
     eng = engine_for(d, "float32", 16, "lora.enabled=true", f"lora.adapter_roots=[{root}]", "lora.max_lora_rank=8",
-                     "lora.max_loras_per_batch=4", "lora.backend=triton", *extra)
+                     "lora.max_loras_per_batch=4", f"lora.backend={backend}", *extra)
     for name, path in adapters.items():
         eng.lora.load(name, str(path))
     return eng

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from kernels.segments import csgmv_segments, sgmv_segments, to_device
+from kernels.segments import csgmv_segments, rows_covered, sgmv_segments, sorted_segments_device, to_device
 
 CPU = torch.device("cpu")
 
@@ -61,10 +63,6 @@ def test_sorted_segments_device_is_csgmv_layout_on_a_fixed_grid() -> None:
     # The CUDA-graph decode's slot-sorted layout (one-token rows, built on the device): the same chunks
     # and token order as csgmv_segments, then a tail of empty segments (length 0, slot -1) up to the
     # fixed count cdiv(b, chunk) + min(S, b); base rows sort last and belong to no segment.
-    import random
-
-    from kernels.segments import rows_covered, sorted_segments_device
-
     rng = random.Random(0)
     for _ in range(200):
         b, S, chunk = rng.randint(1, 40), rng.randint(1, 9), rng.randint(1, 8)
