@@ -22,13 +22,14 @@ variant pays for another's dirty L2 lines.
   that many bytes (half read, half written): what a plain read / copy of this size reaches with its
   own launch, ramp and tail.
 
-    python3 benchmarks/probe_o_floor_gpu.py [--shapes 256x256,128x128] [--proj o,qkv] [--b2b 8] [--stages 3,4]
+    python3 benchmarks/probe_o_floor_gpu.py [--shapes 256x256,128x128] [--proj o,qkv] [--b2b 8] [--stages 3,4] [--only REGEX]
     TRITON_INTERPRET=1 python3 benchmarks/probe_o_floor_gpu.py --smoke     # CPU: the kernels' bits only
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -121,12 +122,25 @@ def _ladder_kernel(
     one float a program stored at the end); YIO 2: y through pointer loads and stores; YIO 3: the
     delta rounded to y's dtype and added by the L2 (tl.atomic_add, relaxed: no load of y, one more
     rounding than the shipped body)."""
-    if META:
+    if META == 1:
         seg, m0, slot, rank, i, c_lo, c_hi = _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, OUT, OUT,
                                                            cols_per_prog)
         if (c_lo >= c_hi) | (rank == 0):
             return
         row = segment_row(seg_start_ptr, seg_start_ptr, seg, m0, False).to(tl.int32)
+    elif META >= 2:  # slot and row loaded side by side; 2: the rank before the branch, 3: after A's loop
+        seg = tl.program_id(0)
+        slot = tl.load(seg_slot_ptr + seg)
+        row = tl.load(seg_start_ptr + seg)
+        rank = tl.load(rank_ptr + tl.maximum(slot, 0))
+        c_lo = tl.program_id(2) * cols_per_prog
+        c_hi = tl.minimum(c_lo + cols_per_prog, OUT)
+        if META == 2:
+            if (slot < 0) | (rank == 0):
+                return
+        else:
+            if slot < 0:
+                return
     else:
         slot = tl.program_id(0)
         row = slot
@@ -145,6 +159,9 @@ def _ladder_kernel(
             acc2 += at.to(tl.float32) * xt.to(tl.float32)
         else:
             acc2 += at.to(tl.float32)
+    if META == 3:
+        if rank == 0:
+            return
     hv = tl.where(r_mask, tl.sum(acc2, axis=1), 0.0)
     hv = hv.to(y_desc.dtype).to(tl.float32)
     tot = tl.zeros((1, BLOCK_N), dtype=tl.float32)
@@ -193,10 +210,14 @@ LADDER = {  # name -> ladder_fn's switches
     "full, 8 warps": dict(meta=True, math=True, yio=1, warps=8),
     "full, 3 stages": dict(meta=True, math=True, yio=1, stages=3),
     "full, 6 stages": dict(meta=True, math=True, yio=1, stages=6),
+    "full, meta early": dict(meta=2, math=True, yio=1),
+    "full, meta early, rank late": dict(meta=3, math=True, yio=1),
+    "full, meta early, rank late, y ptr": dict(meta=3, math=True, yio=2),
+    "full, meta early, rank late, y tma/ptr": dict(meta=3, math=True, yio=4),
 }
 
 
-def ladder_fn(p: "bk.Proj", segs, meta: bool, math: bool, yio: int, stages: int = 4, warps: int = 4, pf: int = 0):
+def ladder_fn(p: "bk.Proj", segs, meta: int, math: bool, yio: int, stages: int = 4, warps: int = 4, pf: int = 0):
     """_ladder_kernel for a one-slice projection (o, down), the shipped launcher's tiles and splits."""
     S, n, R, K = p.A.shape
     assert n == 1
@@ -209,7 +230,7 @@ def ladder_fn(p: "bk.Proj", segs, meta: bool, math: bool, yio: int, stages: int 
              _desc(p.B.view(S * OUT, R), [block_n, R]))
     return lambda: _ladder_kernel[(T, 1, splits)](*descs, p.y, p.B, out, segs.starts, segs.lens, segs.slots, p.ranks,
                                                   K, OUT, R, R, cols, BLOCK_R=R, BLOCK_K=256, BLOCK_N=block_n,
-                                                  STAGES=stages, META=meta, MATH=math, YIO=int(yio), PF=pf,
+                                                  STAGES=stages, META=int(meta), MATH=math, YIO=int(yio), PF=pf,
                                                   num_warps=warps)
 
 
@@ -308,6 +329,17 @@ def check(smoke: bool) -> None:
         one_loop(got, p.x, p.A, p.B, segs, p.ranks, p.offs, scal, cols_per_prog=cols)
         print(f"check one loop (cols_per_prog {cols}): bits equal to the TMA body: {torch.equal(got, want)}; "
               f"max abs diff {(got.float() - want.float()).abs().max().item():.3g}", flush=True)
+    # the ladder's full bodies (one slice, no scalings) against the shipped TMA body: the same sums
+    p = bk.Proj(256 if smoke else 4096, [256 if smoke else 4096], T)
+    p.ranks[1] = 0
+    segs = bk.make_segments("triton", [1] * T, [i % bk.SLOTS for i in range(T)])
+    want = p.y.clone()
+    lora_apply(want, p.x, p.A, p.B, segs, p.ranks, p.offs, fused=True, tma=True)
+    for tag, kw in LADDER.items():
+        if kw["meta"] and kw["math"] and kw["yio"] in (1, 2, 4) and not kw.get("pf"):  # (no inline asm here)
+            p.y.zero_()
+            ladder_fn(p, segs, **kw)()
+            print(f"check ladder {tag}: bits equal to the TMA body: {torch.equal(p.y, want)}", flush=True)
 
 
 def main() -> None:
@@ -317,6 +349,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--b2b", type=int, default=1)
     ap.add_argument("--stages", default="4", help="the one-loop variant's (empty: none)")
+    ap.add_argument("--only", default="", help="a regex: time only the variants whose names it matches")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     check(args.smoke)
@@ -358,6 +391,8 @@ def main() -> None:
                 var[f"floor flat w{waves} st{st}"] = lambda f=f: [f() for _ in range(len(segs) * reps)]
             var["torch sum"] = lambda: [rd.sum(dtype=torch.float32) for _ in range(len(segs) * reps)]
             var["torch copy"] = lambda: [dst.copy_(src) for _ in range(len(segs) * reps)]
+            if args.only:
+                var = {v: f for v, f in var.items() if re.search(args.only, v)}
             names += [v for v in var if v not in names]
             ts = [t / (len(segs) * reps) for t in bk.interleaved_times(list(var.values()), reps=args.reps)]
             cells = {v: f"{t * 1e6:.1f} ({100 * nbytes / t / bw:.0f} %)" for v, t in zip(var, ts)}
