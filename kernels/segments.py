@@ -17,7 +17,8 @@ zeroes exactly those rows of an output that is otherwise only written.
 Both are built on the host from Python lists the scheduler already has, with one host->device copy
 (from pinned memory on CUDA, non-blocking): no layer and no decode step waits on the device.
 `sorted_segments_device` builds csgmv's layout on the device instead, in shapes fixed by the row
-count, for decode steps replayed from CUDA graphs.
+count, for decode steps replayed from CUDA graphs; there base and padding rows do get segments (slot
+-1 chunks, no program work), so every row is in one and gate_up's activation can take the expand.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class LoRASegments:
     starts: torch.Tensor  # [G] int32: first position of each segment
     lens: torch.Tensor  # [G] int32: positions in each segment (>= 1; 0 only in sorted_segments_device's tail)
     slots: torch.Tensor  # [G] int32: slot of each segment (base tokens have no segment; -1 only in the
-    # static decode batch of engine/cuda_graph.py: one segment per row, base and padding rows at -1)
+    # static decode batch of engine/cuda_graph.py: one segment per row, or sorted_segments_device's
+    # chunks, base and padding rows at -1)
     token_index: Optional[torch.Tensor]  # [P] int32: token row at each position; None = row = position
     max_len: int  # longest segment, kept on the host: it sizes the grid without a device sync
     # [Tb] int32: rows of the base tokens, for lora_expand's write mode (it zeroes them); None = not built
@@ -42,6 +44,9 @@ class LoRASegments:
     # [T] int32: slot of each token row, -1 = base; for kernels that walk rows, not segments
     # (kernels/lora_gemm.py's epilogue). None = not built (the static decode batch).
     row_slots: Optional[torch.Tensor] = None
+    # sorted_segments_device's layout (the static decode batch, slot-sorted): every row is in exactly
+    # one segment, base and padding rows in slot -1 chunks; base_rows None (nothing listed)
+    static_sorted: bool = False
 
     @property
     def num_segs(self) -> int:
@@ -50,9 +55,11 @@ class LoRASegments:
 
 def rows_covered(segs: LoRASegments) -> int:
     """Rows of the step the segments and the listed base rows account for (each once); with base_rows
-    None (the static decode batch of engine/cuda_graph.py) one segment per row, or -1 (never a row
-    count) for sorted_segments_device's layout, whose base rows are in no segment and not listed."""
+    None (the static decode batch of engine/cuda_graph.py) one segment per row, or every row of
+    sorted_segments_device's layout (its token_index); -1 (never a row count) when unknown."""
     if segs.base_rows is None:
+        if segs.static_sorted:
+            return segs.token_index.shape[0]
         return segs.num_segs if segs.token_index is None else -1
     return segs.num_rows + segs.base_rows.shape[0]
 
@@ -118,29 +125,30 @@ def sorted_segments_device(row_slots: torch.Tensor, num_slots: int, chunk: int) 
     """csgmv_segments' layout built on the device from the rows' slots, with shapes that depend only on
     the row count: what a CUDA graph can replay for any step of that size (engine/cuda_graph.py).
 
-    row_slots [b] int32 (-1 = base or padding row). Adapter rows are stably sorted by slot
-    (token_index; base rows last, in no segment) and each slot's rows cut into chunks of `chunk`. The
-    segment grid is fixed at cdiv(b, chunk) + min(num_slots, b), the most chunks b rows can need; the
-    unused tail gets length 0 and slot -1 (its programs return at once). max_len = chunk."""
+    row_slots [b] int32 (-1 = base or padding row). Rows are stably sorted by slot (token_index; base
+    rows last) and each slot's rows cut into chunks of `chunk`; so are the base rows, as chunks of slot
+    -1, which the LoRA kernels skip (rank 0) and silu_mul_lora's tile body runs without a delta: every
+    row is in one segment (rows_covered = b), so gate_up's expand can ride in the activation. The
+    segment grid is fixed at cdiv(b, chunk) + min(num_slots + 1, b), the most chunks b rows can need;
+    the unused tail gets length 0 and slot -1 (its programs return at once). max_len = chunk."""
     b = row_slots.shape[0]
     dev = row_slots.device
-    key = torch.where(row_slots < 0, num_slots, row_slots).long()  # base rows sort last
+    key = torch.where(row_slots < 0, num_slots, row_slots).long()  # base rows: key num_slots, sorted last
     token_index = torch.sort(key, stable=True).indices.to(torch.int32)
     counts = torch.zeros(num_slots + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_slots]
-    first_row = torch.cumsum(counts, 0) - counts  # position of each slot's first row in token_index
+    first_row = torch.cumsum(counts, 0) - counts  # position of each key's first row in token_index
     nchunks = (counts + chunk - 1) // chunk
-    chunk_end = torch.cumsum(nchunks, 0)  # one past each slot's last segment
-    G = -(-b // chunk) + min(num_slots, b)
+    chunk_end = torch.cumsum(nchunks, 0)  # one past each key's last segment
+    G = -(-b // chunk) + min(num_slots + 1, b)
     g = torch.arange(G, device=dev)
-    slot = torch.searchsorted(chunk_end, g, right=True)  # the slot whose segments hold segment g
-    live = slot < num_slots
-    s = slot.clamp(max=num_slots - 1)
-    c = g - (chunk_end[s] - nchunks[s])  # chunk number within its slot
-    starts = torch.where(live, first_row[s] + c * chunk, 0).to(torch.int32)
-    lens = torch.where(live, (counts[s] - c * chunk).clamp(0, chunk), 0).to(torch.int32)
-    slots = torch.where(live, s, -1).to(torch.int32)
-    return LoRASegments(starts, lens, slots, token_index, chunk)
+    key_of = torch.searchsorted(chunk_end, g, right=True)  # the key whose segments hold segment g
+    live = key_of <= num_slots
+    k = key_of.clamp(max=num_slots)
+    c = g - (chunk_end[k] - nchunks[k])  # chunk number within its key
+    starts = torch.where(live, first_row[k] + c * chunk, 0).to(torch.int32)
+    lens = torch.where(live, (counts[k] - c * chunk).clamp(0, chunk), 0).to(torch.int32)
+    slots = torch.where(key_of < num_slots, k, -1).to(torch.int32)
+    return LoRASegments(starts, lens, slots, token_index, chunk, static_sorted=True)
 
 
 # Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,

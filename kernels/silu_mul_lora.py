@@ -197,7 +197,8 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
     gate_up [T, 2I] fp32/bf16/fp16 (rows may be strided, columns contiguous), left unchanged;
     h [P, T, 2, R] fp32 (lora_shrink partials=True; [T, 2, R] = one plane); B [S, 2I, R] in gate_up's
     dtype; segs: segments whose rows together with segs.base_rows cover every row of gate_up once
-    (or, with base_rows None, one-token segments, one per row: the static decode batch);
+    (or, with base_rows None, the static decode batch: one-token segments, one per row, or
+    sorted_segments_device's chunks, base rows in slot -1 chunks);
     slot_ranks [S] int32; scalings [S] fp32 or None (= 1). block: columns per program of the
     one-token body (power of 2). block_m, block_n, cols_per_prog, num_stages, num_warps: the tile
     body's tile, columns per program and pipeline (multi-token segments; None = the launcher's
@@ -217,7 +218,7 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
                          f"{B.dtype}")
     if segs.num_segs == 0:
         raise ValueError("silu_mul_lora: no segment (a step without adapter rows takes silu_mul)")
-    if segs.max_len != 1 and segs.base_rows is None:
+    if segs.max_len != 1 and segs.base_rows is None and not segs.static_sorted:
         raise ValueError(f"silu_mul_lora: segments longer than one token ({segs.max_len}) must list the base "
                          "rows (segs.base_rows)")
     if block < 16 or block & (block - 1):

@@ -67,7 +67,7 @@ class Bench:
                 "device": dev, "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft_v,
                 "python": platform.python_version(), "model": self.cfg.model.name, "model_init": self.cfg.model.init,
                 "dtype": str(self.dtype).removeprefix("torch."), "lora_backend": self.cfg.lora.resolved_backend(self.device),
-                "options": asdict(self.opts)}
+                "lora_sorted_decode": self.cfg.lora.sorted_decode(self.device), "options": asdict(self.opts)}
 
     def _phase(self, name: str, fn: Callable[[], None]) -> None:
         left = None if self.opts.budget_s is None else self.opts.budget_s - (time.monotonic() - self.t0)

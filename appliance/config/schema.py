@@ -220,7 +220,8 @@ class LoRAConfig:
     # torch: plain torch ops (any device). triton: segmented shrink/expand kernels (SGMV), one program
     # per sequence tile. csgmv: adapter tokens sorted by slot and cut into chunks, for high concurrency.
     # triton and csgmv need a CUDA device (or TRITON_INTERPRET=1 on CPU, slow: tests only). auto:
-    # triton on a CUDA device, torch elsewhere (resolved_backend).
+    # on a CUDA device triton, except inside the decode CUDA graphs with enough rows per slot, which take
+    # csgmv's slot-sorted chunks (sorted_decode); torch elsewhere (resolved_backend).
     backend: str = "auto"
     # csgmv: most tokens of one adapter per chunk (one kernel program's rows).
     max_chunk_size: int = 16
@@ -261,6 +262,16 @@ class LoRAConfig:
         if self.backend != "auto":
             return self.backend
         return "triton" if device.type == "cuda" else "torch"
+
+    def sorted_decode(self, device: "torch.device") -> bool:
+        """Whether the decode CUDA graphs may sort their rows by slot into csgmv's chunks (at sizes with
+        enough rows per slot, appliance/engine/cuda_graph.py): backend csgmv, and auto on CUDA. There
+        one-token segments re-read an adapter once per row that uses it; sorted, once per chunk (H200,
+        8B shape, batch 256 on 32 adapters: LoRA 2.1 against 4.2 ms of a ~12.4 ms base step,
+        docs/benchmarks.md round 9),
+        while prefill keeps triton's per-request segments (csgmv's chunks were behind at 16384 tokens).
+        triton as given keeps one-token segments in the graphs."""
+        return self.backend == "csgmv" or (self.backend == "auto" and device.type == "cuda")
 
     def resolved_targets(self) -> tuple[str, ...]:
         return LORA_TARGETS if list(self.target_modules) == ["all"] else tuple(self.target_modules)

@@ -12,10 +12,12 @@ so with async scheduling (engine/async_step.py) a step can decode on tokens the 
 - attention: the Triton decode kernel reads the lengths on the device; its split-K count is fixed per
   size from max_model_len (ModelRunner.decode_splits);
 - LoRA (backends triton/csgmv): a fixed grid of one-token segments with max_len 1; rows without an
-  adapter exit at once. Backend csgmv at sizes with at least SORTED_MIN_ROWS_PER_SLOT rows a slot
-  instead sorts the rows by slot inside the graph (kernels/segments.sorted_segments_device: chunks of
-  lora.max_chunk_size rows of one slot on a segment grid fixed by the size), so a slot's A and B are
-  read once per chunk instead of once per row;
+  adapter exit at once. Backends csgmv and auto (on CUDA; LoRAConfig.sorted_decode) at sizes with at
+  least SORTED_MIN_ROWS_PER_SLOT rows a slot instead sort the rows by slot inside the graph
+  (kernels/segments.sorted_segments_device: chunks of lora.max_chunk_size rows of one slot on a segment
+  grid fixed by the size), so a slot's A and B are read once per chunk instead of once per row; base
+  and padding rows go in chunks of slot -1 (no LoRA work), so every row is in a segment and gate_up's
+  expand can ride in the activation (kernels/silu_mul_lora.py);
 - adapter slot loads only change the contents of the A/B slot tensors and of `slot_ranks` (a loader
   that replaced those tensors instead of copying into them would invalidate the graphs).
 
@@ -75,15 +77,17 @@ class DecodeBuffers:
     slot_ranks: torch.Tensor  # [S] int32: rank of each LoRA slot (0 = empty)
 
 
-# Backend csgmv: graph sizes with at least this many rows per LoRA slot (lora.max_loras_per_batch) sort
-# their rows by slot inside the graph; smaller ones keep one segment per row (the fused kernel, which
-# wins when most rows have their own adapter). H200, Llama-3.1-8B projections, one-token rows on D
+# Backends csgmv and auto on CUDA (LoRAConfig.sorted_decode): graph sizes with at least this many rows
+# per LoRA slot (lora.max_loras_per_batch) sort their rows by slot inside the graph; smaller ones keep
+# one segment per row (the fused kernel, which wins when most rows have their own adapter). H200, Llama-3.1-8B projections, one-token rows on D
 # adapters (docs/benchmarks.md, round 8 table): 256 rows on 16 adapters, slot-sorted chunks of 16 against
 # one segment per row, qkv 17.0 / 28.4 µs, o 10.7 / 17.7, gate_up 20.6 / 66.8, down 13.1 / 27.8; on 64
 # adapters (4 rows each) 24.8 / 31.0, 16.4 / 18.6, 46.5 / 72.8, 26.2 / 30.8; on 256 (1 each) the fused
 # kernel wins (qkv 48-52 µs against 61 for shrink + expand, round 6). Engine, 8B shape, batch 256 on 32
 # adapters: 15.22 ms a decode step against 16.69 with one segment per row. 4 is a bound read off those
-# kernel rows, not a measured crossover.
+# kernel rows; round 9 measured the engine at it: batch 128 on 32 adapters (4 rows a slot), LoRA 2.70
+# against 2.78 ms a step (sorted chunks, base rows outside them, against one segment per row), then
+# 2.15 with the base rows in slot -1 chunks (gate_up's expand in the activation) and the shrink aside.
 SORTED_MIN_ROWS_PER_SLOT = 4
 
 
@@ -275,9 +279,10 @@ class StaticDecode:
             decode_splits=r.decode_splits(b, r.max_model_len), decode_len_bound=r.max_model_len)
 
     def sorted_layout(self, b: int) -> bool:
-        """Whether size b's LoRA launches take the slot-sorted layout (backend csgmv, enough rows a slot)."""
+        """Whether size b's LoRA launches take the slot-sorted layout (lora.backend csgmv, or auto on
+        CUDA: LoRAConfig.sorted_decode; enough rows a slot)."""
         ctx = self.lora
-        return (ctx is not None and ctx.backend == "csgmv" and ctx.num_slots > 0
+        return (ctx is not None and ctx.sorted_decode and ctx.num_slots > 0
                 and b >= SORTED_MIN_ROWS_PER_SLOT * ctx.num_slots)
 
     def _lora_info(self, b: int) -> Optional[LoRABatchInfo]:

@@ -47,6 +47,8 @@ class LoRAContext:
     prefill_gemm: Optional[str] = None
     # lora.max_chunk_size: csgmv's rows per chunk (also the CUDA-graph decode's sorted layout)
     max_chunk_size: int = 16
+    # LoRAConfig.sorted_decode: the decode CUDA graphs may sort rows by slot (csgmv's chunks)
+    sorted_decode: bool = False
 
 
 class LoRALinear(nn.Module):
@@ -88,7 +90,8 @@ class LoRALinear(nn.Module):
             # crosses HBM once less than with the add after.
             return self._linear(x, self.base.weight, self.A, self.B, segs, info.slot_ranks, self.out_offsets,
                                 gemm=self.ctx.prefill_gemm)
-        if segs is not None and self.ctx.decode_aside and segs.max_len == 1 and not self._fuses(segs, self.A, x.device):
+        if segs is not None and self.ctx.decode_aside and (
+                segs.static_sorted or (segs.max_len == 1 and not self._fuses(segs, self.A, x.device))):
             return self._decode_aside(x, info)
         y = self.base(x)
         if info is None:
@@ -114,9 +117,10 @@ class LoRALinear(nn.Module):
         the delta already added.
 
         Allowed: backend triton/csgmv, two slices, segments and base rows covering every row of x (or
-        one segment per row: the static decode batch), and either
+        the static decode batch: one segment per row, or its slot-sorted chunks), and either
         - one-token segments (decode with distinct adapters) that lora_apply would not fuse into one
-          launch; the shrink runs on the side stream beside the GEMM when lora.decode_side_stream is on;
+          launch, or the static decode batch's slot-sorted chunks; the shrink runs on the side stream
+          beside the GEMM when lora.decode_side_stream is on;
         - multi-token segments (prefill-shaped) under lora.prefill_gemm auto (cublas or triton pin
           lora_linear for every projection, a benchmark's A/B).
         h's memory: see _base_and_shrink."""
@@ -129,6 +133,8 @@ class LoRALinear(nn.Module):
             if self._fuses(segs, self.A, x.device):
                 return self.forward(x), None
             side = self.ctx.side_stream if self.ctx.decode_aside else None
+        elif segs.static_sorted:
+            side = self.ctx.side_stream if self.ctx.decode_aside else None
         elif self.ctx.prefill_gemm is None and segs.base_rows is not None:
             side = None
         else:
@@ -137,7 +143,7 @@ class LoRALinear(nn.Module):
         return y, (h, self.B, segs, info.slot_ranks)
 
     def _decode_aside(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        """One-token segments (decode): the adapters' shrink (x @ Aᵀ, which reads every A of the step)
+        """Decode (one-token segments, or the static decode batch's slot-sorted chunks): the adapters' shrink (x @ Aᵀ, which reads every A of the step)
         runs on the side stream while the base GEMM runs on the current one, then the expand adds into
         y. A decode GEMM at batch 64 leaves SMs idle (cuBLAS takes 96 to 128 tiles for qkv and o on 132
         SMs) and the shrink is launch- and latency-bound, so it can fill them; the expand must follow
@@ -187,9 +193,10 @@ class LoRALinear(nn.Module):
 
 
 def apply_lora(model: LlamaModel, targets: tuple[str, ...], num_slots: int, max_rank: int,
-               backend: str = "torch", max_chunk_size: int = 16) -> LoRAContext:
+               backend: str = "torch", max_chunk_size: int = 16, sorted_decode: bool = False) -> LoRAContext:
     """Wrap the projections that carry any of `targets`; return the context the runner fills per step."""
-    ctx = LoRAContext(backend=backend, num_slots=num_slots, max_chunk_size=max_chunk_size)
+    ctx = LoRAContext(backend=backend, num_slots=num_slots, max_chunk_size=max_chunk_size,
+                      sorted_decode=sorted_decode and backend != "torch")
     for i, layer in enumerate(model.layers):
         for path, names in FUSED_SLICES.items():
             if not set(names) & set(targets):

@@ -101,7 +101,8 @@ class LoRAManager:
             if why is not None:
                 raise ConfigError(f"lora.backend: {cfg.backend!r} cannot run here: {why}")
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
-                                           cfg.max_lora_rank, self.backend, cfg.max_chunk_size)
+                                           cfg.max_lora_rank, self.backend, cfg.max_chunk_size,
+                                           cfg.sorted_decode(device))
         self.slot_ranks = [0] * cfg.max_loras_per_batch
         aside = cfg.decode_side_stream
         if aside is None:  # where it was measured to pay: one CUDA device (docs/benchmarks.md)

@@ -94,7 +94,8 @@ class WorkerAdapters:
         self.device = device
         self.backend = cfg.resolved_backend(device)
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
-                                           cfg.max_lora_rank, self.backend, cfg.max_chunk_size)
+                                           cfg.max_lora_rank, self.backend, cfg.max_chunk_size,
+                                           cfg.sorted_decode(device))
         self.specs: dict[str, AdapterSpec] = {}  # every key rank 0 holds
         self.shards: OrderedDict[str, Weights] = OrderedDict()
 

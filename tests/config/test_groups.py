@@ -111,5 +111,10 @@ def test_llama_8b_gpu_example_composes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cfg.lora.backend == "auto"
     assert cfg.lora.resolved_backend(torch.device("cuda", 0)) == "triton"
     assert cfg.lora.resolved_backend(torch.device("cpu")) == "torch"
+    # and on CUDA the decode graphs sort rows by slot (csgmv's chunks), as backend csgmv does
+    assert cfg.lora.sorted_decode(torch.device("cuda", 0)) and not cfg.lora.sorted_decode(torch.device("cpu"))
     pinned = shipped_config("model=llama-3.1-8b-instruct", "engine=gpu", "lora=gpu", "lora.backend=csgmv")
     assert pinned.lora.resolved_backend(torch.device("cpu")) == "csgmv"  # refused later, at engine start
+    assert pinned.lora.sorted_decode(torch.device("cuda", 0))
+    explicit = shipped_config("model=llama-3.1-8b-instruct", "engine=gpu", "lora=gpu", "lora.backend=triton")
+    assert not explicit.lora.sorted_decode(torch.device("cuda", 0))  # triton as given: one-token segments

@@ -61,22 +61,26 @@ def test_to_device_views_start_on_16_bytes(lens: list[int]) -> None:
 
 def test_sorted_segments_device_is_csgmv_layout_on_a_fixed_grid() -> None:
     # The CUDA-graph decode's slot-sorted layout (one-token rows, built on the device): the same chunks
-    # and token order as csgmv_segments, then a tail of empty segments (length 0, slot -1) up to the
-    # fixed count cdiv(b, chunk) + min(S, b); base rows sort last and belong to no segment.
+    # and token order as csgmv_segments, then the base rows (sorted last) in chunks of slot -1, then a
+    # tail of empty segments (length 0, slot -1) up to the fixed count cdiv(b, chunk) + min(S + 1, b).
     rng = random.Random(0)
     for _ in range(200):
         b, S, chunk = rng.randint(1, 40), rng.randint(1, 9), rng.randint(1, 8)
         row_slots = [rng.choice([-1] + list(range(S))) for _ in range(b)]
         got = sorted_segments_device(torch.tensor(row_slots, dtype=torch.int32), S, chunk)
         want = csgmv_segments([1] * b, row_slots, chunk, torch.device("cpu"))
-        n = want.num_segs
-        assert got.num_segs == -(-b // chunk) + min(S, b) >= n
+        n, a = want.num_segs, want.num_rows
+        nb = -(-(b - a) // chunk)  # the base rows' chunks
+        assert got.num_segs == -(-b // chunk) + min(S + 1, b) >= n + nb
         assert got.starts[:n].tolist() == want.starts.tolist()
         assert got.lens[:n].tolist() == want.lens.tolist()
         assert got.slots[:n].tolist() == want.slots.tolist()
-        assert set(got.lens[n:].tolist()) <= {0} and set(got.slots[n:].tolist()) <= {-1}
-        assert got.token_index[:want.num_rows].tolist() == want.token_index.tolist()
-        assert sorted(got.token_index.tolist()) == list(range(b))  # base rows at the end
-        assert got.max_len == chunk
+        assert got.starts[n:n + nb].tolist() == [a + j * chunk for j in range(nb)]
+        assert got.lens[n:n + nb].tolist() == [min(chunk, b - a - j * chunk) for j in range(nb)]
+        assert set(got.slots[n:].tolist()) <= {-1} and set(got.lens[n + nb:].tolist()) <= {0}
+        assert got.token_index[:a].tolist() == want.token_index.tolist()
+        assert sorted(got.token_index.tolist()) == list(range(b))
+        assert [row_slots[r] for r in got.token_index[a:].tolist()] == [-1] * (b - a)  # base rows last
+        assert got.max_len == chunk and got.static_sorted and got.base_rows is None
         assert all(t.dtype == torch.int32 for t in (got.starts, got.lens, got.slots, got.token_index))
-        assert rows_covered(got) == -1  # never taken for a per-row layout
+        assert rows_covered(got) == b  # every row in one segment: silu_mul_lora takes it

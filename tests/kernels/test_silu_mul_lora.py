@@ -17,7 +17,7 @@ import torch
 from kernels import reference as ref
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import lora_shrink
-from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments
+from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments, sorted_segments_device
 from kernels.silu_mul import silu_mul
 from kernels.silu_mul_lora import silu_mul_lora
 
@@ -83,6 +83,36 @@ def test_equals_expand_then_silu_mul(dtype: torch.dtype, layout: str, split_k: i
     # the delta is really there: an adapter row differs from the base activation
     assert not torch.allclose(got[0].float(), silu_mul(gate_up)[0].float())
     torch.testing.assert_close(got[1].float(), silu_mul(gate_up)[1].float(), atol=0, rtol=0)  # base row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_static_sorted_chunks_take_the_tile_body(dtype: torch.dtype) -> None:
+    """The CUDA-graph decode's slot-sorted layout (sorted_segments_device): adapter rows in chunks of
+    their slot, base and padding rows in chunks of slot -1 (no delta), an empty tail; no base rows
+    listed. The tile body must write every row, equal to lora_expand then silu_mul bit for bit."""
+    slots = [0, -1, 1, 0, 3, 0, -1, 1, 2, 0, -1, -1]  # slot 2 empty (rank 0), base rows between
+    segs = sorted_segments_device(torch.tensor(slots, dtype=torch.int32, device=DEV), S, 2)
+    assert segs.static_sorted and segs.base_rows is None and segs.max_len == 2
+    A, B, ranks = weights(dtype)
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(len(slots), K, generator=g)).to(dtype).to(DEV)
+    gate_up = (torch.randn(len(slots), 2 * I, generator=g) * 2).to(dtype).to(DEV)
+    h = lora_shrink(x, A, segs, ranks, partials=True)
+    before = gate_up.clone()
+    out = torch.full((len(slots), I), float("nan"), dtype=dtype, device=DEV)
+    got = silu_mul_lora(gate_up, h, B, segs, ranks, out=out)
+    assert got is out and not got.isnan().any(), "an output element was not written (or B's padding leaked)"
+    assert torch.equal(gate_up, before), "gate_up must be left as it was"
+    want = silu_mul(lora_expand(gate_up.clone(), h, B, segs, ranks, [0, I, 2 * I]))
+    if dtype == torch.float32:  # the interpreter's fp32 tl.dot: order by tile shape (see the prefill test)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+    else:
+        assert torch.equal(got, want), "must equal lora_expand then silu_mul bit for bit"
+    twin = ref.silu_mul_lora(gate_up, h, B.nan_to_num(0.0), torch.tensor(slots, device=DEV), ranks)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), twin.float(), atol=atol, rtol=rtol)
+    base = [i for i, s in enumerate(slots) if s < 0 or RANKS[s] == 0]
+    torch.testing.assert_close(got[base].float(), silu_mul(gate_up)[base].float(), atol=0, rtol=0)
 
 
 PREFILL = {  # (sequence lengths, slots): the tile body

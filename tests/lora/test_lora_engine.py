@@ -356,25 +356,41 @@ def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], 
     assert variants and not any(variants)  # base rows only: no LoRA launches
 
 
-def test_static_decode_with_csgmv_sorts_rows_by_slot_and_matches_peft(adapters: dict[str, Path], oracle: dict,
-                                                                     tiny_model_dir: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Backend csgmv in the CUDA-graph decode layout (not captured, CPU): a size with enough rows per
+@pytest.mark.parametrize("backend", ["csgmv", "auto"])
+def test_static_decode_sorted_layout_sorts_rows_by_slot_and_matches_peft(backend: str, adapters: dict[str, Path],
+                                                                        oracle: dict, tiny_model_dir: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backend csgmv, and auto as it runs on CUDA (triton's per-request segments for the eager steps,
+    LoRAConfig.sorted_decode; here the triton backend with the flag set, since auto is torch on a
+    CPU), in the CUDA-graph decode layout (not captured, CPU): a size with enough rows per
     slot sorts its rows by slot on the device (kernels/segments.sorted_segments_device, chunks of
-    lora.max_chunk_size = 2, so the two all8rs rows share a chunk), base and padding rows in no
-    segment; the projections run lora_shrink + lora_expand over the chunks, gate_up_proj's expand not
-    in the activation. 6 requests padded to 8 rows, 4 slots (the threshold lowered to 2 rows a slot)."""
+    lora.max_chunk_size = 2, so the two all8rs rows share a chunk), base and padding rows in chunks of
+    slot -1; the projections run lora_shrink + lora_expand over the chunks, gate_up_proj's expand
+    inside the activation (kernels/silu_mul_lora.py's tile body, the slot -1 chunks without a delta).
+    6 requests padded to 8 rows, 4 slots (the threshold lowered to 2 rows a slot). The auto case runs
+    lora.decode_side_stream's order (shrink, base GEMM, expand), the csgmv case lora_apply's."""
     import appliance.engine.cuda_graph as cg
+    import kernels.silu_mul_lora
 
     monkeypatch.setattr(cg, "SORTED_MIN_ROWS_PER_SLOT", 2)
+    in_act: list[bool] = []  # per silu_mul_lora call: the static decode batch's sorted chunks?
+    real_silu_mul_lora = kernels.silu_mul_lora.silu_mul_lora
+    monkeypatch.setattr(kernels.silu_mul_lora, "silu_mul_lora",
+                        lambda *a, **k: (in_act.append(a[3].static_sorted), real_silu_mul_lora(*a, **k))[1])
     built: list[list[int]] = []
     real_build = cg.sorted_segments_device
     monkeypatch.setattr(cg, "sorted_segments_device",
                         lambda rs, S, chunk: (built.append(rs.tolist()), real_build(rs, S, chunk))[1])
     root = next(iter(adapters.values())).parent
-    engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=4", "lora.backend=csgmv",
+    engine = lora_engine(tiny_model_dir, root, "lora.max_loras_per_batch=4",
+                         f"lora.backend={'csgmv' if backend == 'csgmv' else 'triton'}",
                          "lora.max_chunk_size=2", "engine.attention_backend=triton",
-                         "engine.fused_kernels=triton")
+                         "engine.fused_kernels=triton",
+                         # auto: the shrink-aside order GPUs run (on CPU the same kernels, one stream)
+                         f"lora.decode_side_stream={str(backend == 'auto').lower()}")
+    assert engine.lora.ctx.sorted_decode == (backend == "csgmv")
+    if backend == "auto":
+        engine.lora.ctx.sorted_decode = True  # what LoRAConfig.sorted_decode gives auto on CUDA
     for name in ["qv4", "all8rs", "pattern"]:
         engine.lora.load(name, str(adapters[name]))
     engine.runner.start_static_decode([8], capture=False)
@@ -384,5 +400,6 @@ def test_static_decode_with_csgmv_sorts_rows_by_slot_and_matches_peft(adapters: 
     for j, (name, p) in enumerate(jobs):
         assert got[j] == oracle[name][0][p][:SHORT], f"{name} prompt {p}"
     assert built and all(len(rs) == 8 and rs[6:] == [-1, -1] for rs in built)  # padded rows: no adapter
+    assert any(in_act), in_act  # gate_up's expand in the activation on the sorted chunks
     slots = [s for s in built[0] if s >= 0]
     assert len(slots) == 4 and len(set(slots)) == 3  # all8rs's two rows on one slot
