@@ -67,6 +67,9 @@ VARIANTS = {
     "whole st3": tma(stages=3),
     "whole st6": tma(stages=6),
     "whole bn128 st6": tma(stages=6, block_n=128),
+    "y ptr": APPLY(fused=True, y_io=1),
+    "y tma/ptr": APPLY(fused=True, y_io=2),
+    "y tma": APPLY(fused=True, y_io=0),
 }
 
 

@@ -223,6 +223,11 @@ def test_apply_fused_decode_tma(dtype: torch.dtype, strategy: str) -> None:
     for kw in (dict(fused=True, tma=True), dict(fused=True, tma=True, block_k=16, block_n=16, cols_per_prog=16)):
         check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
                    R=16, chunk=1, with_scale=dtype != torch.float32, apply_kw=kw)
+    # y through pointer loads and stores, or a copy-engine load and a pointer store (lora_apply's y_io)
+    for y_io in (1, 2):
+        check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
+                   R=16, chunk=1, with_scale=dtype != torch.float32,
+                   apply_kw=dict(fused=True, tma=True, block_k=16, block_n=16, cols_per_prog=16, y_io=y_io))
 
 
 def test_apply_tma_refuses_what_it_cannot_take() -> None:
