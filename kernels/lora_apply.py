@@ -109,9 +109,10 @@ def _lora_fused_tma_kernel(
     """_lora_fused_gemv_kernel with its weight loads through the copy engine: the compiler pipelines
     descriptor loads STAGES deep in these loops, where it leaves plain pointer loads one tile at a
     time (no shared-memory stages), so a program keeps several A tiles, then several B tiles, in
-    flight instead of one. y moves as Y_IO says (TMA_Y_IO: plain loads and stores). Rows of A past the slot's rank (and B's rank columns) are loaded and
-    masked out in registers; column tiles never cross a slice boundary (the launcher's BLOCK_N
-    divides them; y's edge is clipped by the copy engine)."""
+    flight instead of one. y moves as Y_IO says (TMA_Y_IO: plain loads and stores). Rows of A past
+    the slot's rank (and B's rank columns) are loaded and masked out in registers; column tiles never
+    cross a slice boundary (the launcher's BLOCK_N divides them; y's edge is masked, or clipped by
+    the copy engine)."""
     seg, m0, slot, rank, i, c_lo, c_hi = _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2,
                                                        cols_per_prog)
     if (c_lo >= c_hi) | (rank == 0):
@@ -150,11 +151,11 @@ def _lora_fused_tma_kernel(
 TMA_TILES = (256, 256, 4, 4)
 # How the TMA body moves y (lora_apply's y_io): 1 = a plain pointer load and store. H200 (docs/
 # benchmarks.md round 9, probe_fused_tiles_gpu, interleaved): against y through the copy engine both
-# ways (0, rounds 6-8) all 20 cells of two runs were faster or equal, 256 tokens on 256 adapters alone qkv
-# 47.5 / 47.6 µs, o 24.0 / 24.2, gate_up 91.7 / 92.8, down 43.3 / 44.0; back to back o 23.1 / 23.3,
-# down 42.5 / 42.9; 200 on 200 0.6-1.3 µs faster. The bulk store of a [1, BLOCK_N] tile waits for the
-# previous one to leave shared memory before each step; a plain store does not. (2 = copy-engine load,
-# pointer store: between the two.)
+# ways (0, rounds 6-8) all 20 cells of two runs were faster or equal, 256 tokens on 256 adapters
+# alone qkv 47.5 / 47.6 µs, o 24.0 / 24.2, gate_up 91.7 / 92.8, down 43.3 / 44.0; back to back
+# o 23.1 / 23.3, down 42.5 / 42.9; 200 on 200 0.6-1.3 µs faster. The bulk store of a [1, BLOCK_N]
+# tile waits for the previous one to leave shared memory before each step; a plain store does not.
+# (2 = copy-engine load, pointer store: between the two.)
 TMA_Y_IO = 1
 
 
