@@ -51,9 +51,9 @@ def main() -> None:
                         prefill_adapters=args.adapters, progress=False)
     bench = Bench(cfg, opts, " ".join(sys.argv))
     bench.adapter_root = Path(tempfile.mkdtemp(prefix="prefill-ab-"))
-    dirs = bench._adapters(args.rank, args.adapters)
-    eng = bench._engine("prefill-ab", args.adapters, args.adapters, args.requests)
-    bench._load(eng, dirs)
+    dirs = bench.synthetic_adapters(args.rank, args.adapters)
+    eng = bench.build_engine("prefill-ab", args.adapters, args.adapters, args.requests)
+    bench.load_adapters(eng, dirs)
     names = list(dirs)
     prompts = random_prompts(args.requests, args.len, bench.args.vocab_size, 3)
     keys = [names[i % len(names)] for i in range(len(prompts))]

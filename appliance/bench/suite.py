@@ -91,8 +91,11 @@ class Bench:
     def _left_s(self) -> Optional[float]:
         return None if self.opts.budget_s is None else self.opts.budget_s - (time.monotonic() - self.t0)
 
-    def _engine(self, label: str, slots: Optional[int], loaded: Optional[int], max_seqs: Optional[int],
+    def build_engine(self, label: str, slots: Optional[int], loaded: Optional[int], max_seqs: Optional[int],
                 overlap: Optional[bool] = None) -> LLMEngine:
+        """An engine of the bench's config with LoRA on, its slots, CPU tier and max_num_seqs set where
+        given, the synthetic adapters' root allowed (self.adapter_root: run() sets it; a script driving
+        these helpers, e.g. benchmarks/prefill_ab_gpu.py, sets it first); its start-up cost recorded."""
         cfg = copy.deepcopy(self.cfg)
         if overlap is not None:
             cfg.lora.overlap_loading = overlap
@@ -117,13 +120,15 @@ class Bench:
             "graph_sizes": eng.runner.static_decode.sizes if eng.runner.static_decode else []})
         return eng
 
-    def _adapters(self, rank: int, count: int) -> dict[str, Path]:
+    def synthetic_adapters(self, rank: int, count: int) -> dict[str, Path]:
+        """`count` random PEFT adapters of `rank` for the model's shapes under self.adapter_root (reused)."""
         return make_adapters(self.adapter_root, self.args, rank, count, self.opts.targets,
                              float(self.hf_cfg.get("initializer_range", 0.02)),
                              torch.float32 if self.dtype == torch.float32 else torch.bfloat16,
                              self.device, self.cfg.model.name, self.opts.progress)
 
-    def _load(self, engine: LLMEngine, names: dict[str, Path]) -> None:
+    def load_adapters(self, engine: LLMEngine, names: dict[str, Path]) -> None:
+        """Load every adapter of `names` into the engine's registry (the admin path's load)."""
         from tqdm import tqdm
 
         assert engine.lora is not None
@@ -178,12 +183,12 @@ class Bench:
         def setup() -> None:
             dirs: dict[str, Path] = {}
             for r, n in counts.items():
-                got = self._adapters(r, n)
+                got = self.synthetic_adapters(r, n)
                 names[r] = list(got)
                 dirs.update(got)
-            eng = self._engine("offline", slots, len(dirs),
+            eng = self.build_engine("offline", slots, len(dirs),
                                max(o.batch, o.decode_batch, o.prefill_requests, o.baseline_batch))
-            self._load(eng, dirs)
+            self.load_adapters(eng, dirs)
             holder["engine"] = eng
             # Warm-up, not timed: first-step allocations at full batch, kernel compilation, slot loads.
             warm = random_prompts(o.batch, o.prompt_len, self.args.vocab_size, o.seed + 99)
@@ -269,7 +274,7 @@ class Bench:
         prompts, arrivals); `online` is the last run, `online_runs` all of them."""
         o = self.opts
         r0 = o.main_rank
-        dirs = self._adapters(r0, o.online_adapters)
+        dirs = self.synthetic_adapters(r0, o.online_adapters)
         pop = zipf_choices(o.online_requests, o.online_adapters, o.zipf, o.seed + 5)
         keys = [adapter_name(r0, k) for k in pop]
         prompts = random_prompts(o.online_requests, o.prompt_len, self.args.vocab_size, o.seed + 6)
@@ -283,11 +288,11 @@ class Bench:
                 self.res["skipped"][f"online run {i + 1}"] = "time budget spent"
                 print(f"[bench] online run {i + 1}: skipped (time budget spent)", file=sys.stderr)
                 break
-            eng = self._engine(f"online {i + 1}", None, None, None, overlap)
+            eng = self.build_engine(f"online {i + 1}", None, None, None, overlap)
             try:
                 # Loading all of them leaves the last lora.max_loaded_loras in the CPU tier: the most
                 # popular ones (Zipf item 0 first) are on disk only, so the run starts with cold reads.
-                self._load(eng, dirs)
+                self.load_adapters(eng, dirs)
                 single = head if o.online_single == "each" or (o.online_single == "first" and i == 0) else None
                 res = run_online(eng, prompts, keys, arrivals, o.new_tokens, o.progress, single=single)
                 assert eng.lora is not None
@@ -310,7 +315,7 @@ class Bench:
             print(f"[bench] {why}", file=sys.stderr)
             return
         prompts = random_prompts(o.baseline_batch, o.prompt_len, self.args.vocab_size, o.seed + 4)
-        dirs = list(self._adapters(o.main_rank, o.baseline_adapters).values())
+        dirs = list(self.synthetic_adapters(o.main_rank, o.baseline_adapters).values())
         rows, one = baselines.run_baselines(self.cfg, self.dtype, self.device, prompts, o.hf_tokens, dirs,
                                             o.baseline_tokens)
         self.res["baselines"]["rows"] += rows
