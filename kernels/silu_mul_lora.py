@@ -10,7 +10,7 @@ before the activation), in one launch instead of two. The expand's read-modify-w
 gate_up output goes (2 x 7.3 MB a layer at batch 64 on Llama-3.1-8B; 2 x 470 MB at 8192 prefill
 tokens), and so does one launch with its ramp and tail; gate_up's B streams in the activation's pass.
 
-Two bodies, picked by the longest segment:
+Two bodies, picked by the longest segment (sorted_segments_device's layout always takes the second):
 - one-token segments (decode): program p < G takes segment p's one token (its slot; -1 = a base or
   padding row of the static decode batch, no delta); programs G.. take segs.base_rows (eager decode
   lists base tokens there); a [BLOCK, R] GEMV per program. With PDL (sm90+) a program loads its B
@@ -241,7 +241,9 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
     tok = segs.token_index if segs.token_index is not None else segs.starts
     base = segs.base_rows if num_base else slot_ranks  # a valid int32 pointer; not read without base rows
     block_r = max(16, triton.next_power_of_2(R))
-    if segs.max_len > 1:
+    if segs.max_len > 1 or segs.static_sorted:
+        # the one-token body has no segment length: sorted_segments_device's empty tail segments
+        # (length 0, start 0) would each write row token_index[0] again, without its delta
         return _launch_tiles(gate_up, out, h4, B, segs, slot_ranks, scalings, tok, base, num_base, block_r,
                              block_m, block_n, cols_per_prog, num_stages, num_warps, pdl)
     block = min(block, max(16, triton.next_power_of_2(I)))

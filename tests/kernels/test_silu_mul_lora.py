@@ -86,13 +86,17 @@ def test_equals_expand_then_silu_mul(dtype: torch.dtype, layout: str, split_k: i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_static_sorted_chunks_take_the_tile_body(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("chunk", [2, 1])
+def test_static_sorted_chunks_take_the_tile_body(dtype: torch.dtype, chunk: int) -> None:
     """The CUDA-graph decode's slot-sorted layout (sorted_segments_device): adapter rows in chunks of
     their slot, base and padding rows in chunks of slot -1 (no delta), an empty tail; no base rows
-    listed. The tile body must write every row, equal to lora_expand then silu_mul bit for bit."""
+    listed. The tile body must write every row, equal to lora_expand then silu_mul bit for bit.
+    Chunks of 1 (lora.max_chunk_size 1) too: one-token segments plus the empty tail, which the
+    one-token body (no segment length) would have written over row token_index[0]."""
     slots = [0, -1, 1, 0, 3, 0, -1, 1, 2, 0, -1, -1]  # slot 2 empty (rank 0), base rows between
-    segs = sorted_segments_device(torch.tensor(slots, dtype=torch.int32, device=DEV), S, 2)
-    assert segs.static_sorted and segs.base_rows is None and segs.max_len == 2
+    segs = sorted_segments_device(torch.tensor(slots, dtype=torch.int32, device=DEV), S, chunk)
+    assert segs.static_sorted and segs.base_rows is None and segs.max_len == chunk
+    assert 0 in segs.lens.tolist()  # an empty tail segment
     A, B, ranks = weights(dtype)
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(len(slots), K, generator=g)).to(dtype).to(DEV)
