@@ -52,7 +52,8 @@ import triton.language as tl
 
 from kernels.lora_bodies import rank_tile
 from kernels.lora_expand import check_out_slices
-from kernels.platform import dot_upcast, interpreter_active
+from kernels import platform
+from kernels.platform import dot_upcast
 
 _NO_SLOT = tl.constexpr(2**31 - 1)  # "no slot left" in the epilogue's walk over a tile's slots
 
@@ -353,7 +354,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     num_pid_m = triton.cdiv(T, block_m)
     num_tiles = num_pid_m * triton.cdiv(N, block_n)
     progs = num_tiles
-    if persistent and fused and interpreter_active():
+    if persistent and fused and platform.interpreter_active():
         persistent = False  # the interpreter runs programs one after another: a wait would never end
     if persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4
