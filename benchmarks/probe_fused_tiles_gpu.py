@@ -63,6 +63,9 @@ VARIANTS = {
     "tma st3": tma(stages=3),
     "tma st2": tma(stages=2),
     "round 7 splits": round7,
+    # Since round 8 the TMA body takes whole slices by default, so "whole bn128", "whole st3" and "whole
+    # bn128 st6" equal "tma st4 bn128", "tma st3" and "tma st6 bn128" above (both names kept: each
+    # round's logged commands use them)
     "whole bn128": tma(block_n=128),
     "whole st3": tma(stages=3),
     "whole st6": tma(stages=6),

@@ -41,7 +41,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import bench_kernels_gpu as bk  # noqa: E402
-from kernels.lora_apply import TMA_TILES, _fused_program, lora_apply  # noqa: E402
+from kernels.lora_apply import TMA_TILES, _auto_cols_per_prog, _fused_program, lora_apply  # noqa: E402
 from kernels.lora_gemm import block_n_for  # noqa: E402
 from kernels.segment_tile import segment_row  # noqa: E402
 
@@ -260,14 +260,9 @@ def one_loop(y, x, A, B, segs, ranks, offs, scalings=None, stages=None, cols_per
     widest = max(b - a for a, b in zip(offs, offs[1:]))
     block_k = min(d_bk, max(16, triton.next_power_of_2(K)))
     block_n = block_n_for(offs, min(d_bn, max(16, triton.next_power_of_2(widest))))
-    if cols_per_prog is None:
-        if y.device.type == "cuda":
-            sms = torch.cuda.get_device_properties(y.device).multi_processor_count
-            n_steps = triton.cdiv(widest, block_n)
-            splits = max(1, min(n_steps, triton.cdiv(2 * sms, segs.num_segs * n)))
-            cols_per_prog = triton.cdiv(n_steps, splits) * block_n
-        else:
-            cols_per_prog = block_n
+    if cols_per_prog is None:  # round 7's column splits (the pointer body's rule); one step a program on CPU
+        cols_per_prog = (_auto_cols_per_prog(segs.num_segs * n, widest, block_n, y.device)
+                         if y.device.type == "cuda" else block_n)
     tok = segs.token_index if segs.token_index is not None else segs.starts
     grid = (segs.num_segs, n, triton.cdiv(widest, cols_per_prog))
     _one_loop_kernel[grid](

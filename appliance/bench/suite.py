@@ -66,7 +66,8 @@ class Bench:
         return {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": dev, "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft_v,
                 "python": platform.python_version(), "model": self.cfg.model.name, "model_init": self.cfg.model.init,
-                "dtype": str(self.dtype).removeprefix("torch."), "lora_backend": self.cfg.lora.resolved_backend(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "lora_backend": self.cfg.lora.resolved_backend(self.device),
                 "lora_sorted_decode": self.cfg.lora.sorted_decode(self.device), "options": asdict(self.opts)}
 
     def _phase(self, name: str, fn: Callable[[], None]) -> None:
@@ -92,7 +93,7 @@ class Bench:
         return None if self.opts.budget_s is None else self.opts.budget_s - (time.monotonic() - self.t0)
 
     def build_engine(self, label: str, slots: Optional[int], loaded: Optional[int], max_seqs: Optional[int],
-                overlap: Optional[bool] = None) -> LLMEngine:
+                     overlap: Optional[bool] = None) -> LLMEngine:
         """An engine of the bench's config with LoRA on, its slots, CPU tier and max_num_seqs set where
         given, the synthetic adapters' root allowed (self.adapter_root: run() sets it; a script driving
         these helpers, e.g. benchmarks/prefill_ab_gpu.py, sets it first); its start-up cost recorded."""
@@ -187,7 +188,7 @@ class Bench:
                 names[r] = list(got)
                 dirs.update(got)
             eng = self.build_engine("offline", slots, len(dirs),
-                               max(o.batch, o.decode_batch, o.prefill_requests, o.baseline_batch))
+                                    max(o.batch, o.decode_batch, o.prefill_requests, o.baseline_batch))
             self.load_adapters(eng, dirs)
             holder["engine"] = eng
             # Warm-up, not timed: first-step allocations at full batch, kernel compilation, slot loads.

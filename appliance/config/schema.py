@@ -268,9 +268,8 @@ class LoRAConfig:
         enough rows per slot, appliance/engine/cuda_graph.py): backend csgmv, and auto on CUDA. There
         one-token segments re-read an adapter once per row that uses it; sorted, once per chunk (H200,
         8B shape, batch 256 on 32 adapters: LoRA 2.1 against 4.2 ms of a ~12.4 ms base step,
-        docs/benchmarks.md round 9),
-        while prefill keeps triton's per-request segments (csgmv's chunks were behind at 16384 tokens).
-        triton as given keeps one-token segments in the graphs."""
+        docs/benchmarks.md round 9), while prefill keeps triton's per-request segments (csgmv's chunks
+        were behind at 16384 tokens). triton as given keeps one-token segments in the graphs."""
         return self.backend == "csgmv" or (self.backend == "auto" and device.type == "cuda")
 
     def resolved_targets(self) -> tuple[str, ...]:
