@@ -3,6 +3,7 @@
     gemv_shrink(...) -> [BLOCK_N] fp32       h = x[row, k_lo:k_hi] · A rows          one token
     gemv_expand(...)                         y[row, c_lo:c_hi] (+)= B[c, :] · h       one token
     rank_tile(ptrs, row_mask, ...) -> tile   [ROWS, BLOCK_R] of B or h, 0 past the rank   every body
+    plane_sum(ptrs, row_mask, ...) -> tile   [ROWS, BLOCK_R] h: the shrink's K-split planes summed   tile bodies
 
 Callers: lora_shrink and lora_expand for one-token segments (BLOCK_M = 1), and lora_apply's fused
 kernel (both). One body per loop, so a tuning or rounding fix lands in every kernel at once.
@@ -39,6 +40,28 @@ def rank_tile(ptrs, row_mask, offs_r, rank, R8: tl.constexpr, CACHE: tl.constexp
         cols = offs_r < rank
     t = tl.load(ptrs, mask=row_mask[:, None] & cols[None, :], other=0.0, cache_modifier=CACHE)
     return tl.where((offs_r < rank)[None, :], t, 0.0)
+
+
+@triton.jit
+def plane_sum(ptrs, row_mask, offs_r, rank, n_parts, stride_hp, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+              R8: tl.constexpr, UNROLL: tl.constexpr):
+    """sum over p < n_parts of rank_tile(ptrs + p * stride_hp, ...): the shrink's K-split planes of h
+    [ROWS, BLOCK_R], added in plane order (every kernel that reads planes adds them in that order, so
+    their roundings agree). UNROLL > 0 (>= n_parts): UNROLL masked loads unrolled, all issued before the
+    first add, where a loop over n_parts pays one memory round trip per plane before the tile's first B
+    step (H200, decode graphs' sorted chunks: 6 planes ahead of each of lora_expand's and silu_mul_lora's
+    programs; docs/benchmarks.md round 10). A plane past n_parts loads nothing and adds +0.0, which
+    leaves every sum as it was (it starts at +0.0). UNROLL = 0: the loop (tall prefill tiles, whose
+    UNROLL masked tiles would hold too many registers, and any plane count)."""
+    acc = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
+    if UNROLL > 0:
+        for p in tl.static_range(UNROLL):
+            live = tl.full((ROWS,), p, tl.int32) < n_parts  # a tensor: n_parts may be a host int here
+            acc += rank_tile(ptrs + p * stride_hp, row_mask & live, offs_r, rank, R8, "")
+    else:
+        for p in range(n_parts):
+            acc += rank_tile(ptrs + p * stride_hp, row_mask, offs_r, rank, R8, "")
+    return acc
 
 
 @triton.jit

@@ -36,9 +36,10 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
-from kernels.lora_bodies import gemv_expand, rank_tile
+from kernels.lora_bodies import gemv_expand, plane_sum, rank_tile
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
+from kernels.lora_shrink import MAX_PLANES
 from kernels.segments import LoRASegments, check_segments, check_tile
 
 
@@ -65,6 +66,7 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr, ZERO_M: tl.constexpr, GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
     WRITE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, R8: tl.constexpr,
+    PLANES_UNROLL: tl.constexpr,
 ):
     if PDL:
         gdc_wait()  # launched early (PDL): everything below waits for the shrink's h to be complete
@@ -124,9 +126,7 @@ def _lora_expand_kernel(
                         stride_br, BLOCK_N, WRITE, R8)
         else:
             h_ptrs = h_ptr + rows[:, None] * stride_ht + (i * R + offs_r)[None, :] * stride_hn
-            ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for p in range(n_parts):
-                ht += rank_tile(h_ptrs + p * stride_hp, m_mask, offs_r, rank, R8, "")
+            ht = plane_sum(h_ptrs, m_mask, offs_r, rank, n_parts, stride_hp, BLOCK_M, BLOCK_R, R8, PLANES_UNROLL)
             ht = ht.to(b_ty)  # h rounded to the weights' dtype, as the torch twin does
             if UPCAST:
                 ht = ht.to(tl.float32)
@@ -202,7 +202,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
                 block_m: Optional[int] = None, block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, cols_per_prog: Optional[int] = None,
                 num_stages: Optional[int] = None, pdl: bool = False,
-                b_first: Optional[bool] = None) -> torch.Tensor:
+                b_first: Optional[bool] = None, unroll: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i, :r] @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, every slice i, in place.
 
     y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink,
@@ -221,7 +221,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     add mode then take _lora_expand_gemv_kernel (one block_n-column block a program, B loaded before
     the wait; cols_per_prog ignored); b_first=False keeps the column-loop body there, all of it after
     the wait; None = b_first up to B_FIRST_MAX_OUT output columns. Off the devices with PDL the same
-    bodies run in a plain launch.
+    bodies run in a plain launch. unroll: the tile body's plane_sum UNROLL (None = planes_unroll; a
+    benchmark's A/B; the one-token body ignores it).
     """
     if y.dim() != 2 or h.dim() not in (3, 4) or B.dim() != 3:
         raise ValueError(f"lora_expand: y must be [T, out], h [T, n, R] or [P, T, n, R], B [S, out, R]; got "
@@ -251,6 +252,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     if block_m is None:
         # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
         block_m = 1 if segs.max_len == 1 else (16 if segs.max_len <= 16 else (32 if segs.max_len <= 32 else 64))
+    if unroll and unroll < P:
+        raise ValueError(f"lora_expand: unroll {unroll} must cover the {P} planes of h (or be 0: a loop)")
     launch_pdl = pdl and pdl_available(y.device)
     if b_first is None:
         b_first = OUT <= B_FIRST_MAX_OUT
@@ -289,9 +292,19 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
         N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, ZERO_M=zero_m,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, WRITE=write,
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(y.dtype), R8=R % 8 == 0,
+        PLANES_UNROLL=planes_unroll(P, block_m) if unroll is None else unroll,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(launch_pdl),
     )
     return y
+
+
+def planes_unroll(n_parts: int, block_m: int) -> int:
+    """plane_sum's UNROLL for a tile body (kernels/lora_bodies.py): unrolled up to MAX_PLANES planes
+    for tiles of 16 rows (the decode graphs' sorted chunks), a loop for taller tiles or more planes.
+    One value per row-tile class, so a step's plane count never compiles a new variant. (The one-token
+    bodies keep their loop: the same unroll there made lora_expand 1.6-2.1x and silu_mul_lora's
+    one-token body 1.9x slower on the H200, 64 rows on 32 adapters; docs/benchmarks.md round 10.)"""
+    return MAX_PLANES if (n_parts <= MAX_PLANES and 1 < block_m <= 16) else 0
 
 
 # The PDL GEMV body (B first) up to this many output columns; wider, the column loop after the wait.

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
-from kernels.lora_bodies import rank_tile
-from kernels.lora_expand import check_out_slices
+from kernels.lora_bodies import plane_sum, rank_tile
+from kernels.lora_expand import check_out_slices, planes_unroll
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
 from kernels.segments import LoRASegments, check_tile, rows_covered
@@ -115,7 +115,7 @@ def _silu_mul_lora_tile_kernel(
     stride_x, stride_o, stride_ht, stride_hn, stride_hp, stride_bs, stride_bo, stride_br,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, STAGES: tl.constexpr,
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PDL: tl.constexpr, R8: tl.constexpr,
+    PDL: tl.constexpr, R8: tl.constexpr, PLANES_UNROLL: tl.constexpr,
 ):
     """Multi-token segments (prefill): a program owns BLOCK_M positions of one segment (or BLOCK_M of
     the listed base rows) and cols_per_prog columns of gate and of up, which it walks BLOCK_N at a time
@@ -151,11 +151,10 @@ def _silu_mul_lora_tile_kernel(
     if PDL:
         gdc_wait()  # gate_up is the GEMM's output and h the shrink's: only from here on
     h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_r[None, :] * stride_hn
-    hg = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    hu = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for p in range(n_parts):  # the shrink's K splits, added in a fixed order (as lora_expand)
-        hg += rank_tile(h_ptrs + p * stride_hp, m_mask, offs_r, rank, R8, "")
-        hu += rank_tile(h_ptrs + p * stride_hp + R * stride_hn, m_mask, offs_r, rank, R8, "")
+    # the shrink's K splits, added in plane order (as lora_expand)
+    hg = plane_sum(h_ptrs, m_mask, offs_r, rank, n_parts, stride_hp, BLOCK_M, BLOCK_R, R8, PLANES_UNROLL)
+    hu = plane_sum(h_ptrs + R * stride_hn, m_mask, offs_r, rank, n_parts, stride_hp, BLOCK_M, BLOCK_R, R8,
+                   PLANES_UNROLL)
     hg = hg.to(b_ty)  # rounded to the weights' dtype, as lora_expand does
     hu = hu.to(b_ty)
     if UPCAST:
@@ -191,7 +190,8 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
                   slot_ranks: torch.Tensor, scalings: Optional[torch.Tensor] = None, *,
                   out: Optional[torch.Tensor] = None, block: int = 256, block_m: Optional[int] = None,
                   block_n: Optional[int] = None, cols_per_prog: Optional[int] = None,
-                  num_stages: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
+                  num_stages: Optional[int] = None, num_warps: Optional[int] = None,
+                  unroll: Optional[int] = None) -> torch.Tensor:
     """out = silu(gate + delta_gate) * (up + delta_up), the deltas those of lora_expand; returns out [T, I].
 
     gate_up [T, 2I] fp32/bf16/fp16 (rows may be strided, columns contiguous), left unchanged;
@@ -202,7 +202,8 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
     slot_ranks [S] int32; scalings [S] fp32 or None (= 1). block: columns per program of the
     one-token body (power of 2). block_m, block_n, cols_per_prog, num_stages, num_warps: the tile
     body's tile, columns per program and pipeline (multi-token segments; None = the launcher's
-    choice), overrides for benchmarks and tests.
+    choice), overrides for benchmarks and tests; unroll: the tile body's plane_sum UNROLL (None =
+    lora_expand.planes_unroll; >= the planes of h, or 0 for the loop).
     """
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"silu_mul_lora: gate_up must be [T, 2I] with contiguous columns, got {tuple(gate_up.shape)}")
@@ -221,6 +222,8 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
     if segs.max_len != 1 and segs.base_rows is None and not segs.static_sorted:
         raise ValueError(f"silu_mul_lora: segments longer than one token ({segs.max_len}) must list the base "
                          "rows (segs.base_rows)")
+    if unroll and unroll < h4.shape[0]:
+        raise ValueError(f"silu_mul_lora: unroll {unroll} must cover the {h4.shape[0]} planes of h (or be 0: a loop)")
     if block < 16 or block & (block - 1):
         raise ValueError(f"silu_mul_lora: block must be a power of two >= 16, got {block}")
     S, R = B.shape[0], B.shape[2]
@@ -245,7 +248,7 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
         # the one-token body has no segment length: sorted_segments_device's empty tail segments
         # (length 0, start 0) would each write row token_index[0] again, without its delta
         return _launch_tiles(gate_up, out, h4, B, segs, slot_ranks, scalings, tok, base, num_base, block_r,
-                             block_m, block_n, cols_per_prog, num_stages, num_warps, pdl)
+                             block_m, block_n, cols_per_prog, num_stages, num_warps, pdl, unroll)
     block = min(block, max(16, triton.next_power_of_2(I)))
     _silu_mul_lora_kernel[(G + num_base, triton.cdiv(I, block))](
         gate_up, out, h4, B, scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.slots,
@@ -271,7 +274,7 @@ TILE_M, TILE_N, TILE_WAVES, TILE_STAGES = 32, 64, 8, 3
 
 
 def _launch_tiles(gate_up, out, h4, B, segs, slot_ranks, scalings, tok, base, num_base, block_r, block_m, block_n,
-                  cols_per_prog, num_stages, num_warps, pdl) -> torch.Tensor:
+                  cols_per_prog, num_stages, num_warps, pdl, unroll) -> torch.Tensor:
     """silu_mul_lora's tile body (multi-token segments; operands checked by silu_mul_lora)."""
     T, I = out.shape
     R = B.shape[2]
@@ -304,6 +307,7 @@ def _launch_tiles(gate_up, out, h4, B, segs, slot_ranks, scalings, tok, base, nu
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, STAGES=num_stages or TILE_STAGES,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if B.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(B.dtype), R8=R % 8 == 0,
+        PLANES_UNROLL=planes_unroll(h4.shape[0], block_m) if unroll is None else unroll,
         num_warps=num_warps or 4, **pdl_launch(pdl),
     )
     return out

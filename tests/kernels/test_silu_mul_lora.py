@@ -119,6 +119,36 @@ def test_static_sorted_chunks_take_the_tile_body(dtype: torch.dtype, chunk: int)
     torch.testing.assert_close(got[base].float(), silu_mul(gate_up)[base].float(), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unrolled_plane_sums_equal_the_loop(dtype: torch.dtype) -> None:
+    """The tile bodies of lora_expand and silu_mul_lora on the decode graphs' sorted chunks add the
+    shrink's K-split planes through plane_sum's unrolled, masked loads (kernels/lora_bodies.py): the
+    same sums, in the same order, as the loop over the planes, bit for bit, whatever the plane count
+    below the unroll; and an unroll that would miss planes is refused."""
+    slots = [0, -1, 1, 0, 3, 0, -1, 1, 2, 0, -1, -1, 3, 3, 1, 0]
+    segs = sorted_segments_device(torch.tensor(slots, dtype=torch.int32, device=DEV), S, 4)
+    A, B, ranks = weights(dtype)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(len(slots), K, generator=g)).to(dtype).to(DEV)
+    gate_up = (torch.randn(len(slots), 2 * I, generator=g) * 2).to(dtype).to(DEV)
+    for split in (1, 3, 4):
+        h = lora_shrink(x, A, segs, ranks, split_k=split, partials=True, block_k=16)
+        assert h.shape[0] == split
+        got = silu_mul_lora(gate_up, h, B, segs, ranks)  # the launcher's unroll for 16-row tiles
+        loop = silu_mul_lora(gate_up, h, B, segs, ranks, unroll=0)
+        assert torch.equal(got, loop), f"silu_mul_lora, {split} planes: unrolled sums != the loop's"
+        y_un = lora_expand(gate_up.clone(), h, B, segs, ranks, [0, I, 2 * I])
+        y_loop = lora_expand(gate_up.clone(), h, B, segs, ranks, [0, I, 2 * I], unroll=0)
+        assert torch.equal(y_un, y_loop), f"lora_expand, {split} planes: unrolled sums != the loop's"
+        if dtype == torch.bfloat16:  # and still lora_expand then silu_mul, as the other layouts
+            assert torch.equal(got, silu_mul(y_un))
+    h = lora_shrink(x, A, segs, ranks, split_k=3, partials=True, block_k=16)
+    with pytest.raises(ValueError, match="unroll"):
+        silu_mul_lora(gate_up, h, B, segs, ranks, unroll=2)
+    with pytest.raises(ValueError, match="unroll"):
+        lora_expand(gate_up.clone(), h, B, segs, ranks, [0, I, 2 * I], unroll=2)
+
+
 PREFILL = {  # (sequence lengths, slots): the tile body
     # a 37-token prefill (three 16-row tiles, the last partial), a base prefill, decode tokens, rank 4
     "mixed": ([37, 9, 1, 1, 20, 1], [0, -1, 1, -1, 3, 2]),
