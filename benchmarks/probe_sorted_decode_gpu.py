@@ -11,11 +11,10 @@ replay (bench_kernels_gpu.interleaved_times); GB/s over the bytes each must move
 step's adapters, x / y / h rows).
 
     python3 benchmarks/probe_sorted_decode_gpu.py [--batch 256,128] [--adapters 32] [--proj qkv,o,gate_up,down]
-        [--ops shrink,expand,silu,norm] [--reps 11] [--only REGEX] [--layout sorted|rows]
+        [--ops shrink,expand,silu] [--reps 11] [--only REGEX] [--layout sorted|rows]
 
 --layout rows: one segment per row instead (the graphs' layout below 4 rows a slot; its expand and
-silu_mul_lora take their one-token bodies). --ops norm: o_proj's / down_proj's expand then the add +
-RMSNorm (rms_norm) against kernels/rms_norm_lora.py's one kernel.
+silu_mul_lora take their one-token bodies).
 
 --smoke runs every variant once on CPU under TRITON_INTERPRET=1 (tiny shapes), no timing.
 """
@@ -37,8 +36,6 @@ from bench_kernels_gpu import DEV, LLAMA_8B, copy_bandwidth, interleaved_times, 
 from kernels.lora_expand import lora_expand  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
 from kernels.segments import LoRASegments, sorted_segments_device  # noqa: E402
-from kernels.rms_norm import rms_norm  # noqa: E402
-from kernels.rms_norm_lora import rms_norm_lora  # noqa: E402
 from kernels.silu_mul import silu_mul  # noqa: E402
 from kernels.silu_mul_lora import silu_mul_lora  # noqa: E402
 
@@ -60,11 +57,6 @@ SILU = {"silu": {}, "silu loop": {"unroll": 0}, "silu h1": {"h_split": 1}, "silu
         "silu bn128 cpp2048": {"block_n": 128, "cols_per_prog": 2048}, "silu st2": {"num_stages": 2},
         "silu st4": {"num_stages": 4}, "silu w8": {"num_warps": 8}}
 
-NORM = {"rms_norm_lora": {}, "rms_norm_lora bn1024 w8": {"block_n": 1024, "num_warps": 8},
-        "rms_norm_lora bn2048 w8": {"block_n": 2048, "num_warps": 8},
-        "rms_norm_lora bn2048 w16": {"block_n": 2048, "num_warps": 16},
-        "rms_norm_lora bn4096 w16": {"block_n": 4096, "num_warps": 16}}
-
 
 def setup(b: int, adapters: int, K: int, slices: list[int], layout: str) -> dict:
     """One projection's slot buffers (`adapters` slots, rank 16) and the decode graphs' layout of b rows,
@@ -82,9 +74,8 @@ def setup(b: int, adapters: int, K: int, slices: list[int], layout: str) -> dict
         segs = sorted_segments_device(row_slots, adapters, CHUNK)
     else:  # engine/cuda_graph.py's per-row layout
         starts = torch.arange(b, device=DEV, dtype=torch.int32)
-        segs = LoRASegments(starts, torch.ones_like(starts), row_slots, None, 1, row_slots=row_slots)
-    return {"A": A, "B": B, "x": x, "y": y, "ranks": ranks, "segs": segs, "offs": offs, "n": n,
-            "row_slots": row_slots}
+        segs = LoRASegments(starts, torch.ones_like(starts), row_slots, None, 1)
+    return {"A": A, "B": B, "x": x, "y": y, "ranks": ranks, "segs": segs, "offs": offs, "n": n}
 
 
 def planes(kw: dict, h0: torch.Tensor, x: torch.Tensor, A: torch.Tensor, segs, ranks) -> tuple[dict, torch.Tensor]:
@@ -149,24 +140,6 @@ def run(args: argparse.Namespace) -> list[str]:
                     nbytes[name] = (B.numel() + y.numel() + out.numel()) * elt + h0.numel() * 4
                     check[name] = (lambda kw=kw, ref=ref, hh=hh: (silu_mul_lora(y, hh, B, segs, ranks, **kw).float()
                                                            - ref.float()).abs().max())
-            if "norm" in args.ops and s["n"] == 1:
-                # o_proj / down_proj then the add + RMSNorm: the expand as its own kernel, or inside the norm
-                res = torch.randn_like(y)
-                w = torch.ones(OUT, device=DEV, dtype=torch.bfloat16)
-                rs = s["row_slots"]
-
-                def expand_then_norm() -> None:
-                    rms_norm(lora_expand(y, h0, B, segs, ranks, offs), w, 1e-5, res)
-                fns["rms_norm alone"] = lambda: rms_norm(y, w, 1e-5, res)
-                nbytes["rms_norm alone"] = 4 * y.numel() * elt
-                fns["expand + rms_norm"] = expand_then_norm
-                nbytes["expand + rms_norm"] = (B.numel() + 4 * y.numel()) * elt
-                for name, kw in NORM.items():
-                    fns[name] = lambda kw=kw: rms_norm_lora(y, w, 1e-5, res, h0, B, rs, ranks, **kw)
-                    nbytes[name] = (B.numel() + 4 * y.numel()) * elt
-                want = rms_norm(lora_expand(y.clone(), h0, B, segs, ranks, offs), w, 1e-5, res)[0]
-                check["rms_norm_lora"] = lambda want=want: (rms_norm_lora(y, w, 1e-5, res, h0, B, rs, ranks)[0].float()
-                                                            - want.float()).abs().max()
             if not fns:
                 continue
             names = list(fns)

@@ -168,17 +168,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * sf.to(dt), s
 
 
-def rms_norm_lora(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
-                  h: torch.Tensor, B: torch.Tensor, token_slots: torch.Tensor,
-                  slot_ranks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(x + the LoRA delta of a one-slice projection, weight, eps, residual) -> (out, s); x is left
-    as it was. h [T, 1, R] (or [P, T, 1, R]: planes, summed); B [S, H, R]; token_slots [T] (-1 = base).
-    The twin of kernels/rms_norm_lora.py: lora_expand (add mode) then rms_norm."""
-    h3 = h.sum(0) if h.dim() == 4 else h
-    y = lora_expand(x.clone(), h3.to(B.dtype).to(h3.dtype), B, token_slots, [0, x.shape[1]], slot_ranks)
-    return rms_norm(y, weight, eps, residual)
-
-
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE (HF Llama): x * [cos, cos] + [-x2, x1] * [sin, sin], in fp32, rounded to x's
     dtype. x [T, heads, d]; cos, sin [T, 1, d/2] fp32 (the tables at each token's position)."""

@@ -42,7 +42,7 @@ class LoRASegments:
     base_rows: Optional[torch.Tensor] = None
     num_rows: int = 0  # adapter tokens (positions) in all segments, on the host
     # [T] int32: slot of each token row, -1 = base; for kernels that walk rows, not segments
-    # (kernels/lora_gemm.py's epilogue, kernels/rms_norm_lora.py). None = not built.
+    # (kernels/lora_gemm.py's epilogue). None = not built (the static decode batch).
     row_slots: Optional[torch.Tensor] = None
     # sorted_segments_device's layout (the static decode batch, slot-sorted): every row is in exactly
     # one segment, base and padding rows in slot -1 chunks; base_rows None (nothing listed)
@@ -130,8 +130,7 @@ def sorted_segments_device(row_slots: torch.Tensor, num_slots: int, chunk: int) 
     -1, which the LoRA kernels skip (rank 0) and silu_mul_lora's tile body runs without a delta: every
     row is in one segment (rows_covered = b), so gate_up's expand can ride in the activation. The
     segment grid is fixed at cdiv(b, chunk) + min(num_slots + 1, b), the most chunks b rows can need;
-    the unused tail gets length 0 and slot -1 (its programs return at once). max_len = chunk. row_slots
-    is kept as the layout's row_slots (for kernels that walk rows: kernels/rms_norm_lora.py)."""
+    the unused tail gets length 0 and slot -1 (its programs return at once). max_len = chunk."""
     b = row_slots.shape[0]
     dev = row_slots.device
     key = torch.where(row_slots < 0, num_slots, row_slots).long()  # base rows: key num_slots, sorted last
@@ -149,7 +148,7 @@ def sorted_segments_device(row_slots: torch.Tensor, num_slots: int, chunk: int) 
     starts = torch.where(live, first_row[k] + c * chunk, 0).to(torch.int32)
     lens = torch.where(live, (counts[k] - c * chunk).clamp(0, chunk), 0).to(torch.int32)
     slots = torch.where(key_of < num_slots, k, -1).to(torch.int32)
-    return LoRASegments(starts, lens, slots, token_index, chunk, row_slots=row_slots, static_sorted=True)
+    return LoRASegments(starts, lens, slots, token_index, chunk, static_sorted=True)
 
 
 # Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,

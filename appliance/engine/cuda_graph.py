@@ -302,7 +302,7 @@ class StaticDecode:
         if self.sorted_layout(b):  # device ops: captured into the graph, run again at each replay
             segs = sorted_segments_device(d.lora_slots[:b], self.lora.num_slots, self.lora.max_chunk_size)
         else:
-            segs = LoRASegments(d.seg_starts[:b], d.seg_lens[:b], d.lora_slots[:b], None, 1, row_slots=d.lora_slots[:b])
+            segs = LoRASegments(d.seg_starts[:b], d.seg_lens[:b], d.lora_slots[:b], None, 1)
         return LoRABatchInfo(seg_indptr=empty, seg_slots=d.lora_slots[:b], slot_ranks=d.slot_ranks,
                              token_slots=empty, groups=[], segments=segs)
 

@@ -45,10 +45,6 @@ class LoRAContext:
     side_stream: Optional["torch.cuda.Stream"] = None
     # lora.prefill_gemm for lora_linear: None (auto) | "cublas" | "triton"
     prefill_gemm: Optional[str] = None
-    # One-slice projections (o_proj, down_proj) may leave a decode step's expand to the fused add +
-    # RMSNorm after them (LoRALinear.forward_deferred, kernels/rms_norm_lora.py). Set where the block's
-    # output goes to that norm as it is: one device (under tensor parallelism it is all-reduced first).
-    defer_row_parallel: bool = False
     # lora.max_chunk_size: csgmv's rows per chunk (also the CUDA-graph decode's sorted layout)
     max_chunk_size: int = 16
     # LoRAConfig.sorted_decode: the decode CUDA graphs may sort rows by slot (csgmv's chunks)
@@ -112,24 +108,13 @@ class LoRALinear(nn.Module):
             lora_apply_grouped(y, x, self.A, self.B, info.groups, self.out_offsets)
         return y
 
-    @property
-    def defers(self) -> bool:
-        """forward_deferred may leave this one-slice projection's expand to the norm after it (the
-        decoder layer asks only then: its result is a (y, later) pair, not the block's output)."""
-        return self.ctx.defer_row_parallel and len(self.slice_names) == 1 and self.ctx.backend != "torch"
-
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple]]:
-        """For a projection whose consumer can add the delta itself: gate_up_proj before the MLP's
-        activation (kernels/silu_mul_lora.py), and o_proj / down_proj before the fused add + RMSNorm
-        (kernels/rms_norm_lora.py, `defers`). Where the step allows, returns the base output and, for
-        gate_up, (h, B, segments, slot ranks), for one slice (h, B, row slots, slot ranks): the shrink
-        done, the expand left to the consumer, which saves the expand's launch and its read and write
-        of the output (for gate_up's prefill, lora_linear's write of the delta and cuBLAS's read of it,
-        or lora_gemm's GEMM in place of cuBLAS's). Else (None): forward(x), the delta already added.
-
-        One slice: decode steps only (one-token segments that lora_apply would not fuse, or the static
-        decode batch's slot-sorted chunks), with the segments' row_slots built: the norm's programs walk
-        rows, and each reads its adapter's B, which only a decode-sized step keeps in L2.
+        """For a gate_up_proj whose consumer can add the delta itself (MLP with the fused kernels:
+        kernels/silu_mul_lora.py). Where the step allows, returns the base output and (h, B, segments,
+        slot ranks): the shrink done, the expand left to the consumer, which saves the expand's launch
+        and its read and write of the [T, 2I] output (for prefill, lora_linear's write of the delta
+        and cuBLAS's read of it, or lora_gemm's GEMM in place of cuBLAS's). Else (None): forward(x),
+        the delta already added.
 
         Allowed: backend triton/csgmv, two slices, segments and base rows covering every row of x (or
         the static decode batch: one segment per row, or its slot-sorted chunks), and either
@@ -141,14 +126,6 @@ class LoRALinear(nn.Module):
         h's memory: see _base_and_shrink."""
         info = self.ctx.info
         segs = None if info is None else info.segments
-        if len(self.slice_names) == 1:
-            if (not self.defers or segs is None or segs.num_segs == 0 or segs.row_slots is None
-                    or self._rows_covered(segs) != x.shape[0]
-                    or not (segs.static_sorted or (segs.max_len == 1 and not self._fuses(segs, self.A, x.device)))):
-                return self.forward(x), None
-            side = self.ctx.side_stream if self.ctx.decode_aside else None
-            y, h = self._base_and_shrink(x, info, side)
-            return y, (h, self.B, segs.row_slots, info.slot_ranks)
         if (segs is None or segs.num_segs == 0 or len(self.slice_names) != 2
                 or self._rows_covered(segs) != x.shape[0]):
             return self.forward(x), None

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -115,11 +114,6 @@ class LoRAManager:
             why = platform_reason(device, next(model.parameters()).dtype)
             if why is not None:
                 raise ConfigError(f"lora.prefill_gemm: 'triton' cannot run here: {why}; use auto or cublas")
-        # o_proj / down_proj's decode expand inside the fused add + RMSNorm (one device: under tensor
-        # parallelism their outputs are all-reduced before the norm, and the TP manager never sets it).
-        # APPLIANCE_EXPAND_IN_NORM=0: the expand kernel after the projection instead (a benchmark's A/B).
-        self.ctx.defer_row_parallel = (tp is None and self.backend != "torch"
-                                       and os.environ.get("APPLIANCE_EXPAND_IN_NORM", "1") != "0")
         if aside and self.backend != "torch":
             self.ctx.decode_aside = True
             self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None

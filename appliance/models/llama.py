@@ -33,29 +33,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.fused = False  # set by LlamaModel.use_fused_kernels
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                lora: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] (a block's output), residual [T, H] or None -> (norm(x + residual), x + residual).
-        Normalised in fp32 like the reference implementation, scaled in the model dtype. lora: the
-        block's last projection left its LoRA delta to this norm (LoRALinear.forward_deferred; fused
-        kernels only): x + delta is what is added and normalised (kernels/rms_norm_lora.py)."""
-        if lora is not None:
-            from kernels.rms_norm_lora import rms_norm_lora
-
-            return rms_norm_lora(x, self.weight, self.eps, residual, *lora)
+        Normalised in fp32 like the reference implementation, scaled in the model dtype."""
         if self.fused:
             from kernels.rms_norm import rms_norm  # needs triton: only when chosen
 
             return rms_norm(x, self.weight, self.eps, residual)
         return ref.rms_norm(x, self.weight, self.eps, residual)
-
-
-def deferred_call(proj: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Optional[tuple]]:
-    """proj(x) as (output, None), or a LoRA-wrapped one-slice projection's base output and the delta it
-    left to the fused norm after it ((h, B, row slots, ranks); LoRALinear.forward_deferred)."""
-    if getattr(proj, "defers", False):
-        return proj.forward_deferred(x)
-    return proj(x), None
 
 
 class MergedLinear(nn.Linear):
@@ -121,10 +106,7 @@ class Attention(nn.Module):
         self.fused = False  # set by LlamaModel.use_fused_kernels
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                defer: bool = False) -> torch.Tensor | tuple[torch.Tensor, Optional[tuple]]:
-        """The block's output [T, H]; defer: (output, LoRA delta left to the next norm or None), see
-        DecoderLayer.forward."""
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         a = self.args
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q | k | v]
@@ -143,8 +125,6 @@ class Attention(nn.Module):
             q, k = rope(positions, q, k)
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        if defer:
-            return deferred_call(self.o_proj, o.reshape(T, a.q_size))
         return self.o_proj(o.reshape(T, a.q_size))
 
 
@@ -156,10 +136,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, args.hidden_size, bias=False)
         self.fused = False  # set by LlamaModel.use_fused_kernels
 
-    def forward(self, x: torch.Tensor, defer: bool = False) -> torch.Tensor | tuple[torch.Tensor, Optional[tuple]]:
-        """The block's output [T, H]; defer: (output, LoRA delta left to the next norm or None), see
-        DecoderLayer.forward."""
-        down = (lambda a: deferred_call(self.down_proj, a)) if defer else self.down_proj
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             from kernels.silu_mul import silu_mul  # needs triton: only when chosen
 
@@ -171,11 +148,11 @@ class MLP(nn.Module):
                 if later is not None:
                     from kernels.silu_mul_lora import silu_mul_lora
 
-                    return down(silu_mul_lora(gate_up, *later))
+                    return self.down_proj(silu_mul_lora(gate_up, *later))
             else:
                 gate_up = self.gate_up_proj(x)
-            return down(silu_mul(gate_up))
-        return down(ref.silu_mul(self.gate_up_proj(x)))
+            return self.down_proj(silu_mul(gate_up))
+        return self.down_proj(ref.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -188,29 +165,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
                 rope: RotaryEmbedding, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, pending: Optional[tuple] = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous block's output [T, H] (the embeddings for layer 0, residual None);
-        residual: the stream before that block; pending: the LoRA delta of x's last projection, left
-        to this layer's first norm (or None). Returns this layer's MLP output, the stream before it
-        (the stream after this layer is their sum, added by the next norm) and the MLP's pending delta.
-
-        With the fused kernels, a LoRA-wrapped o_proj / down_proj (one device, decode steps) leaves
-        its expand to the fused add + RMSNorm after it (kernels/rms_norm_lora.py): one launch less and
-        no read-modify-write of the block's output. Never under tensor parallelism: there the blocks'
-        outputs are all-reduced (forward hooks) before the norm, and `defers` is off."""
-        h, residual = self.input_layernorm(x, residual, pending)
-        fused = self.post_attention_layernorm.fused
-        if fused and getattr(self.self_attn.o_proj, "defers", False):
-            h, later = self.self_attn(h, positions, rope, k_cache, v_cache, meta, defer=True)
-        else:  # a plain call: under tensor parallelism a forward hook all-reduces this block's output
-            h, later = self.self_attn(h, positions, rope, k_cache, v_cache, meta), None
-        h, residual = self.post_attention_layernorm(h, residual, later)
-        if fused and getattr(self.mlp.down_proj, "defers", False):
-            out, later = self.mlp(h, defer=True)
-        else:
-            out, later = self.mlp(h), None
-        return out, residual, later
+        residual: the stream before that block. Returns this layer's MLP output and the stream
+        before it: the stream after this layer is their sum, added by the next norm."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -231,11 +193,9 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T]; kv_cache: [layers, 2, blocks, block_size, kvh, d] -> hidden [T, H]."""
         x = self.embed_tokens(input_ids)
         residual: Optional[torch.Tensor] = None
-        pending: Optional[tuple] = None  # the last down_proj's LoRA delta, left to the next norm
         for i, layer in enumerate(self.layers):
-            x, residual, pending = layer(x, residual, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta,
-                                         pending)
-        return self.norm(x, residual, pending)[0]
+            x, residual = layer(x, residual, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+        return self.norm(x, residual)[0]
 
     def use_fused_kernels(self, on: bool) -> None:
         """engine.fused_kernels resolved: the Triton kernels (True) or the torch ops for the norms,
