@@ -37,9 +37,9 @@ import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
 from kernels.lora_bodies import gemv_expand, plane_sum, rank_tile
+from kernels.lora_shrink import MAX_PLANES
 from kernels.platform import dot_upcast, pdl_available
 from kernels.segment_tile import segment_row, segment_rows, segment_tile
-from kernels.lora_shrink import MAX_PLANES
 from kernels.segments import LoRASegments, check_segments, check_tile
 
 
