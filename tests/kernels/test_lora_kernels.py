@@ -228,6 +228,12 @@ def test_apply_fused_decode_tma(dtype: torch.dtype, strategy: str) -> None:
         check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
                    R=16, chunk=1, with_scale=dtype != torch.float32,
                    apply_kw=dict(fused=True, tma=True, block_k=16, block_n=16, cols_per_prog=16, y_io=y_io))
+    # h reduced in the first step of B's loop (lora_apply's h_late), whole slices and split columns: a
+    # program whose columns start past its slice's first tile must still reduce h in its own first step
+    for kw in (dict(), dict(block_k=16, block_n=16, cols_per_prog=16)):
+        check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
+                   R=16, chunk=1, with_scale=dtype != torch.float32,
+                   apply_kw=dict(fused=True, tma=True, h_late=True, **kw))
 
 
 def test_apply_tma_refuses_what_it_cannot_take() -> None:
