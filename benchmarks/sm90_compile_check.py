@@ -5,7 +5,10 @@ The CPU suite runs the kernels in triton's interpreter, which takes code that th
 H200's triton 3.6: "'str' object has no attribute 'type'"). This runs the kernel tests with the
 interpreter off and triton's driver replaced by one that reports an sm90 CUDA target, each launch
 turned into a compile only (JITFunction.run with warmup=True): every (kernel, specialization) the
-tests reach is compiled to PTX and cubin with the installed ptxas. The tests' own assertions fail
+tests reach is compiled to PTX and cubin with the installed ptxas. The launchers are told the
+interpreter is on (so they take the tests' CPU tensors) but to keep bf16 tl.dot operands in bf16, as on
+a GPU (kernels.platform.UPCAST_BF16_DOTS; before round 10 the bf16 cases compiled the interpreter's
+fp32-upcast variants, e.g. tf32 wgmma in lora_gemm, where the H200 runs bf16 ones). The tests' own assertions fail
 (nothing runs): their output is not shown; only compile errors count (and pytest failing to run).
 
     make compile-check        # installs triton 3.6.0 (the GPU host's) beside the venv once, then runs this
@@ -80,6 +83,8 @@ def main() -> int:
     # the launchers accept CPU tensors where the interpreter is on; every kernels module asks through
     # kernels.platform, so this one patch reaches them all
     platform.interpreter_active = lambda: True
+    # ... but bf16 tl.dot operands as a GPU takes them (the interpreter's fp32 upcast is not what runs)
+    platform.UPCAST_BF16_DOTS = False
     args = sys.argv[1:] or [str(ROOT / "tests" / "kernels")]
     print(f"sm90 compile check: compiling the kernels that {' '.join(args)} launch ...", flush=True)
     # The tests' own outcomes are noise here (nothing runs): their output is kept back unless pytest

@@ -37,10 +37,17 @@ def triton_unavailable_reason(device: torch.device) -> Optional[str]:
             "(or set TRITON_INTERPRET=1 before start to run them in Triton's slow CPU interpreter)")
 
 
+# dot_upcast's answer when set (None = interpreter_active()): benchmarks/sm90_compile_check.py sets
+# False, so that its compile-only launches (which pass as the interpreter to take CPU tensors) compile
+# the bf16 tl.dot variants a GPU runs rather than the interpreter's fp32 ones.
+UPCAST_BF16_DOTS: Optional[bool] = None
+
+
 def dot_upcast(dtype: torch.dtype) -> bool:
     """Triton's interpreter (3.9) multiplies bf16 tiles in tl.dot as raw integers; upcasting both
     operands to fp32 first gives the exact bf16 products with fp32 accumulation that a GPU computes."""
-    return dtype == torch.bfloat16 and interpreter_active()
+    upcast = interpreter_active() if UPCAST_BF16_DOTS is None else UPCAST_BF16_DOTS
+    return dtype == torch.bfloat16 and upcast
 
 
 @functools.lru_cache(maxsize=None)
