@@ -43,20 +43,20 @@ RANK = 16
 CHUNK = 16  # lora.max_chunk_size
 
 # name -> launcher overrides; "" = the launcher's own choice (what the engine runs)
-SHRINK = {"shrink": {}, "shrink sk6": {"split_k": 6}, "shrink sk2": {"split_k": 2}, "shrink sk4": {"split_k": 4}, "shrink sk8": {"split_k": 8},
-          "shrink sk12": {"split_k": 12}, "shrink sk16": {"split_k": 16}, "shrink bk64": {"block_k": 64},
-          "shrink bk256": {"block_k": 256}, "shrink w8": {"num_warps": 8}, "shrink st2": {"num_stages": 2},
-          "shrink st4": {"num_stages": 4}}
+SHRINK = {"shrink": {}, "shrink sk6": {"split_k": 6}, "shrink sk2": {"split_k": 2}, "shrink sk4": {"split_k": 4},
+          "shrink sk8": {"split_k": 8}, "shrink sk12": {"split_k": 12}, "shrink sk16": {"split_k": 16},
+          "shrink bk64": {"block_k": 64}, "shrink bk256": {"block_k": 256}, "shrink w8": {"num_warps": 8},
+          "shrink st2": {"num_stages": 2}, "shrink st4": {"num_stages": 4}}
 EXPAND = {"expand": {}, "expand loop": {"unroll": 0}, "expand h1": {"h_split": 1}, "expand h6": {"h_split": 6},
           "expand h16": {"h_split": 16}, "expand bn64": {"block_n": 64}, "expand bn256": {"block_n": 256},
           "expand cpp256": {"cols_per_prog": 256}, "expand cpp512": {"cols_per_prog": 512},
           "expand cpp1024": {"cols_per_prog": 1024}, "expand bn256 cpp1024": {"block_n": 256, "cols_per_prog": 1024},
           "expand w8": {"num_warps": 8}, "expand st2": {"num_stages": 2}, "expand st4": {"num_stages": 4}}
 SILU = {"silu": {}, "silu loop": {"unroll": 0}, "silu h1": {"h_split": 1}, "silu h16": {"h_split": 16},
-        "silu bn128 loop": {"block_n": 128, "unroll": 0}, "silu bn32": {"block_n": 32}, "silu bn128": {"block_n": 128}, "silu bn256": {"block_n": 256},
-        "silu cpp1024": {"cols_per_prog": 1024}, "silu cpp2048": {"cols_per_prog": 2048},
-        "silu bn128 cpp2048": {"block_n": 128, "cols_per_prog": 2048}, "silu st2": {"num_stages": 2},
-        "silu st4": {"num_stages": 4}, "silu w8": {"num_warps": 8}}
+        "silu bn128 loop": {"block_n": 128, "unroll": 0}, "silu bn32": {"block_n": 32}, "silu bn128": {"block_n": 128},
+        "silu bn256": {"block_n": 256}, "silu cpp1024": {"cols_per_prog": 1024},
+        "silu cpp2048": {"cols_per_prog": 2048}, "silu bn128 cpp2048": {"block_n": 128, "cols_per_prog": 2048},
+        "silu st2": {"num_stages": 2}, "silu st4": {"num_stages": 4}, "silu w8": {"num_warps": 8}}
 
 
 def setup(b: int, adapters: int, K: int, slices: list[int], layout: str) -> dict:
@@ -76,7 +76,7 @@ def setup(b: int, adapters: int, K: int, slices: list[int], layout: str) -> dict
     else:  # engine/cuda_graph.py's per-row layout
         starts = torch.arange(b, device=DEV, dtype=torch.int32)
         segs = LoRASegments(starts, torch.ones_like(starts), row_slots, None, 1)
-    return {"A": A, "B": B, "x": x, "y": y, "ranks": ranks, "segs": segs, "offs": offs, "n": n}
+    return {"A": A, "B": B, "x": x, "y": y, "ranks": ranks, "segs": segs, "offs": offs}
 
 
 def planes(kw: dict, h0: torch.Tensor, x: torch.Tensor, A: torch.Tensor, segs, ranks) -> tuple[dict, torch.Tensor]:
@@ -127,8 +127,8 @@ def run(args: argparse.Namespace) -> list[str]:
                     kw, hh = planes(kw, h0, x, A, segs, ranks)
                     fns[name] = (lambda kw=kw, yy=yy, hh=hh: lora_expand(yy, hh, B, segs, ranks, offs, **kw))
                     nbytes[name] = (B.numel() + 2 * y.numel()) * elt + h0.numel() * 4
-                    check[name] = (lambda kw=kw, ref=ref, hh=hh: (lora_expand(y.clone(), hh, B, segs, ranks, offs, **kw).float()
-                                                           - ref.float()).abs().max())
+                    check[name] = (lambda kw=kw, ref=ref, hh=hh: (
+                        lora_expand(y.clone(), hh, B, segs, ranks, offs, **kw).float() - ref.float()).abs().max())
             if "silu" in args.ops and proj == "gate_up":
                 ref = silu_mul_lora(y, h0, B, segs, ranks)
                 out = torch.empty(b, OUT // 2, device=DEV, dtype=torch.bfloat16)

@@ -8,8 +8,9 @@ turned into a compile only (JITFunction.run with warmup=True): every (kernel, sp
 tests reach is compiled to PTX and cubin with the installed ptxas. The launchers are told the
 interpreter is on (so they take the tests' CPU tensors) but to keep bf16 tl.dot operands in bf16, as on
 a GPU (kernels.platform.UPCAST_BF16_DOTS; before round 10 the bf16 cases compiled the interpreter's
-fp32-upcast variants, e.g. tf32 wgmma in lora_gemm, where the H200 runs bf16 ones). The tests' own assertions fail
-(nothing runs): their output is not shown; only compile errors count (and pytest failing to run).
+fp32-upcast variants, e.g. tf32 wgmma in lora_gemm, where the H200 runs bf16 ones). The tests' own
+assertions fail (nothing runs): their output is not shown; only compile errors count (and pytest
+failing to run).
 
     make compile-check        # installs triton 3.6.0 (the GPU host's) beside the venv once, then runs this
     PYTHONPATH=DIR/with/triton-3.6 .venv/bin/python benchmarks/sm90_compile_check.py [pytest args, default tests/kernels]

@@ -146,9 +146,10 @@ class LoRALinear(nn.Module):
         """Decode (one-token segments, or the static decode batch's slot-sorted chunks): the adapters'
         shrink (x @ Aᵀ, which reads every A of the step) runs on the side stream while the base GEMM
         runs on the current one, then the expand adds into y. A decode GEMM at batch 64 leaves SMs idle
-        (cuBLAS takes 96 to 128 tiles for qkv and o on 132 SMs) and the shrink is launch- and latency-bound, so it can fill them; the expand must follow
-        the GEMM (it adds into y). Only for steps lora_apply would not fuse into one launch (the
-        caller checks): a fused step keeps the plain order. No extra buffer and no extra add."""
+        (cuBLAS takes 96 to 128 tiles for qkv and o on 132 SMs) and the shrink is launch- and
+        latency-bound, so it can fill them; the expand must follow the GEMM (it adds into y). Only for
+        steps lora_apply would not fuse into one launch (the caller checks): a fused step keeps the
+        plain order. No extra buffer and no extra add."""
         y, h = self._base_and_shrink(x, info, self.ctx.side_stream)
         return self._expand(y, h, self.B, info.segments, info.slot_ranks, self.out_offsets)
 
