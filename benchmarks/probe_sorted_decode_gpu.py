@@ -44,11 +44,13 @@ CHUNK = 16  # lora.max_chunk_size
 
 # name -> launcher overrides; "" = the launcher's own choice (what the engine runs)
 SHRINK = {"shrink": {}, "shrink sk6": {"split_k": 6}, "shrink sk2": {"split_k": 2}, "shrink sk4": {"split_k": 4},
-          "shrink sk8": {"split_k": 8}, "shrink sk12": {"split_k": 12}, "shrink sk16": {"split_k": 16},
+          "shrink sk8": {"split_k": 8}, "shrink sk12": {"split_k": 12}, "shrink sk14": {"split_k": 14},
+          "shrink sk16": {"split_k": 16},
           "shrink bk64": {"block_k": 64}, "shrink bk256": {"block_k": 256}, "shrink w8": {"num_warps": 8},
           "shrink st2": {"num_stages": 2}, "shrink st4": {"num_stages": 4}}
 EXPAND = {"expand": {}, "expand loop": {"unroll": 0}, "expand h1": {"h_split": 1}, "expand h6": {"h_split": 6},
-          "expand h16": {"h_split": 16}, "expand bn64": {"block_n": 64}, "expand bn256": {"block_n": 256},
+          "expand h14": {"h_split": 14}, "expand h16": {"h_split": 16}, "expand bn64": {"block_n": 64},
+          "expand bn256": {"block_n": 256},
           "expand cpp256": {"cols_per_prog": 256}, "expand cpp512": {"cols_per_prog": 512},
           "expand cpp1024": {"cols_per_prog": 1024}, "expand bn256 cpp1024": {"block_n": 256, "cols_per_prog": 1024},
           "expand w8": {"num_warps": 8}, "expand st2": {"num_stages": 2}, "expand st4": {"num_stages": 4}}

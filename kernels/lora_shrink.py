@@ -35,6 +35,8 @@ from kernels.segments import LoRASegments, check_segments, check_tile
 
 # Most K splits the partial-sum mode picks by itself: lora_expand adds the planes one by one, unrolled.
 MAX_PLANES = 16
+# Most of K one program of a split shrink covers on the decode graphs' sorted chunks (see _plane_count).
+DECODE_K_PER_SPLIT = 1024
 
 
 @triton.jit(do_not_specialize=["tiles_per_seg", "stride_hp"])  # vary every step: no recompiles
@@ -181,7 +183,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     if split_k is None:
         split_k = _auto_split_k(grid_mn, K, block_k, block_m, x.device)
         if partials:
-            split_k = min(split_k, MAX_PLANES)
+            split_k = _plane_count(split_k, K, segs.static_sorted)
     if split_k < 1:
         raise ValueError(f"lora_shrink: split_k must be >= 1, got {split_k}")
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
@@ -210,6 +212,18 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def _plane_count(split_k: int, K: int, sorted_decode: bool) -> int:
+    """Planes of a partials=True shrink whose launcher split K split_k ways: at most MAX_PLANES, and on
+    the decode graphs' slot-sorted chunks (segs.static_sorted, 16-row tiles) a split program covers
+    at most DECODE_K_PER_SPLIT of K. H200, docs/benchmarks.md round 11: down_proj (K 14336) at batch
+    256 on 32 adapters, 6 splits (the grid rule) 15.7 µs, 14 12.8 (batch 128: 14.7, 12.7); the
+    expand summing 14 planes instead of 6 +0.1-0.2 µs. K-4096 projections keep the grid rule's 6
+    (8-16 splits within 0.6 µs). Prefill-shaped steps keep the grid rule (not measured with more)."""
+    if split_k > 1 and sorted_decode:
+        split_k = max(split_k, triton.cdiv(K, DECODE_K_PER_SPLIT))
+    return min(split_k, MAX_PLANES)
 
 
 def _unsplit_block_m(block_m: int, num_segs: int, max_len: int, N: int, sms: int) -> int:

@@ -228,12 +228,6 @@ def test_apply_fused_decode_tma(dtype: torch.dtype, strategy: str) -> None:
         check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
                    R=16, chunk=1, with_scale=dtype != torch.float32,
                    apply_kw=dict(fused=True, tma=True, block_k=16, block_n=16, cols_per_prog=16, y_io=y_io))
-    # h reduced in the first step of B's loop (lora_apply's h_late), whole slices and split columns: a
-    # program whose columns start past its slice's first tile must still reduce h in its own first step
-    for kw in (dict(), dict(block_k=16, block_n=16, cols_per_prog=16)):
-        check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
-                   R=16, chunk=1, with_scale=dtype != torch.float32,
-                   apply_kw=dict(fused=True, tma=True, h_late=True, **kw))
 
 
 def test_apply_tma_refuses_what_it_cannot_take() -> None:
@@ -423,3 +417,17 @@ def test_shrink_row_tiles_shrink_instead_of_splitting_atomically() -> None:
     assert _unsplit_block_m(128, 4, 4096, 32, 132) == 128  # four segments: 128 programs
     assert _unsplit_block_m(128, 1, 1024, 32, 132) == 32  # never below 32 rows
     assert _unsplit_block_m(32, 1, 256, 48, 132) == 32
+
+
+def test_shrink_sorted_decode_planes_cover_at_most_1024_of_k() -> None:
+    # The launcher's plane count (host ints only). The decode graphs' sorted chunks, when the grid rule
+    # splits: down_proj's K 14336 in 14 planes of 1024, K-4096 projections keep the grid rule's count;
+    # never past MAX_PLANES; an unsplit grid and other layouts (prefill) as the grid rule set them.
+    from kernels.lora_shrink import MAX_PLANES, _plane_count
+    assert _plane_count(6, 14336, True) == 14
+    assert _plane_count(6, 4096, True) == 6
+    assert _plane_count(2, 4096, True) == 4
+    assert _plane_count(6, 65536, True) == MAX_PLANES
+    assert _plane_count(1, 14336, True) == 1
+    assert _plane_count(6, 14336, False) == 6
+    assert _plane_count(40, 4096, False) == MAX_PLANES
