@@ -73,11 +73,6 @@ VARIANTS = {
     "y ptr": APPLY(fused=True, y_io=1),
     "y tma/ptr": APPLY(fused=True, y_io=2),
     "y tma": APPLY(fused=True, y_io=0),
-    # h reduced in the first step of B's loop, B's first loads in flight during the reduction (round 10;
-    # lora_apply's h_late, TMA_H_LATE); "h early" is the shipped order, named for the A/B
-    "h late": APPLY(fused=True, h_late=True),
-    "h early": APPLY(fused=True, h_late=False),
-    "h late st6": tma(stages=6, h_late=True),
 }
 
 

@@ -115,7 +115,7 @@ def _lora_fused_tma_kernel(
     K, OUT, R, NR, o1, o2, cols_per_prog,  # NR = n*R
     y_ptr, stride_yt,  # y itself (Y_IO 1, 2: y through pointer loads / stores)
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, Y_IO: tl.constexpr, H_LATE: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, Y_IO: tl.constexpr,
 ):
     """_lora_fused_gemv_kernel with its weight loads through the copy engine: the compiler pipelines
     descriptor loads STAGES deep in these loops, where it leaves plain pointer loads one tile at a
@@ -135,18 +135,9 @@ def _lora_fused_tma_kernel(
         xt = x_desc.load([row, k * BLOCK_K])  # [1, BLOCK_K]; past K zero-filled
         at = a_desc.load([slot * NR + i * R, k * BLOCK_K])  # [BLOCK_R, BLOCK_K]
         acc2 += at.to(tl.float32) * xt.to(tl.float32)
-    if H_LATE:
-        hv = tl.zeros((BLOCK_R,), dtype=tl.float32)  # reduced from acc2 in the first step below
-    else:
-        hv = _finish_h(acc2, r_mask, scale_ptr, slot, y_desc.dtype, HAS_SCALE)
+    hv = _finish_h(acc2, r_mask, scale_ptr, slot, y_desc.dtype, HAS_SCALE)
     y_row = y_ptr + row.to(tl.int64) * stride_yt
     for c0 in tl.range(c_lo, c_hi, BLOCK_N, num_stages=STAGES):
-        if H_LATE:
-            # h reduced here, not before the loop: the compiler issues the loop's first STAGES - 1 B
-            # loads ahead of it (its pipeline prologue), so B's latency overlaps the reduction
-            # instead of following it (an sm90 compile puts those copies before tt.reduce only so)
-            if c0 == c_lo:
-                hv = _finish_h(acc2, r_mask, scale_ptr, slot, y_desc.dtype, HAS_SCALE)
         bt = b_desc.load([slot * OUT + c0, 0])  # [BLOCK_N, BLOCK_R]
         cols = c0 + tl.arange(0, BLOCK_N)[None, :]
         if Y_IO == 1:  # y loaded through a pointer (before the reduction that waits on B)
@@ -174,11 +165,6 @@ TMA_TILES = (256, 256, 4, 4)
 # tile waits for the previous one to leave shared memory before each step; a plain store does not.
 # (2 = copy-engine load, pointer store: between the two.)
 TMA_Y_IO = 1
-# The TMA body reduces h in the first step of B's loop (lora_apply's h_late), not before it. Off: not yet
-# timed on a GPU (round 10 found it in an sm90 compile: B's pipeline prologue, 3 copies, is issued after
-# the reduction and the layout conversion of h, so each program waits out B's latency with nothing in
-# flight; benchmarks/probe_fused_tiles_gpu.py's "h late" variant is the A/B).
-TMA_H_LATE = False
 
 
 def tma_unfit_reason(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -209,8 +195,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
                num_stages: Optional[int] = None, pdl: Optional[bool] = None,
-               tma: Optional[bool] = None, y_io: Optional[int] = None,
-               h_late: Optional[bool] = None) -> torch.Tensor:
+               tma: Optional[bool] = None, y_io: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -227,8 +212,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     tma (fused only): the kernel's body whose loads go through the copy engine (pipelined); None =
     on CUDA where tma_unfit_reason allows (and APPLIANCE_TMA is not 0), True = required (how the CPU
     tests reach it). y_io (TMA body): how y moves, 0 = copy engine both ways, 1 = pointer load and
-    store, 2 = copy-engine load, pointer store; None = TMA_Y_IO (benchmarks' A/B). h_late (TMA body):
-    reduce h inside B's loop so B's first loads are in flight during the reduction; None = TMA_H_LATE.
+    store, 2 = copy-engine load, pointer store; None = TMA_Y_IO (benchmarks' A/B).
     """
     if fused is None:
         fused = fuses(segs, A, x.device)
@@ -268,7 +252,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     widest = max(b - a for a, b in zip(offs, offs[1:]))
     if tma:
         return _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog,
-                           num_warps, num_stages, y_io, h_late)
+                           num_warps, num_stages, y_io)
     block_r = max(16, triton.next_power_of_2(R))
     if block_k is None:
         block_k = max(16, 8192 // block_r)  # [BLOCK_R, BLOCK_K] fp32 partial sums: 64 per thread
@@ -300,7 +284,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 
 
 def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog, num_warps,
-                num_stages, y_io=None, h_late=None) -> torch.Tensor:
+                num_stages, y_io=None) -> torch.Tensor:
     """lora_apply's fused kernel, TMA body (operands checked by lora_apply and tma_unfit_reason)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -333,7 +317,7 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
         K, OUT, R, n * R, offs[1] if n > 1 else OUT, offs[2] if n > 2 else OUT, cols_per_prog, y, y.stride(0),
         BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
-        Y_IO=TMA_Y_IO if y_io is None else y_io, H_LATE=TMA_H_LATE if h_late is None else h_late,
+        Y_IO=TMA_Y_IO if y_io is None else y_io,
         num_warps=num_warps or d_w,
     )
     return y
