@@ -362,16 +362,20 @@ def bench(args: argparse.Namespace) -> list[str]:
     lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write); bf16 {m}^3 matmul "
              f"{2 * m**3 / mm / 1e12:.0f} TFLOP/s", ""]
     # lora_linear's ways of writing the delta (triton strategy), then the csgmv strategies' default path
+    # (split_k, partials and pdl shape the cuBLAS order only: where lora_linear picks lora_gemm, 4096-8192
+    # tokens, those four columns time the same code; the last two pin each path)
     variants = {"K split atomic": dict(partials=False), "K split planes": dict(partials=True),
-                "no K split": dict(split_k=1), "no PDL": dict(pdl=False)}
+                "no K split": dict(split_k=1), "no PDL": dict(pdl=False), "cuBLAS order": dict(gemm="cublas"),
+                "Triton GEMM": dict(gemm="triton")}
     head = ("| proj | T | D | base µs | base, C read (beta=1) µs | add-after LoRA µs (% base) | "
             + " | ".join(f"{v} LoRA µs (% base)" for v in variants)
             + " | csgmv16 LoRA µs (% base) | csgmv64 LoRA µs (% base)"
             + "".join(f" | before ({b[0]}) LoRA µs (% base)" for b in BEFORE) + " | torch LoRA µs (% base) | TFLOP/s (best) |")
     lines += ["Prefill (sequences of up to 4096 tokens, rank 16, bf16; base = x @ Wᵀ through cuBLAS; LoRA µs = "
               "the wrapped projection's time minus the base's; kernels/lora_linear.py with the shrink's K "
-              "splits (launcher's count) atomic or in planes, or no K split (triton strategy); csgmv: "
-              "lora_linear's default; add-after: the GEMM, then lora_apply):", "", head,
+              "splits (launcher's count) atomic or in planes, or no K split (triton strategy), or pinned to "
+              "the cuBLAS order or the Triton GEMM (lora_gemm); csgmv: lora_linear's default; add-after: the "
+              "GEMM, then lora_apply):", "", head,
               "|" + "---|" * (head.count("|") - 1)]
     rows = [(name, K, slices, T, D) for name, (K, slices) in LLAMA_8B.items() for T, D in PREFILL
             if not args.prefill_t or T in args.prefill_t]
