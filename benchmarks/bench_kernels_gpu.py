@@ -370,12 +370,14 @@ def bench(args: argparse.Namespace) -> list[str]:
     head = ("| proj | T | D | base µs | base, C read (beta=1) µs | add-after LoRA µs (% base) | "
             + " | ".join(f"{v} LoRA µs (% base)" for v in variants)
             + " | csgmv16 LoRA µs (% base) | csgmv64 LoRA µs (% base)"
-            + "".join(f" | before ({b[0]}) LoRA µs (% base)" for b in BEFORE) + " | torch LoRA µs (% base) | TFLOP/s (best) |")
+            + "".join(f" | before ({b[0]}) LoRA µs (% base)" for b in BEFORE)
+            + " | base again µs (% base) | torch LoRA µs (% base) | TFLOP/s (best) |")
     lines += ["Prefill (sequences of up to 4096 tokens, rank 16, bf16; base = x @ Wᵀ through cuBLAS; LoRA µs = "
               "the wrapped projection's time minus the base's; kernels/lora_linear.py with the shrink's K "
               "splits (launcher's count) atomic or in planes, or no K split (triton strategy), or pinned to "
               "the cuBLAS order or the Triton GEMM (lora_gemm); csgmv: lora_linear's default; add-after: the "
-              "GEMM, then lora_apply):", "", head,
+              "GEMM, then lora_apply; base again: the same cuBLAS GEMM timed last in the same interleaved "
+              "run, how far two identical GEMMs differ, the noise under every % here):", "", head,
               "|" + "---|" * (head.count("|") - 1)]
     rows = [(name, K, slices, T, D) for name, (K, slices) in LLAMA_8B.items() for T, D in PREFILL
             if not args.prefill_t or T in args.prefill_t]
@@ -389,8 +391,8 @@ def bench(args: argparse.Namespace) -> list[str]:
         fns = ([p.base_fn(), p.base_fn(accumulate=True), p.add_after_fn(segs["triton"])]
                + [p.linear_fn(segs["triton"], **kw) for kw in variants.values()]
                + [p.linear_fn(segs[strategy]) for strategy in ("csgmv16", "csgmv64")]
-               + [p.linear_fn(segs["triton"], b[2]) for b in BEFORE])
-        base, acc, *lin = interleaved_times(fns)
+               + [p.linear_fn(segs["triton"], b[2]) for b in BEFORE] + [p.base_fn()])
+        base, acc, *lin, again = interleaved_times(fns)
         flops = 2 * T * RANK * (p.n * K + p.offs[-1])
         tt = math.nan if args.skip_torch else graph_time([p.torch_fn(*its[0])])
 
@@ -398,7 +400,7 @@ def bench(args: argparse.Namespace) -> list[str]:
             return f"{(t - base) * 1e6:.1f} ({100 * (t - base) / base:.1f} %)"
         best = min(lin[1:]) - base
         row = (f"| {name} | {T} | {D} | {base * 1e6:.1f} | {acc * 1e6:.1f} | "
-               + " | ".join(cell(t) for t in lin)
+               + " | ".join(cell(t) for t in lin) + f" | {again * 1e6:.1f} ({100 * again / base:.1f} %)"
                + f" | {tt * 1e6:.1f} ({100 * tt / base:.1f} %) | {flops / max(best, 1e-9) / 1e12:.1f} |")
         lines.append(row)
         print(row, flush=True)
