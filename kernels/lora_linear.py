@@ -49,8 +49,8 @@ TRITON_GEMM_TOKENS = (4096, 8192)
 # Up to this many tokens for outputs at most NARROW_OUT wide (o_proj, down_proj: 4096 columns). H200,
 # 16384 tokens, one adapter, three runs (docs/benchmarks.md, rounds 7-8): o_proj 7.8 / 6.9 / 8.5 % of
 # the GEMM against 12.7 / 10.9 / 10.6 for the cuBLAS order, down_proj (two runs) 0.9 / 0.8 against
-# 5.3 / 5.6; qkv_proj (6144 columns) 9.4 / 9.1 / 13.1 against 10.8 / 11.1 / 11.0, and in round 11 (two runs,
-# one and four adapters) 13.9-17.3 against 10.5-14.0: not taken.
+# 5.3 / 5.6; qkv_proj (6144 columns) 9.4 / 9.1 / 13.1 against 10.8 / 11.1 / 11.0, and in round 11 (four runs,
+# one and four adapters) 10.8-22.8 against 10.5-14.0: not taken.
 TRITON_GEMM_TOKENS_NARROW = 16384
 NARROW_OUT = 4096
 _REFUSED: set = set()  # shapes whose lora_gemm launch ran out of resources on their device
