@@ -95,17 +95,6 @@ def _lora_fused_gemv_kernel(
 
 
 @triton.jit
-def _finish_h(acc2, r_mask, scale_ptr, slot, DT: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """h of the TMA body from its [BLOCK_R, BLOCK_K] partial products: summed over K, 0 past the rank,
-    rounded to the weights' dtype DT (as lora_expand does), scaled."""
-    hv = tl.where(r_mask, tl.sum(acc2, axis=1), 0.0)
-    hv = hv.to(DT).to(tl.float32)
-    if HAS_SCALE:
-        hv = hv * tl.load(scale_ptr + slot)
-    return hv
-
-
-@triton.jit
 def _lora_fused_tma_kernel(
     y_desc,  # TMA descriptor of y [T, OUT], blocks [1, BLOCK_N] (read and written with Y_IO 0; else its dtype)
     x_desc,  # TMA descriptor of x [T, K], blocks [1, BLOCK_K]
@@ -135,7 +124,10 @@ def _lora_fused_tma_kernel(
         xt = x_desc.load([row, k * BLOCK_K])  # [1, BLOCK_K]; past K zero-filled
         at = a_desc.load([slot * NR + i * R, k * BLOCK_K])  # [BLOCK_R, BLOCK_K]
         acc2 += at.to(tl.float32) * xt.to(tl.float32)
-    hv = _finish_h(acc2, r_mask, scale_ptr, slot, y_desc.dtype, HAS_SCALE)
+    hv = tl.where(r_mask, tl.sum(acc2, axis=1), 0.0)
+    hv = hv.to(y_desc.dtype).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
+    if HAS_SCALE:
+        hv = hv * tl.load(scale_ptr + slot)
     y_row = y_ptr + row.to(tl.int64) * stride_yt
     for c0 in tl.range(c_lo, c_hi, BLOCK_N, num_stages=STAGES):
         bt = b_desc.load([slot * OUT + c0, 0])  # [BLOCK_N, BLOCK_R]
@@ -317,8 +309,7 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
         K, OUT, R, n * R, offs[1] if n > 1 else OUT, offs[2] if n > 2 else OUT, cols_per_prog, y, y.stride(0),
         BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
-        Y_IO=TMA_Y_IO if y_io is None else y_io,
-        num_warps=num_warps or d_w,
+        Y_IO=TMA_Y_IO if y_io is None else y_io, num_warps=num_warps or d_w,
     )
     return y
 
