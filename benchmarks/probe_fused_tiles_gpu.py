@@ -12,7 +12,7 @@ the torch twin (mixed ranks, 1000 in A's and NaN in B's rank padding) and the fu
 from a CUDA graph against eager.
 
     python3 benchmarks/probe_fused_tiles_gpu.py [--shapes 256x256,128x128,64x64] [--reps 9] [--b2b 8]
-        [--variants "default;fused, pointer body"]
+        [--variants "default;fused, pointer body"] [--projs o,down]
 """
 
 from __future__ import annotations
@@ -45,6 +45,13 @@ def round7(y, x, A, B, segs, ranks, offs):
     return lora_apply(y, x, A, B, segs, ranks, offs, fused=True, tma=True, cols_per_prog=cols)
 
 
+def streamk(**kw):
+    """The stream-K schedule (kernels/lora_streamk.py) for one-slice projections, the fused kernel for
+    the others."""
+    return lambda y, x, A, B, segs, ranks, offs: lora_apply(y, x, A, B, segs, ranks, offs, fused=True,
+                                                          streamk=A.shape[1] == 1, **kw)
+
+
 APPLY = lambda **kw: (lambda y, x, A, B, segs, ranks, offs: lora_apply(y, x, A, B, segs, ranks, offs, **kw))  # noqa: E731
 VARIANTS = {
     "default": APPLY(),
@@ -73,10 +80,22 @@ VARIANTS = {
     "y ptr": APPLY(fused=True, y_io=1),
     "y tma/ptr": APPLY(fused=True, y_io=2),
     "y tma": APPLY(fused=True, y_io=0),
+    "fused again": APPLY(fused=True),
+    "one loop": APPLY(fused=True, one_loop=True),
+    "one loop st3": APPLY(fused=True, one_loop=True, num_stages=3),
+    "one loop st6": APPLY(fused=True, one_loop=True, num_stages=6),
+    "one loop bn128": APPLY(fused=True, one_loop=True, block_n=128, block_k=128),
+    "one loop 8 warps": APPLY(fused=True, one_loop=True, num_warps=8),
+    "streamk": streamk(),
+    "streamk 1/SM": streamk(sk_programs=132),
+    "streamk 3/SM": streamk(sk_programs=396),
+    "streamk 4/SM": streamk(sk_programs=528),
+    "streamk st6": streamk(num_stages=6),
+    "streamk bk128": streamk(block_k=128),
 }
 
 
-def check() -> None:
+def check(names: list[str]) -> None:
     """Every variant against the default's bits and the torch twin, bf16, qkv shape, 64 tokens on 16
     adapters with mixed ranks, rank padding poisoned."""
     K, slices = LLAMA_8B["qkv"]
@@ -89,7 +108,8 @@ def check() -> None:
     want = ref.lora_expand(p.y.float().clone(), ref.lora_shrink(p.x.float(), p.A.float(), ts, p.ranks),
                            p.B.float(), ts, p.offs, p.ranks)
     outs = {}
-    for name, kw in VARIANTS.items():  # kw: the variant's callable
+    for name in ["fused"] + [v for v in names if v != "fused"]:
+        kw = VARIANTS[name]  # the variant's callable
         y = p.y.clone()
         kw(y, p.x, p.A, p.B, segs, p.ranks, p.offs)
         outs[name] = y
@@ -106,6 +126,37 @@ def check() -> None:
     g.replay()
     torch.cuda.synchronize()
     print(f"check fused from a CUDA graph: bits equal to eager: {torch.equal(y, outs['fused'])}", flush=True)
+    # stream-K on the one-slice shapes: against fp32 torch, and replayed from a CUDA graph three times
+    # (its flags must be left zero by every launch)
+    for proj in ("o", "down"):
+        K, slices = LLAMA_8B[proj]
+        for T, D in ((256, 256), (200, 200), (64, 64), (256, 16)):
+            p = Proj(K, slices, T)
+            p.ranks[::3] = 8
+            p.A[::3, :, 8:] = 1000.0
+            p.B[::3, :, 8:] = float("nan")
+            slots = [i % D for i in range(T)]
+            segs = make_segments("triton", [1] * T, slots)
+            ts = torch.tensor(slots, device=p.x.device)
+            want = ref.lora_expand(p.y.float().clone(), ref.lora_shrink(p.x.float(), p.A.float(), ts, p.ranks),
+                                   p.B.float(), ts, p.offs, p.ranks)
+            res = {}
+            for name in ("fused", "streamk", "streamk 3/SM", "streamk bk128"):
+                y = p.y.clone()
+                VARIANTS[name](y, p.x, p.A, p.B, segs, p.ranks, p.offs)
+                res[name] = y
+            y = p.y.clone()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                VARIANTS["streamk"](y, p.x, p.A, p.B, segs, p.ranks, p.offs)
+            same = []
+            for _ in range(3):
+                y.copy_(p.y)
+                g.replay()
+                torch.cuda.synchronize()
+                same.append(torch.equal(y, res["streamk"]))
+            errs = ", ".join(f"{n} {((v.float() - want).norm() / want.norm()).item():.2e}" for n, v in res.items())
+            print(f"check streamk {proj} {T}x{D}: rel err {errs}; graph replays equal eager: {same}", flush=True)
 
 
 def main() -> None:
@@ -114,15 +165,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--b2b", type=int, default=1, help="applications back to back per graph (>= 8: the b2b figure)")
     ap.add_argument("--variants", default=";".join(VARIANTS), help="names from VARIANTS, ;-separated")
+    ap.add_argument("--projs", default=",".join(LLAMA_8B), help="projections, ,-separated")
     args = ap.parse_args()
-    check()
+    names = args.variants.split(";")
+    check(names)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy {bw / 1e9:.0f} GB/s", flush=True)
-    names = args.variants.split(";")
     rows = []
     for shape in args.shapes.split(","):
         T, D = (int(v) for v in shape.split("x"))
-        for proj, (K, slices) in LLAMA_8B.items():
+        for proj in args.projs.split(","):
+            K, slices = LLAMA_8B[proj]
             p = Proj(K, slices, T)
             segs = [make_segments("triton", *it) for it in layouts(T, D, T)]
             nbytes = D * (p.n * RANK * K + p.offs[-1] * RANK) * 2

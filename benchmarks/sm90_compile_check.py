@@ -68,7 +68,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
         return kernel
     except Exception as e:  # noqa: BLE001 - every compile error is the report
         msg = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
-        ERRORS.setdefault((name, msg[-1][:300]), "\n".join(msg[-12:]))
+        ERRORS.setdefault((name, msg[-1][:300]), "\n".join(msg[-40:]))
         raise
 
 
