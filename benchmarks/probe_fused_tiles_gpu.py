@@ -45,13 +45,6 @@ def round7(y, x, A, B, segs, ranks, offs):
     return lora_apply(y, x, A, B, segs, ranks, offs, fused=True, tma=True, cols_per_prog=cols)
 
 
-def streamk(**kw):
-    """The stream-K schedule (kernels/lora_streamk.py) for one-slice projections, the fused kernel for
-    the others."""
-    return lambda y, x, A, B, segs, ranks, offs: lora_apply(y, x, A, B, segs, ranks, offs, fused=True,
-                                                          streamk=A.shape[1] == 1, **kw)
-
-
 APPLY = lambda **kw: (lambda y, x, A, B, segs, ranks, offs: lora_apply(y, x, A, B, segs, ranks, offs, **kw))  # noqa: E731
 VARIANTS = {
     "default": APPLY(),
@@ -80,18 +73,6 @@ VARIANTS = {
     "y ptr": APPLY(fused=True, y_io=1),
     "y tma/ptr": APPLY(fused=True, y_io=2),
     "y tma": APPLY(fused=True, y_io=0),
-    "fused again": APPLY(fused=True),
-    "one loop": APPLY(fused=True, one_loop=True),
-    "one loop st3": APPLY(fused=True, one_loop=True, num_stages=3),
-    "one loop st6": APPLY(fused=True, one_loop=True, num_stages=6),
-    "one loop bn128": APPLY(fused=True, one_loop=True, block_n=128, block_k=128),
-    "one loop 8 warps": APPLY(fused=True, one_loop=True, num_warps=8),
-    "streamk": streamk(),
-    "streamk 1/SM": streamk(sk_programs=132),
-    "streamk 3/SM": streamk(sk_programs=396),
-    "streamk 4/SM": streamk(sk_programs=528),
-    "streamk st6": streamk(num_stages=6),
-    "streamk bk128": streamk(block_k=128),
 }
 
 
@@ -126,37 +107,6 @@ def check(names: list[str]) -> None:
     g.replay()
     torch.cuda.synchronize()
     print(f"check fused from a CUDA graph: bits equal to eager: {torch.equal(y, outs['fused'])}", flush=True)
-    # stream-K on the one-slice shapes: against fp32 torch, and replayed from a CUDA graph three times
-    # (its flags must be left zero by every launch)
-    for proj in ("o", "down"):
-        K, slices = LLAMA_8B[proj]
-        for T, D in ((256, 256), (200, 200), (64, 64), (256, 16)):
-            p = Proj(K, slices, T)
-            p.ranks[::3] = 8
-            p.A[::3, :, 8:] = 1000.0
-            p.B[::3, :, 8:] = float("nan")
-            slots = [i % D for i in range(T)]
-            segs = make_segments("triton", [1] * T, slots)
-            ts = torch.tensor(slots, device=p.x.device)
-            want = ref.lora_expand(p.y.float().clone(), ref.lora_shrink(p.x.float(), p.A.float(), ts, p.ranks),
-                                   p.B.float(), ts, p.offs, p.ranks)
-            res = {}
-            for name in ("fused", "streamk", "streamk 3/SM", "streamk bk128"):
-                y = p.y.clone()
-                VARIANTS[name](y, p.x, p.A, p.B, segs, p.ranks, p.offs)
-                res[name] = y
-            y = p.y.clone()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                VARIANTS["streamk"](y, p.x, p.A, p.B, segs, p.ranks, p.offs)
-            same = []
-            for _ in range(3):
-                y.copy_(p.y)
-                g.replay()
-                torch.cuda.synchronize()
-                same.append(torch.equal(y, res["streamk"]))
-            errs = ", ".join(f"{n} {((v.float() - want).norm() / want.norm()).item():.2e}" for n, v in res.items())
-            print(f"check streamk {proj} {T}x{D}: rel err {errs}; graph replays equal eager: {same}", flush=True)
 
 
 def main() -> None:

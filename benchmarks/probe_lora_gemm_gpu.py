@@ -19,8 +19,6 @@ First a correctness check (bf16, qkv shape, 3 adapters + base rows, both paths a
         GROUP_M, main-loop depth)
     python3 benchmarks/probe_lora_gemm_gpu.py --decompose --t 4096,8192 [--proj qkv,o]
         (lora_gemm's LoRA time split: the GEMM alone, + the epilogue's delta with h given, + the shrink)
-    python3 benchmarks/probe_lora_gemm_gpu.py --gemm-configs [2] --t 4096,8192 [--proj qkv,o]
-        (tile configs that might hide a tile's fixed cost: the GEMM alone and whole, against cuBLAS)
     python3 benchmarks/probe_lora_gemm_gpu.py --activation --t 512,4096,8192
         (gate_up_proj as the engine's MLP runs it: its delta inside the activation, kernels/silu_mul_lora.py,
         against lora_linear's two orders followed by silu_mul; LoRA % of cuBLAS's GEMM)
@@ -163,8 +161,6 @@ def main() -> None:
     p.add_argument("--proj", default="qkv,o,gate_up,down")
     p.add_argument("--activation", action="store_true",
                    help="no sweep: gate_up_proj with its delta inside the activation against lora_linear + silu_mul")
-    p.add_argument("--gemm-configs", type=int, default=0, const=1, nargs="?",
-                   help="no sweep: GEMM_CONFIGS (2: GEMM_CONFIGS_2) without adapter rows and whole, against cuBLAS")
     p.add_argument("--decompose", action="store_true",
                    help="no sweep: lora_gemm without adapter rows, with h given, and whole, against cuBLAS")
     p.add_argument("--table", action="store_true",
@@ -181,8 +177,6 @@ def main() -> None:
         return variants(args)
     if args.decompose:
         return decompose(args)
-    if args.gemm_configs:
-        return gemm_configs(args)
     if args.activation:
         return activation(args)
     dev = DEV
@@ -318,37 +312,11 @@ def decompose(args: argparse.Namespace) -> None:
             segs = one_adapter(T)
             base_rows = torch.full((T,), -1, dtype=torch.int32, device=DEV)
             h = lora_shrink(x, A, segs, ranks)
-            d = DEFAULT_TILES[:10]
-            # flattened: the persistent grid, and the fused shrink 2 stages deep (its loop's buffers and the
-            # main loop's no longer share shared memory once the loops are one)
-            pf = lambda p, flat=False: (d[:6] + ((True if flat else d[6]),) + d[7:8] + ((2 if flat else d[8]),)  # noqa: E731
-                                        + d[9:] + (p, flat))
             fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
                    "GEMM, no adapter row": lambda: lora_gemm(x, w, None, B, base_rows, ranks, offs, A=A),
-                   "GEMM + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs, tiles=pf(0)),
-                   "h given, prefetch 2": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs, tiles=pf(2)),
-                   "GEMM + delta + shrink": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A,
-                                                              tiles=pf(0)),
-                   "whole, prefetch 1": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A,
-                                                          tiles=pf(1)),
-                   "whole, prefetch 2": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A,
-                                                          tiles=pf(2)),
-                   "persistent flattened, no adapter row": lambda: lora_gemm(x, w, None, B, base_rows, ranks, offs,
-                                                                             A=A, tiles=pf(0, True)),
-                   "whole, persistent flattened, prefetch 2": lambda: lora_gemm(
-                       x, w, None, B, segs.row_slots, ranks, offs, A=A, tiles=pf(2, True)),
+                   "GEMM + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs),
+                   "GEMM + delta + shrink": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A),
                    "cuBLAS again": lambda: torch.mm(x, w.t(), out=y)}
-            ref_y = lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A, tiles=pf(0))
-            for k, f in list(fns.items()):
-                try:
-                    got = f()
-                except triton.runtime.errors.OutOfResources as e:
-                    print(f"  {name} {T} {k}: {str(e).splitlines()[0][:100]}: dropped", flush=True)
-                    del fns[k]
-                    continue
-                if k.startswith("whole") or "prefetch" in k:
-                    print(f"  {name} {T} {k}: bits equal to lora_gemm's default: {torch.equal(got, ref_y)}",
-                          flush=True)
             t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
             rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
             c = t["cuBLAS"]
@@ -361,74 +329,6 @@ def decompose(args: argparse.Namespace) -> None:
         c = t["cuBLAS"]
         print(f"| {name} | {T} | {c:.1f} | " + " | ".join(
             f"{t[k]:.1f} ({100 * (t[k] - c) / c:+.1f} %)" if k in t else "-" for k in keys[1:]) + " |")
-
-
-# (block_m, block_n, block_k, warps, stages, group_m, persistent, block_ks, shrink stages, ticket, prefetch,
-# flatten, ptr_store): lora_gemm's default and tiles that might hide a tile's fixed cost (its epilogue and
-# the next program's start) behind another program's main loop: y stored from registers (no staging the
-# program waits on before it exits), 128 x 128 tiles with room for two programs an SM
-GEMM_CONFIGS_2 = {  # round 12's second call: deeper main loops (room made by the pointer store)
-    "default": DEFAULT_TILES[:10] + (0, False, False),
-    "st4, ptr store": (128, 256, 64, 8, 4, None, None, 128, None, False, 0, False, True),
-    "bk32 st6": (128, 256, 32, 8, 6, None, None, 128, None, False, 0, False, False),
-    "bk32 st6, ptr store": (128, 256, 32, 8, 6, None, None, 128, None, False, 0, False, True),
-    "256x128 st4, ptr store": (256, 128, 64, 8, 4, None, None, 128, None, False, 0, False, True),
-    "st4, ptr store, shrink st2": (128, 256, 64, 8, 4, None, None, 128, 2, False, 0, False, True),
-}
-GEMM_CONFIGS = {
-    "default": DEFAULT_TILES[:10] + (0, False, False),
-    "default, ptr store": DEFAULT_TILES[:10] + (0, False, True),
-    "128x256 st2, ptr store": (128, 256, 64, 8, 2, None, None, 128, 2, False, 0, False, True),
-    "128x128 w4, tma store": (128, 128, 64, 4, 3, None, None, 128, 2, False, 0, False, False),
-    "128x128 w4, ptr store": (128, 128, 64, 4, 3, None, None, 128, 2, False, 0, False, True),
-    "128x128 w8, ptr store": (128, 128, 64, 8, 3, None, None, 128, 2, False, 0, False, True),
-    "128x128 w8 st4, ptr store": (128, 128, 64, 8, 4, None, None, 128, 2, False, 0, False, True),
-}
-
-
-def gemm_configs(args: argparse.Namespace) -> None:
-    """Per projection and T (one adapter over 4096-token segments): each of GEMM_CONFIGS with no adapter
-    row (the GEMM alone) and whole (shrink and delta inside), interleaved with cuBLAS twice."""
-    print_device()
-    configs = GEMM_CONFIGS_2 if args.gemm_configs == 2 else GEMM_CONFIGS
-    rows = []
-    for name in args.proj.split(","):
-        K, slices = LLAMA_8B[name]
-        N, offs, w, A, B, ranks = projection(K, slices, 16)
-        for T in [int(t) for t in args.t.split(",")]:
-            x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
-            y = torch.empty(T, N, device=DEV, dtype=torch.bfloat16)
-            segs = one_adapter(T)
-            base_rows = torch.full((T,), -1, dtype=torch.int32, device=DEV)
-            ref_y = lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A)
-            fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y)}
-            for c, tiles in configs.items():
-                try:
-                    got = lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A, tiles=tiles)
-                    lora_gemm(x, w, None, B, base_rows, ranks, offs, A=A, tiles=tiles)
-                except triton.runtime.errors.OutOfResources as e:
-                    print(f"  {name} {T} {c}: {str(e).splitlines()[0][:100]}: dropped", flush=True)
-                    continue
-                err = ((got.float() - ref_y.float()).norm() / ref_y.float().norm()).item()
-                print(f"  {name} {T} {c}: rel diff to the default {err:.1e}", flush=True)
-                fns[c + ", GEMM"] = lambda t=tiles: lora_gemm(x, w, None, B, base_rows, ranks, offs, A=A, tiles=t)
-                fns[c + ", whole"] = lambda t=tiles: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A,
-                                                               tiles=t)
-            fns["cuBLAS again"] = lambda: torch.mm(x, w.t(), out=y)
-            t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
-            rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
-            c0 = t["cuBLAS"]
-            print(f"{name:8s} {T:6d} " + " | ".join(f"{k} {v * 1e6:.1f} ({100 * (v - c0) / c0:+.1f} %)"
-                                                   for k, v in t.items()), flush=True)
-    print("\n| proj | T | config | GEMM alone, % over cuBLAS | whole, LoRA % of cuBLAS |")
-    print("|---|---|---|---|---|")
-    for name, T, t in rows:
-        c0 = t["cuBLAS"]
-        print(f"| {name} | {T} | cuBLAS {c0:.1f} µs, again {100 * (t['cuBLAS again'] - c0) / c0:+.1f} % | | |")
-        for c in configs:
-            if c + ", GEMM" in t:
-                print(f"| {name} | {T} | {c} | {100 * (t[c + ', GEMM'] - c0) / c0:.1f} % | "
-                      f"{100 * (t[c + ', whole'] - c0) / c0:.1f} % |")
 
 
 # silu_mul_lora's tile body: name -> (launcher overrides, TILE_WAVES or None)

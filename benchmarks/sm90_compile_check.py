@@ -67,8 +67,12 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
         COMPILED[name] = COMPILED.get(name, 0) + 1
         return kernel
     except Exception as e:  # noqa: BLE001 - every compile error is the report
-        msg = "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()
-        ERRORS.setdefault((name, msg[-1][:300]), "\n".join(msg[-40:]))
+        # triton's CompilationError names the call site; its cause (chained) says what failed
+        chain, err = [], e
+        while err is not None and len(chain) < 4:
+            chain.append("".join(traceback.format_exception_only(type(err), err)).strip().splitlines())
+            err = err.__cause__ or err.__context__
+        ERRORS.setdefault((name, chain[-1][-1][:300]), "\n--- caused by ---\n".join("\n".join(m[-12:]) for m in chain))
         raise
 
 

@@ -33,7 +33,6 @@ from kernels.lora_expand import check_out_slices, lora_expand
 from kernels.lora_gemm import block_n_for, platform_reason
 from kernels.lora_shrink import lora_shrink
 from kernels.lora_bodies import gemv_expand, gemv_shrink
-from kernels.lora_streamk import launch_streamk
 from kernels.segment_tile import segment_row, segment_tile
 from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
@@ -104,9 +103,8 @@ def _lora_fused_tma_kernel(
     scale_ptr, tok_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, rank_ptr,  # as _lora_fused_gemv_kernel's
     K, OUT, R, NR, o1, o2, cols_per_prog,  # NR = n*R
     y_ptr, stride_yt,  # y itself (Y_IO 1, 2: y through pointer loads / stores)
-    B_ROWS,  # S*OUT: B's rows (ONE_LOOP: a row past the end, whose tile the copy engine fills with 0)
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, Y_IO: tl.constexpr, ONE_LOOP: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, Y_IO: tl.constexpr,
 ):
     """_lora_fused_gemv_kernel with its weight loads through the copy engine: the compiler pipelines
     descriptor loads STAGES deep in these loops, where it leaves plain pointer loads one tile at a
@@ -122,10 +120,6 @@ def _lora_fused_tma_kernel(
     row = segment_row(seg_start_ptr, tok_ptr, seg, m0, GATHER).to(tl.int32)
     r_mask = tl.arange(0, BLOCK_R) < rank
     acc2 = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)  # summed over K once, after the loop
-    if ONE_LOOP:
-        _fused_one_loop(x_desc, a_desc, b_desc, y_ptr, stride_yt, scale_ptr, row, slot, i, rank, r_mask, c_lo, c_hi,
-                        K, OUT, R, NR, B_ROWS, acc2, BLOCK_R, BLOCK_K, BLOCK_N, STAGES, HAS_SCALE)
-        return
     for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
         xt = x_desc.load([row, k * BLOCK_K])  # [1, BLOCK_K]; past K zero-filled
         at = a_desc.load([slot * NR + i * R, k * BLOCK_K])  # [BLOCK_R, BLOCK_K]
@@ -151,39 +145,6 @@ def _lora_fused_tma_kernel(
             tl.store(y_row + cols, out, mask=cols < c_hi)
 
 
-@triton.jit
-def _fused_one_loop(x_desc, a_desc, b_desc, y_ptr, stride_yt, scale_ptr, row, slot, i, rank, r_mask, c_lo, c_hi,
-                    K, OUT, R, NR, B_ROWS, acc2, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, STAGES: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """The TMA body's A loop and B loop as one pipelined loop over KA + NB steps: each step loads an A
-    tile (and x's) and a B tile, one of them past its tensor's end (the copy engine fills it with 0
-    and reads nothing), so B's first tiles are in flight while A's last ones are used, where two loops
-    drain the pipeline between them. y through pointer loads and stores (TMA_Y_IO 1)."""
-    KA = tl.cdiv(K, BLOCK_K)
-    k_past = KA * BLOCK_K  # a K offset past x's and A's end
-    hv = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    y_row = y_ptr + row.to(tl.int64) * stride_yt
-    for u in tl.range(0, KA + tl.cdiv(c_hi - c_lo, BLOCK_N), num_stages=STAGES):
-        k_off = tl.where(u < KA, u * BLOCK_K, k_past)
-        c0 = c_lo + (u - KA) * BLOCK_N
-        xt = x_desc.load([row, k_off])  # [1, BLOCK_K]
-        at = a_desc.load([slot * NR + i * R, k_off])  # [BLOCK_R, BLOCK_K]
-        bt = b_desc.load([tl.where(u < KA, B_ROWS, slot * OUT + c0), 0])  # [BLOCK_N, BLOCK_R]
-        if u < KA:
-            acc2 += at.to(tl.float32) * xt.to(tl.float32)
-        else:
-            if u == KA:
-                hv = tl.where(r_mask, tl.sum(acc2, axis=1), 0.0)
-                hv = hv.to(b_desc.dtype).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
-                if HAS_SCALE:
-                    hv = hv * tl.load(scale_ptr + slot)
-            cols = c0 + tl.arange(0, BLOCK_N)[None, :]
-            yt = tl.load(y_row + cols, mask=cols < c_hi, other=0.0)
-            bf = tl.where(r_mask[None, :], bt.to(tl.float32), 0.0)  # rank padding may hold anything
-            acc = tl.sum(bf * hv[None, :], axis=1)
-            tl.store(y_row + cols, (yt.to(tl.float32) + acc[None, :]).to(b_desc.dtype), mask=cols < c_hi)
-
-
 # The TMA body's tiles (block_k, block_n, stages, warps). H200, Llama-3.1-8B projections, 256 tokens on
 # 256 adapters (docs/benchmarks.md, rounds 6 and 8): against 128-column steps, 3 or 6-8 stages,
 # 128-wide K steps, 2 or 8 warps, these were best or within noise of the best for every projection.
@@ -196,8 +157,6 @@ TMA_TILES = (256, 256, 4, 4)
 # tile waits for the previous one to leave shared memory before each step; a plain store does not.
 # (2 = copy-engine load, pointer store: between the two.)
 TMA_Y_IO = 1
-# Whether the TMA body runs A's and B's loops as one pipelined loop (_fused_one_loop): not yet measured.
-TMA_ONE_LOOP = False
 
 
 def tma_unfit_reason(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -228,8 +187,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
                num_stages: Optional[int] = None, pdl: Optional[bool] = None,
-               tma: Optional[bool] = None, y_io: Optional[int] = None, streamk: Optional[bool] = None,
-               sk_programs: Optional[int] = None, one_loop: Optional[bool] = None) -> torch.Tensor:
+               tma: Optional[bool] = None, y_io: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -247,9 +205,6 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     on CUDA where tma_unfit_reason allows (and APPLIANCE_TMA is not 0), True = required (how the CPU
     tests reach it). y_io (TMA body): how y moves, 0 = copy engine both ways, 1 = pointer load and
     store, 2 = copy-engine load, pointer store; None = TMA_Y_IO (benchmarks' A/B).
-    one_loop (TMA body): A's and B's loops as one pipelined loop (_fused_one_loop); None = TMA_ONE_LOOP.
-    streamk (fused, TMA body, one slice): the work spread evenly over sk_programs programs
-    (kernels/lora_streamk.py); None = streamk_pays.
     """
     if fused is None:
         fused = fuses(segs, A, x.device)
@@ -287,17 +242,9 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     if G == 0 or T == 0:
         return y
     widest = max(b - a for a, b in zip(offs, offs[1:]))
-    if tma and n == 1:
-        if streamk is None:
-            streamk = streamk_pays(G, K, OUT, y.device)
-        if streamk and launch_streamk(y, x, A, B, segs, slot_ranks, scalings, programs=sk_programs,
-                                      block_k=block_k, num_stages=num_stages, num_warps=num_warps):
-            return y
-    elif streamk:
-        raise ValueError("lora_apply: streamk takes one slice through the TMA body")
     if tma:
         return _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog,
-                           num_warps, num_stages, y_io, one_loop)
+                           num_warps, num_stages, y_io)
     block_r = max(16, triton.next_power_of_2(R))
     if block_k is None:
         block_k = max(16, 8192 // block_r)  # [BLOCK_R, BLOCK_K] fp32 partial sums: 64 per thread
@@ -329,7 +276,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 
 
 def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog, num_warps,
-                num_stages, y_io=None, one_loop=None) -> torch.Tensor:
+                num_stages, y_io=None) -> torch.Tensor:
     """lora_apply's fused kernel, TMA body (operands checked by lora_apply and tma_unfit_reason)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -360,18 +307,11 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
         TensorDescriptor.from_tensor(B.view(S * OUT, R), [block_n, R]),
         scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
         K, OUT, R, n * R, offs[1] if n > 1 else OUT, offs[2] if n > 2 else OUT, cols_per_prog, y, y.stride(0),
-        S * OUT, BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
+        BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
-        Y_IO=TMA_Y_IO if y_io is None else y_io, ONE_LOOP=TMA_ONE_LOOP if one_loop is None else one_loop,
-        num_warps=num_warps or d_w,
+        Y_IO=TMA_Y_IO if y_io is None else y_io, num_warps=num_warps or d_w,
     )
     return y
-
-
-def streamk_pays(tokens: int, K: int, out: int, device: torch.device) -> bool:
-    """Whether the fused path of a one-slice projection takes the stream-K schedule: not yet measured
-    to pay anywhere (benchmarks pass streamk=True)."""
-    return False
 
 
 def fuses(segs: LoRASegments, A: torch.Tensor, device: torch.device) -> bool:

@@ -59,35 +59,6 @@ _NO_SLOT = tl.constexpr(2**31 - 1)  # "no slot left" in the epilogue's walk over
 
 
 @triton.jit
-def _slot_operands(cur, offs_m, offs_n, sl, R, h_ptr, b_ptr, scale_ptr, slots, rank_ptr, stride_hp, stride_hm,
-                   stride_hn, stride_bs, stride_bn, stride_br, n_parts, w_ty: tl.constexpr, BLOCK_R: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, R8: tl.constexpr):
-    """The delta's two operands for slot `cur` among a tile's rows: h [BLOCK_M, BLOCK_R] (rows of other
-    slots 0, scaled, rounded to the weights' dtype) and Bᵀ [BLOCK_R, BLOCK_N] (rank columns 0 past the
-    rank)."""
-    rank = tl.load(rank_ptr + cur)
-    offs_r = tl.arange(0, BLOCK_R)
-    # h's and B's rank columns through kernels/lora_bodies.py's rank_tile (wide loads, 0 past the rank)
-    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :] * stride_hn
-    ht = tl.zeros((offs_m.shape[0], BLOCK_R), dtype=tl.float32)
-    for p in range(n_parts):  # K splits' partial sums, in a fixed order
-        # from L2 (.cg): h may have been written by another SM during this launch
-        ht += rank_tile(h_ptrs + p * stride_hp, slots == cur, offs_r, rank, R8, ".cg")
-    if HAS_SCALE:
-        ht = ht * tl.load(scale_ptr + cur)
-    ht = ht.to(w_ty)
-    # [BLOCK_N, R] of the slot's B in its own layout (R contiguous: wide loads; loaded as
-    # [R, BLOCK_N] every element was a 2-byte load of its own), transposed in registers; every
-    # column is loaded (edge columns wrap, never stored)
-    bt = tl.trans(rank_tile(b_ptr + cur.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
-                            + offs_r[None, :] * stride_br, offs_n >= 0, offs_r, rank, R8, ""))
-    if UPCAST:
-        ht = ht.to(tl.float32)
-        bt = bt.to(tl.float32)
-    return ht, bt
-
-
-@triton.jit
 def lora_epilogue(acc, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr, rank_ptr,
                   stride_hp, stride_hm, stride_hn, stride_bs, stride_bn, stride_br, n_parts, w_ty: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -97,41 +68,31 @@ def lora_epilogue(acc, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr
     m_mask = offs_m < M
     sl = (c0 >= o1).to(tl.int32) + (c0 >= o2).to(tl.int32)  # the tile's slice
     slots = tl.load(row_slot_ptr + offs_m, mask=m_mask, other=-1)
+    offs_r = tl.arange(0, BLOCK_R)
+    rn = offs_n.to(tl.int64)
     cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
     while cur != _NO_SLOT:
-        ht, bt = _slot_operands(cur, offs_m, offs_n, sl, R, h_ptr, b_ptr, scale_ptr, slots, rank_ptr, stride_hp,
-                                stride_hm, stride_hn, stride_bs, stride_bn, stride_br, n_parts, w_ty, BLOCK_R,
-                                HAS_SCALE, UPCAST, R8)
+        rank = tl.load(rank_ptr + cur)
+        # h's and B's rank columns through kernels/lora_bodies.py's rank_tile (wide loads, 0 past the rank)
+        h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :] * stride_hn
+        ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for p in range(n_parts):  # K splits' partial sums, in a fixed order
+            # from L2 (.cg): h may have been written by another SM during this launch
+            ht += rank_tile(h_ptrs + p * stride_hp, slots == cur, offs_r, rank, R8, ".cg")
+        if HAS_SCALE:
+            ht = ht * tl.load(scale_ptr + cur)
+        ht = ht.to(w_ty)
+        # [BLOCK_N, R] of the slot's B in its own layout (R contiguous: wide loads; loaded as
+        # [R, BLOCK_N] every element was a 2-byte load of its own), transposed in registers; every
+        # column is loaded (edge columns wrap, never stored)
+        bt = tl.trans(rank_tile(b_ptr + cur.to(tl.int64) * stride_bs + rn[:, None] * stride_bn
+                                + offs_r[None, :] * stride_br, rn >= 0, offs_r, rank, R8, ""))
+        if UPCAST:
+            ht = ht.to(tl.float32)
+            bt = bt.to(tl.float32)
         acc = tl.dot(ht, bt, acc, input_precision=PRECISION)
         cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT))
     return acc
-
-
-@triton.jit
-def _no_operands(w_ty: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """Placeholders of _slot_operands' types (a tile that prefetched nothing)."""
-    if UPCAST:
-        return tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    return tl.zeros((BLOCK_M, BLOCK_R), dtype=w_ty), tl.zeros((BLOCK_R, BLOCK_N), dtype=w_ty)
-
-
-@triton.jit
-def _prefetch(pre, hpre, bpre, cur, slots, flag, offs_m, offs_n, sl, R, h_ptr, b_ptr, scale_ptr, rank_ptr, stride_hp,
-              stride_hm, stride_bs, stride_bn, n_parts, w_ty: tl.constexpr, BLOCK_R: tl.constexpr,
-              FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, R8: tl.constexpr):
-    """(1, h, Bᵀ) when the tile's rows hold exactly one adapter and its h is written (the row tile's flag
-    is up, or h came from lora_shrink), else the inputs unchanged (the epilogue takes the slow path)."""
-    if (cur != _NO_SLOT) & (tl.max(slots) == cur):
-        ready = 1
-        if FUSED_SHRINK:
-            ready = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-        if ready != 0:
-            hpre, bpre = _slot_operands(cur, offs_m, offs_n, sl, R, h_ptr, b_ptr, scale_ptr, slots, rank_ptr,
-                                        stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_ty, BLOCK_R,
-                                        HAS_SCALE, UPCAST, R8)
-            pre = 1
-    return pre, hpre, bpre
 
 
 @triton.jit
@@ -177,7 +138,6 @@ def _lora_gemm_kernel(
     x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
     w_desc,  # TMA descriptor of W [N, K], blocks [BLOCK_N, BLOCK_K]
     y_desc,  # TMA descriptor of y [M, N], blocks [BLOCK_M, BLOCK_N] (written)
-    y_ptr,  # y itself, row-major [M, N] (PTR_STORE: written through pointers)
     h_ptr,  # [P, M, n*R] fp32: from lora_shrink (P planes of partial sums), or (FUSED_SHRINK) [M, n*R] written here
     xs_desc,  # TMA descriptor of x, blocks [BLOCK_M, BLOCK_KS] (FUSED_SHRINK only)
     as_desc,  # TMA descriptor of A as [S*n*R, K], blocks [BLOCK_NR, BLOCK_KS] (FUSED_SHRINK only)
@@ -193,7 +153,7 @@ def _lora_gemm_kernel(
     BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr, TICKET: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    R8: tl.constexpr, PREFETCH: tl.constexpr, FLATTEN: tl.constexpr, PTR_STORE: tl.constexpr,
+    R8: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -201,7 +161,7 @@ def _lora_gemm_kernel(
         last = num_pid_m * num_pid_n
     else:  # one tile a program
         last = tl.program_id(0) + 1
-    for tile in tl.range(tl.program_id(0), last, NUM_PROGS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), last, NUM_PROGS):
         if FUSED_SHRINK and TICKET and not PERSISTENT:
             # Tiles are handed out in the order programs start (a ticket, not the block index, whose
             # dispatch order CUDA does not promise), so the shrink a tile waits on is already running.
@@ -220,35 +180,15 @@ def _lora_gemm_kernel(
                 tl.debug_barrier()  # every thread's h stores before the release below
                 tl.atomic_xchg(flag_ptr + pid_m, 1, sem="release", scope="gpu")
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        offs_n = (n0 + tl.arange(0, BLOCK_N)) % N  # edge columns wrap for B's load, clipped on store
-        # PREFETCH: a tile whose rows hold one adapter loads its delta's operands (h once its row tile's
-        # flag is up, and B) before its K loop (1) or in its first step (2), so the epilogue is one
-        # tensor-core product instead of a flag poll and two dependent loads after the loop.
-        sl = (n0 >= o1).to(tl.int32) + (n0 >= o2).to(tl.int32)
-        cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
-        pre = 0
-        hpre, bpre = _no_operands(w_desc.dtype, BLOCK_M, BLOCK_N, BLOCK_R, UPCAST)
-        if PREFETCH == 1:
-            pre, hpre, bpre = _prefetch(pre, hpre, bpre, cur, slots, flag_ptr + pid_m, offs_m, offs_n, sl, R, h_ptr,
-                                        b_ptr, scale_ptr, rank_ptr, stride_hp, stride_hm, stride_bs, stride_bn,
-                                        n_parts, w_desc.dtype, BLOCK_R, FUSED_SHRINK, HAS_SCALE, UPCAST, R8)
         # The copy engine loads the tiles (edges zero-filled), num_stages deep; the tensor cores eat them.
         for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if PREFETCH == 2:
-                if k == 0:
-                    pre, hpre, bpre = _prefetch(pre, hpre, bpre, cur, slots, flag_ptr + pid_m, offs_m, offs_n, sl, R,
-                                                h_ptr, b_ptr, scale_ptr, rank_ptr, stride_hp, stride_hm, stride_bs,
-                                                stride_bn, n_parts, w_desc.dtype, BLOCK_R, FUSED_SHRINK, HAS_SCALE,
-                                                UPCAST, R8)
             a = x_desc.load([m0, k * BLOCK_K])
             b = w_desc.load([n0, k * BLOCK_K])
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        if pre != 0:
-            acc = tl.dot(hpre, bpre, acc, input_precision=PRECISION)
-        elif FUSED_SHRINK:
+        if FUSED_SHRINK:
             if tl.max(slots) >= 0:  # an adapter row: wait for the row tile's h (column tile 0 came first)
                 spins = 0
                 while (tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu") == 0) & (spins < SPIN_LIMIT):
@@ -262,16 +202,11 @@ def _lora_gemm_kernel(
                     _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
                                  BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST)
                     tl.debug_barrier()  # this program's h stores before its own epilogue reads them
-        if pre == 0:
-            acc = lora_epilogue(acc, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr,
-                                rank_ptr, stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_desc.dtype,
-                                BLOCK_M, BLOCK_N, BLOCK_R, HAS_SCALE, PRECISION, UPCAST, R8)
-        if PTR_STORE:  # from registers: no shared-memory staging for the program to wait on before it exits
-            cols = n0 + tl.arange(0, BLOCK_N)
-            tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y_desc.dtype),
-                     mask=(offs_m < M)[:, None] & (cols < N)[None, :])
-        else:
-            y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
+        offs_n = (n0 + tl.arange(0, BLOCK_N)) % N  # edge columns wrap for B's load, clipped on store
+        acc = lora_epilogue(acc, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr,
+                            rank_ptr, stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_desc.dtype,
+                            BLOCK_M, BLOCK_N, BLOCK_R, HAS_SCALE, PRECISION, UPCAST, R8)
+        y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M (None: group_m_for), persistent (None:
@@ -286,9 +221,6 @@ _CPU_TILES = (32, 32, 32, 4, 1, 2, False)
 # of the cuBLAS GEMM on a persistent grid against 11.5-12.2 % one tile a program; qkv/o/down_proj lost
 # 2-14 points on it.
 PERSISTENT_MIN_OUT = 16384
-# Where a tile whose rows hold one adapter loads its delta's operands (see the kernel): 0 = in the
-# epilogue, after its K loop; 1 = before the loop; 2 = in the loop's first step. Not yet measured.
-PREFETCH = 0
 # Polls of a row tile's flag before a tile computes that row tile's h itself (see the kernel's wait).
 SPIN_LIMIT = 20000
 
@@ -364,11 +296,9 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     lora_shrink (planes summed); B [S, out, R] same dtype as x; row_slots [T] int32 (slot of each row,
     -1 = base); slot_ranks [S] int32; out_offsets [n + 1] slice boundaries; scalings [S] fp32 or None.
     tiles: (block_m, block_n, block_k, num_warps, num_stages, group_m, persistent[, block_ks,
-    shrink_stages, ticket, prefetch, flatten, ptr_store]) override (None = DEFAULT_TILES on CUDA; ticket: tiles
-    handed out by an atomic ticket rather than taken by block index; block_ks, shrink_stages: the fused shrink's
-    K step and pipeline depth; prefetch: PREFETCH's choice; flatten: the persistent grid's tile loop
-    and K loops as one, tl.range(flatten=True); ptr_store: y stored from registers, not through
-    the copy engine); block_n shrinks to divide the slice boundaries.
+    shrink_stages, ticket]) override (None = DEFAULT_TILES on CUDA; ticket: tiles handed out by an
+    atomic ticket rather than taken by block index; block_ks, shrink_stages: the fused shrink's
+    K step and pipeline depth); block_n shrinks to divide the slice boundaries.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -414,9 +344,6 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     block_ks = tiles[7] if len(tiles) > 7 else None
     shrink_stages = tiles[8] if len(tiles) > 8 else num_stages
     ticket = tiles[9] if len(tiles) > 9 else False
-    prefetch = tiles[10] if len(tiles) > 10 else PREFETCH
-    flatten = tiles[11] if len(tiles) > 11 else False
-    ptr_store = tiles[12] if len(tiles) > 12 else False
     block_n = block_n_for(out_offsets, block_n)
     if group_m is None:
         group_m = group_m_for(triton.cdiv(N, block_n), persistent)
@@ -446,7 +373,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         xs_desc = as_desc = x_desc  # not read without FUSED_SHRINK
     _lora_gemm_kernel[(progs,)](
         x_desc, TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-        TensorDescriptor.from_tensor(y, [block_m, block_n]), y,
+        TensorDescriptor.from_tensor(y, [block_m, block_n]),
         h4, xs_desc, as_desc, B, scalings if scalings is not None else slot_ranks, row_slots, slot_ranks, flags,
         T, N, K, R, n * R, o1, o2,
         h4.stride(0), h4.stride(1), B.stride(0), B.stride(1),
@@ -455,7 +382,6 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
         NUM_PROGS=progs, TICKET=ticket, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype), R8=R % 8 == 0,
-        PREFETCH=prefetch, FLATTEN=flatten and persistent, PTR_STORE=ptr_store,
         num_warps=num_warps, num_stages=num_stages,
     )
     return y

@@ -131,31 +131,6 @@ def test_tile_order_and_the_waits_way_out_give_the_same_bits(ticket: bool, monke
     assert torch.equal(alone, got)
 
 
-@pytest.mark.parametrize("prefetch", [1, 2], ids=["before-loop", "first-step"])
-@pytest.mark.parametrize("shrink", ["fused", "given"])
-def test_epilogue_prefetch_flatten_and_pointer_store_give_the_same_bits(shrink: str, prefetch: int) -> None:
-    # A tile whose rows hold one adapter loads h and B before its K loop or in its first step (h once
-    # its row tile's flag is up); tiles holding several adapters or whose flag is down take the
-    # epilogue's own loads. Either way the same bits as without the prefetch. Rows: 32-row tiles with
-    # one adapter (rows 0-31), two adapters and base rows (32-63), one adapter and base rows (64-95).
-    lens, slots, ranks = [40, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
-    x, W, A, B, offs, ts, r = case(torch.bfloat16, lens, slots, ranks, 40, [32, 16, 16], 16, seed=4)
-    cpu = DEV.type == "cpu"
-    import kernels.lora_gemm as lg
-    base = (32, 32, 32, 4, 1, 2, False, None, None, False) if cpu else lg.DEFAULT_TILES[:10]
-    want_bits = run("triton", x, W, A, B, offs, ts, r, lens, slots, tiles=base + (0,), fused=shrink == "fused")
-    got = run("triton", x, W, A, B, offs, ts, r, lens, slots, tiles=base + (prefetch,), fused=shrink == "fused")
-    assert torch.equal(got, want_bits)
-    # the persistent grid with its loops flattened (tl.range(flatten=True); the interpreter ignores it)
-    flat = base[:6] + (True,) + base[7:] + (prefetch, True)
-    got = run("triton", x, W, A, B, offs, ts, r, lens, slots, tiles=flat, fused=shrink == "fused")
-    assert torch.equal(got, want_bits)
-    # y stored from registers instead of through the copy engine (the ragged last row tile masked)
-    got = run("triton", x, W, A, B, offs, ts, r, lens, slots, tiles=base + (prefetch, False, True),
-              fused=shrink == "fused")
-    assert torch.equal(got, want_bits)
-
-
 def test_all_base_rows_is_the_plain_gemm() -> None:
     interpreter_fp32()
     lens, slots, ranks = [10, 5], [-1, -1], [16]

@@ -230,23 +230,6 @@ def test_apply_fused_decode_tma(dtype: torch.dtype, strategy: str) -> None:
                    apply_kw=dict(fused=True, tma=True, block_k=16, block_n=16, cols_per_prog=16, y_io=y_io))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_apply_fused_decode_tma_one_loop(dtype: torch.dtype) -> None:
-    # The TMA body with A's and B's loops as one (B's first tiles in flight during A's last steps; the
-    # other descriptor's load of each step lies past its tensor's end): the same cases, the same bits
-    # as the two loops.
-    if dtype == torch.float32 and DEV.type == "cuda":
-        pytest.skip("the TMA body takes bf16/fp16 on CUDA")
-    seg_slots = [0, -1, 1, 2, 4, 0, 3, -1, 1]
-    for tiles in (dict(), dict(block_k=16, block_n=16, cols_per_prog=16)):
-        check_case("triton", dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
-                   R=16, chunk=1, with_scale=dtype != torch.float32,
-                   apply_kw=dict(fused=True, tma=True, one_loop=True, **tiles))
-        check_case("csgmv", dtype, [1] * 9, [s if s != 0 else 2 for s in seg_slots], ranks=[16, 8, 12, 0, 5],
-                   K=80, slices=[32, 16, 16], R=16, chunk=1, with_scale=dtype != torch.float32,
-                   apply_kw=dict(fused=True, tma=True, one_loop=True, **tiles))
-
-
 def test_apply_tma_refuses_what_it_cannot_take() -> None:
     # Slice boundaries no 16-column tile divides (40/24/24), or a B row under 16 bytes (rank 2 in fp32):
     # tma=True refuses; the automatic choice takes the pointer body for them.
