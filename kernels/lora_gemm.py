@@ -133,6 +133,25 @@ def _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_
         cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT))
 
 
+@triton.jit
+def _wait_h(flag, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm, BLOCK_M: tl.constexpr,
+            BLOCK_KS: tl.constexpr, BLOCK_NR: tl.constexpr, SHRINK_STAGES: tl.constexpr, PRECISION: tl.constexpr,
+            UPCAST: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    """Wait for the row tile's h (its flag raised by column tile 0, which came first)."""
+    spins = 0
+    while (tl.atomic_add(flag, 0, sem="acquire", scope="gpu") == 0) & (spins < SPIN_LIMIT):
+        spins += 1
+    if spins >= SPIN_LIMIT:
+        # Column tile 0 has not raised the flag in SPIN_LIMIT polls (far longer than a tile
+        # takes): it may not have started (without the ticket, the block index order is what
+        # CUDA usually dispatches in, not what it promises). Compute the row tile's h here:
+        # the same code on the same tiles, so the same bits, and a second store of them is
+        # harmless. No tile can wait forever.
+        _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
+                     BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST)
+        tl.debug_barrier()  # this program's h stores before its own epilogue reads them
+
+
 @triton.jit(do_not_specialize=["n_parts", "stride_hp"])
 def _lora_gemm_kernel(
     x_desc,  # TMA descriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
@@ -153,7 +172,7 @@ def _lora_gemm_kernel(
     BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr, TICKET: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    R8: tl.constexpr,
+    R8: tl.constexpr, EARLY_LOADS: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -188,24 +207,54 @@ def _lora_gemm_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        if FUSED_SHRINK:
-            if tl.max(slots) >= 0:  # an adapter row: wait for the row tile's h (column tile 0 came first)
-                spins = 0
-                while (tl.atomic_add(flag_ptr + pid_m, 0, sem="acquire", scope="gpu") == 0) & (spins < SPIN_LIMIT):
-                    spins += 1
-                if spins >= SPIN_LIMIT:
-                    # Column tile 0 has not raised the flag in SPIN_LIMIT polls (far longer than a tile
-                    # takes): it may not have started (without the ticket, the block index order is what
-                    # CUDA usually dispatches in, not what it promises). Compute the row tile's h here:
-                    # the same code on the same tiles, so the same bits, and a second store of them is
-                    # harmless. No tile can wait forever.
-                    _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
-                                 BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST)
-                    tl.debug_barrier()  # this program's h stores before its own epilogue reads them
         offs_n = (n0 + tl.arange(0, BLOCK_N)) % N  # edge columns wrap for B's load, clipped on store
-        acc = lora_epilogue(acc, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr,
-                            rank_ptr, stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_desc.dtype,
-                            BLOCK_M, BLOCK_N, BLOCK_R, HAS_SCALE, PRECISION, UPCAST, R8)
+        if EARLY_LOADS:
+            if tl.max(slots) >= 0:  # an adapter row
+                # The slot's rank, B's tile and h (all its R columns, the rows of every slot) are
+                # loaded together, h before the rank is known, so the delta costs one memory round
+                # trip after the K loop (two with the flag's) instead of a chain of four (slots,
+                # rank, h and B, dot); masks in registers (rank padding and other slots' rows may hold
+                # anything). (B loaded before the wait instead held its registers across the wait's
+                # way out, the shrink: qkv_proj spilled.)
+                if FUSED_SHRINK:
+                    _wait_h(flag_ptr + pid_m, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
+                            BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST, SPIN_LIMIT)
+                sl = (n0 >= o1).to(tl.int32) + (n0 >= o2).to(tl.int32)  # the tile's slice
+                offs_r = tl.arange(0, BLOCK_R)
+                cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
+                rank = tl.load(rank_ptr + cur)
+                braw = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
+                               + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0)
+                h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :]
+                hraw = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for p in range(n_parts):  # K splits' partial sums, in a fixed order
+                    # from L2 (.cg): h may have been written by another SM during this launch
+                    hraw += tl.load(h_ptrs + p * stride_hp, mask=(offs_m < M)[:, None] & (offs_r < R)[None, :],
+                                    other=0.0, cache_modifier=".cg")
+                while cur != _NO_SLOT:
+                    ht = tl.where((slots == cur)[:, None] & (offs_r < rank)[None, :], hraw, 0.0)
+                    if HAS_SCALE:
+                        ht = ht * tl.load(scale_ptr + cur)
+                    ht = ht.to(w_desc.dtype)
+                    bt = tl.trans(tl.where((offs_r < rank)[None, :], braw, 0.0).to(w_desc.dtype))
+                    if UPCAST:
+                        ht = ht.to(tl.float32)
+                        bt = bt.to(tl.float32)
+                    acc = tl.dot(ht, bt, acc, input_precision=PRECISION)
+                    cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT))
+                    if cur != _NO_SLOT:  # a row tile across adapters: the next one's rank and B
+                        rank = tl.load(rank_ptr + cur)
+                        braw = tl.load(b_ptr + cur.to(tl.int64) * stride_bs
+                                       + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :],
+                                       mask=(offs_r < R)[None, :], other=0.0)
+        else:
+            if FUSED_SHRINK:
+                if tl.max(slots) >= 0:  # an adapter row: wait for the row tile's h (column tile 0 came first)
+                    _wait_h(flag_ptr + pid_m, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
+                            BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST, SPIN_LIMIT)
+            acc = lora_epilogue(acc, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr,
+                                rank_ptr, stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_desc.dtype,
+                                BLOCK_M, BLOCK_N, BLOCK_R, HAS_SCALE, PRECISION, UPCAST, R8)
         y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
 
 
@@ -221,6 +270,9 @@ _CPU_TILES = (32, 32, 32, 4, 1, 2, False)
 # of the cuBLAS GEMM on a persistent grid against 11.5-12.2 % one tile a program; qkv/o/down_proj lost
 # 2-14 points on it.
 PERSISTENT_MIN_OUT = 16384
+# Whether the epilogue loads B and the rank before waiting for h, and h before the rank is known (see
+# the kernel): not yet measured.
+EARLY_LOADS = False
 # Polls of a row tile's flag before a tile computes that row tile's h itself (see the kernel's wait).
 SPIN_LIMIT = 20000
 
@@ -288,7 +340,7 @@ def unfit_reason(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[in
 def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], B: torch.Tensor,
               row_slots: torch.Tensor, slot_ranks: torch.Tensor, out_offsets: Sequence[int],
               scalings: Optional[torch.Tensor] = None, *, A: Optional[torch.Tensor] = None,
-              tiles: Optional[tuple] = None) -> torch.Tensor:
+              tiles: Optional[tuple] = None, early_loads: Optional[bool] = None) -> torch.Tensor:
     """y = x @ weightᵀ + the multi-LoRA delta, as a new [T, out] tensor.
 
     x [T, in] and weight [out, in] (fp32/bf16/fp16, one dtype, see unfit_reason); h: None with A
@@ -298,7 +350,8 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     tiles: (block_m, block_n, block_k, num_warps, num_stages, group_m, persistent[, block_ks,
     shrink_stages, ticket]) override (None = DEFAULT_TILES on CUDA; ticket: tiles handed out by an
     atomic ticket rather than taken by block index; block_ks, shrink_stages: the fused shrink's
-    K step and pipeline depth); block_n shrinks to divide the slice boundaries.
+    K step and pipeline depth); block_n shrinks to divide the slice boundaries. early_loads: the
+    epilogue's load order (None = EARLY_LOADS; benchmarks' A/B).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -382,6 +435,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
         NUM_PROGS=progs, TICKET=ticket, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype), R8=R % 8 == 0,
+        EARLY_LOADS=EARLY_LOADS if early_loads is None else early_loads,
         num_warps=num_warps, num_stages=num_stages,
     )
     return y
