@@ -316,18 +316,7 @@ def decompose(args: argparse.Namespace) -> None:
                    "GEMM, no adapter row": lambda: lora_gemm(x, w, None, B, base_rows, ranks, offs, A=A),
                    "GEMM + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs),
                    "GEMM + delta + shrink": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A),
-                   "h given, early loads": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs,
-                                                             early_loads=True),
-                   "whole, early loads": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A,
-                                                           early_loads=True),
-                   "h given, late loads": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs,
-                                                            early_loads=False),
-                   "whole, late loads": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A,
-                                                          early_loads=False),
                    "cuBLAS again": lambda: torch.mm(x, w.t(), out=y)}
-            for k in ("h given", "whole"):
-                a, b = fns[k + ", early loads"](), fns[k + ", late loads"]()
-                print(f"  {name} {T} {k}: early and late loads give the same bits: {torch.equal(a, b)}", flush=True)
             t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
             rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
             c = t["cuBLAS"]

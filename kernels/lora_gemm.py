@@ -50,7 +50,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_bodies import rank_tile
 from kernels.lora_expand import check_out_slices
 from kernels import platform
 from kernels.platform import dot_upcast
@@ -59,39 +58,47 @@ _NO_SLOT = tl.constexpr(2**31 - 1)  # "no slot left" in the epilogue's walk over
 
 
 @triton.jit
-def lora_epilogue(acc, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr, rank_ptr,
-                  stride_hp, stride_hm, stride_hn, stride_bs, stride_bn, stride_br, n_parts, w_ty: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, R8: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 (rows offs_m, columns offs_n < N from c0, all in one slice) plus the
-    delta of every adapter among the rows: one rank-R tensor-core product per distinct slot."""
-    m_mask = offs_m < M
+def lora_epilogue(acc, slots, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, rank_ptr, stride_hp,
+                  stride_hm, stride_bs, stride_bn, n_parts, w_ty: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_R: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 (rows offs_m with slots `slots`, columns offs_n < N from c0, all in
+    one slice) plus the delta of every adapter among the rows: one rank-R tensor-core product per
+    distinct slot.
+
+    The slot's rank, B's [BLOCK_N, R] tile and h (all R columns, every row of the tile) are loaded
+    together, h before the rank is known, so the delta costs one memory round trip after the K loop
+    instead of a chain (rank, then h and B under its masks); the masks are applied in registers (rank
+    padding, and other slots' and base rows' h, may hold anything). H200, docs/benchmarks.md round 12:
+    with h given 0.5-1 % of the GEMM faster, gate_up_proj 1.2-1.4 %, qkv/o_proj with the fused shrink
+    unchanged; the same bits."""
     sl = (c0 >= o1).to(tl.int32) + (c0 >= o2).to(tl.int32)  # the tile's slice
-    slots = tl.load(row_slot_ptr + offs_m, mask=m_mask, other=-1)
     offs_r = tl.arange(0, BLOCK_R)
-    rn = offs_n.to(tl.int64)
+    r_cols = (offs_r < R)[None, :]
     cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
+    rank = tl.load(rank_ptr + cur)
+    # [BLOCK_N, R] of the slot's B in its own layout (R contiguous: wide loads), transposed in registers
+    # below; every column is loaded (edge columns wrap, never stored)
+    b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :]
+    braw = tl.load(b_rows + cur.to(tl.int64) * stride_bs, mask=r_cols, other=0.0)
+    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :]
+    hraw = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for p in range(n_parts):  # K splits' partial sums, in a fixed order
+        # from L2 (.cg): h may have been written by another SM during this launch
+        hraw += tl.load(h_ptrs + p * stride_hp, mask=(offs_m < M)[:, None] & r_cols, other=0.0, cache_modifier=".cg")
     while cur != _NO_SLOT:
-        rank = tl.load(rank_ptr + cur)
-        # h's and B's rank columns through kernels/lora_bodies.py's rank_tile (wide loads, 0 past the rank)
-        h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :] * stride_hn
-        ht = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for p in range(n_parts):  # K splits' partial sums, in a fixed order
-            # from L2 (.cg): h may have been written by another SM during this launch
-            ht += rank_tile(h_ptrs + p * stride_hp, slots == cur, offs_r, rank, R8, ".cg")
+        ht = tl.where((slots == cur)[:, None] & (offs_r < rank)[None, :], hraw, 0.0)
         if HAS_SCALE:
             ht = ht * tl.load(scale_ptr + cur)
         ht = ht.to(w_ty)
-        # [BLOCK_N, R] of the slot's B in its own layout (R contiguous: wide loads; loaded as
-        # [R, BLOCK_N] every element was a 2-byte load of its own), transposed in registers; every
-        # column is loaded (edge columns wrap, never stored)
-        bt = tl.trans(rank_tile(b_ptr + cur.to(tl.int64) * stride_bs + rn[:, None] * stride_bn
-                                + offs_r[None, :] * stride_br, rn >= 0, offs_r, rank, R8, ""))
+        bt = tl.trans(tl.where((offs_r < rank)[None, :], braw, 0.0).to(w_ty))
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)
         acc = tl.dot(ht, bt, acc, input_precision=PRECISION)
         cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT))
+        if cur != _NO_SLOT:  # a row tile across adapters: the next one's rank and B
+            rank = tl.load(rank_ptr + cur)
+            braw = tl.load(b_rows + cur.to(tl.int64) * stride_bs, mask=r_cols, other=0.0)
     return acc
 
 
@@ -172,7 +179,6 @@ def _lora_gemm_kernel(
     BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr, TICKET: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    R8: tl.constexpr, EARLY_LOADS: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -208,53 +214,15 @@ def _lora_gemm_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
         offs_n = (n0 + tl.arange(0, BLOCK_N)) % N  # edge columns wrap for B's load, clipped on store
-        if EARLY_LOADS:
-            if tl.max(slots) >= 0:  # an adapter row
-                # The slot's rank, B's tile and h (all its R columns, the rows of every slot) are
-                # loaded together, h before the rank is known, so the delta costs one memory round
-                # trip after the K loop (two with the flag's) instead of a chain of four (slots,
-                # rank, h and B, dot); masks in registers (rank padding and other slots' rows may hold
-                # anything). (B loaded before the wait instead held its registers across the wait's
-                # way out, the shrink: qkv_proj spilled.)
-                if FUSED_SHRINK:
-                    _wait_h(flag_ptr + pid_m, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
-                            BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST, SPIN_LIMIT)
-                sl = (n0 >= o1).to(tl.int32) + (n0 >= o2).to(tl.int32)  # the tile's slice
-                offs_r = tl.arange(0, BLOCK_R)
-                cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
-                rank = tl.load(rank_ptr + cur)
-                braw = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn
-                               + offs_r[None, :], mask=(offs_r < R)[None, :], other=0.0)
-                h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :]
-                hraw = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for p in range(n_parts):  # K splits' partial sums, in a fixed order
-                    # from L2 (.cg): h may have been written by another SM during this launch
-                    hraw += tl.load(h_ptrs + p * stride_hp, mask=(offs_m < M)[:, None] & (offs_r < R)[None, :],
-                                    other=0.0, cache_modifier=".cg")
-                while cur != _NO_SLOT:
-                    ht = tl.where((slots == cur)[:, None] & (offs_r < rank)[None, :], hraw, 0.0)
-                    if HAS_SCALE:
-                        ht = ht * tl.load(scale_ptr + cur)
-                    ht = ht.to(w_desc.dtype)
-                    bt = tl.trans(tl.where((offs_r < rank)[None, :], braw, 0.0).to(w_desc.dtype))
-                    if UPCAST:
-                        ht = ht.to(tl.float32)
-                        bt = bt.to(tl.float32)
-                    acc = tl.dot(ht, bt, acc, input_precision=PRECISION)
-                    cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT))
-                    if cur != _NO_SLOT:  # a row tile across adapters: the next one's rank and B
-                        rank = tl.load(rank_ptr + cur)
-                        braw = tl.load(b_ptr + cur.to(tl.int64) * stride_bs
-                                       + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :],
-                                       mask=(offs_r < R)[None, :], other=0.0)
-        else:
-            if FUSED_SHRINK:
-                if tl.max(slots) >= 0:  # an adapter row: wait for the row tile's h (column tile 0 came first)
-                    _wait_h(flag_ptr + pid_m, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
-                            BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST, SPIN_LIMIT)
-            acc = lora_epilogue(acc, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, row_slot_ptr,
-                                rank_ptr, stride_hp, stride_hm, 1, stride_bs, stride_bn, 1, n_parts, w_desc.dtype,
-                                BLOCK_M, BLOCK_N, BLOCK_R, HAS_SCALE, PRECISION, UPCAST, R8)
+        if tl.max(slots) >= 0:  # an adapter row
+            if FUSED_SHRINK:  # wait for the row tile's h (column tile 0 came first)
+                _wait_h(flag_ptr + pid_m, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
+                        BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST, SPIN_LIMIT)
+            # (B's loads issued before the wait held their registers across the wait's way out, the
+            # shrink: qkv_proj spilled; docs/benchmarks.md round 12)
+            acc = lora_epilogue(acc, slots, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, rank_ptr,
+                                stride_hp, stride_hm, stride_bs, stride_bn, n_parts, w_desc.dtype, BLOCK_M,
+                                BLOCK_R, HAS_SCALE, PRECISION, UPCAST)
         y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
 
 
@@ -270,9 +238,6 @@ _CPU_TILES = (32, 32, 32, 4, 1, 2, False)
 # of the cuBLAS GEMM on a persistent grid against 11.5-12.2 % one tile a program; qkv/o/down_proj lost
 # 2-14 points on it.
 PERSISTENT_MIN_OUT = 16384
-# Whether the epilogue loads B and the rank before waiting for h, and h before the rank is known (see
-# the kernel): not yet measured.
-EARLY_LOADS = False
 # Polls of a row tile's flag before a tile computes that row tile's h itself (see the kernel's wait).
 SPIN_LIMIT = 20000
 
@@ -340,7 +305,7 @@ def unfit_reason(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[in
 def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], B: torch.Tensor,
               row_slots: torch.Tensor, slot_ranks: torch.Tensor, out_offsets: Sequence[int],
               scalings: Optional[torch.Tensor] = None, *, A: Optional[torch.Tensor] = None,
-              tiles: Optional[tuple] = None, early_loads: Optional[bool] = None) -> torch.Tensor:
+              tiles: Optional[tuple] = None) -> torch.Tensor:
     """y = x @ weightᵀ + the multi-LoRA delta, as a new [T, out] tensor.
 
     x [T, in] and weight [out, in] (fp32/bf16/fp16, one dtype, see unfit_reason); h: None with A
@@ -350,8 +315,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     tiles: (block_m, block_n, block_k, num_warps, num_stages, group_m, persistent[, block_ks,
     shrink_stages, ticket]) override (None = DEFAULT_TILES on CUDA; ticket: tiles handed out by an
     atomic ticket rather than taken by block index; block_ks, shrink_stages: the fused shrink's
-    K step and pipeline depth); block_n shrinks to divide the slice boundaries. early_loads: the
-    epilogue's load order (None = EARLY_LOADS; benchmarks' A/B).
+    K step and pipeline depth); block_n shrinks to divide the slice boundaries.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -434,8 +398,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
         NUM_PROGS=progs, TICKET=ticket, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype), R8=R % 8 == 0,
-        EARLY_LOADS=EARLY_LOADS if early_loads is None else early_loads,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return y

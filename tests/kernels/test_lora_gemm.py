@@ -131,31 +131,6 @@ def test_tile_order_and_the_waits_way_out_give_the_same_bits(ticket: bool, monke
     assert torch.equal(alone, got)
 
 
-@pytest.mark.parametrize("shrink", ["fused", "given"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_early_loads_give_the_same_bits(dtype: torch.dtype, shrink: str) -> None:
-    # The epilogue loading B and the rank before the wait for h, and h (every row, all R columns)
-    # before the rank is known, masking in registers: the same bits as loading each under its masks.
-    # Row tiles holding one adapter, two adapters and base rows, a ragged last tile; mixed ranks with
-    # NaN in B's rank padding; scalings; with h given, K-split planes.
-    import kernels.lora_gemm as lg
-
-    if dtype == torch.float32:
-        interpreter_fp32()
-    lens, slots, ranks = [40, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
-    x, W, A, B, offs, ts, r = case(dtype, lens, slots, ranks, 40, [32, 16, 16], 16, seed=5)
-    sc = torch.tensor([0.5, 2.0, 1.5, 1.0])
-    segs = sgmv_segments(lens, slots, DEV)
-    d = [t.to(DEV) for t in (x, W, A, B, r)]
-    tiles = (32, 32, 32, 4, 1, 2, False) if DEV.type == "cpu" else None
-    h = None if shrink == "fused" else lora_shrink(d[0], d[2], segs, d[4], split_k=3, partials=True)
-    outs = [lg.lora_gemm(d[0], d[1], h, d[3], segs.row_slots, d[4], offs, sc.to(DEV),
-                         A=d[2] if h is None else None, tiles=tiles, early_loads=e).cpu() for e in (False, True)]
-    assert torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(outs[1].double(), want(x, W, A, B, offs, ts, r, sc), atol=TOL[dtype][0],
-                               rtol=TOL[dtype][1])
-
-
 def test_all_base_rows_is_the_plain_gemm() -> None:
     interpreter_fp32()
     lens, slots, ranks = [10, 5], [-1, -1], [16]
