@@ -45,13 +45,6 @@ def round7(y, x, A, B, segs, ranks, offs):
     return lora_apply(y, x, A, B, segs, ranks, offs, fused=True, tma=True, cols_per_prog=cols)
 
 
-def balanced(**kw):
-    """The balanced schedule (kernels/lora_balanced.py) for one-slice projections, the fused kernel for
-    the others (and where it does not run: as many tokens as programs or more)."""
-    return lambda y, x, A, B, segs, ranks, offs: lora_apply(y, x, A, B, segs, ranks, offs, fused=True,
-                                                          balanced=A.shape[1] == 1, **kw)
-
-
 APPLY = lambda **kw: (lambda y, x, A, B, segs, ranks, offs: lora_apply(y, x, A, B, segs, ranks, offs, **kw))  # noqa: E731
 VARIANTS = {
     "default": APPLY(),
@@ -80,12 +73,6 @@ VARIANTS = {
     "y ptr": APPLY(fused=True, y_io=1),
     "y tma/ptr": APPLY(fused=True, y_io=2),
     "y tma": APPLY(fused=True, y_io=0),
-    "fused again": APPLY(fused=True),
-    "balanced": balanced(),
-    "balanced 3/SM": balanced(programs=396),
-    "balanced st3": balanced(num_stages=3),
-    "balanced st6": balanced(num_stages=6),
-    "balanced 8 warps": balanced(num_warps=8),
 }
 
 
@@ -120,39 +107,6 @@ def check(names: list[str]) -> None:
     g.replay()
     torch.cuda.synchronize()
     print(f"check fused from a CUDA graph: bits equal to eager: {torch.equal(y, outs['fused'])}", flush=True)
-    if not any(v.startswith("balanced") for v in names):
-        return
-    # the balanced schedule on the one-slice shapes: against fp32 torch, and replayed from a CUDA graph
-    # three times (its flags must be left zero by every launch)
-    for proj in ("o", "down"):
-        K, slices = LLAMA_8B[proj]
-        for T, D in ((256, 256), (200, 200), (64, 64), (256, 16)):
-            p = Proj(K, slices, T)
-            p.ranks[::3] = 8
-            p.A[::3, :, 8:] = 1000.0
-            p.B[::3, :, 8:] = float("nan")
-            slots = [i % D for i in range(T)]
-            segs = make_segments("triton", [1] * T, slots)
-            ts = torch.tensor(slots, device=p.x.device)
-            want = ref.lora_expand(p.y.float().clone(), ref.lora_shrink(p.x.float(), p.A.float(), ts, p.ranks),
-                                   p.B.float(), ts, p.offs, p.ranks)
-            res = {}
-            for name in ("fused", "balanced", "balanced 3/SM"):
-                y = p.y.clone()
-                VARIANTS[name](y, p.x, p.A, p.B, segs, p.ranks, p.offs)
-                res[name] = y
-            y = p.y.clone()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                VARIANTS["balanced"](y, p.x, p.A, p.B, segs, p.ranks, p.offs)
-            same = []
-            for _ in range(3):
-                y.copy_(p.y)
-                g.replay()
-                torch.cuda.synchronize()
-                same.append(torch.equal(y, res["balanced"]))
-            errs = ", ".join(f"{n} {((v.float() - want).norm() / want.norm()).item():.2e}" for n, v in res.items())
-            print(f"check balanced {proj} {T}x{D}: rel err {errs}; graph replays equal eager: {same}", flush=True)
 
 
 def main() -> None:

@@ -32,7 +32,6 @@ import triton.language as tl
 from kernels.lora_expand import check_out_slices, lora_expand
 from kernels.lora_gemm import block_n_for, platform_reason
 from kernels.lora_shrink import lora_shrink
-from kernels.lora_balanced import launch_balanced
 from kernels.lora_bodies import gemv_expand, gemv_shrink
 from kernels.segment_tile import segment_row, segment_tile
 from kernels.platform import pdl_available
@@ -158,9 +157,6 @@ TMA_TILES = (256, 256, 4, 4)
 # tile waits for the previous one to leave shared memory before each step; a plain store does not.
 # (2 = copy-engine load, pointer store: between the two.)
 TMA_Y_IO = 1
-# Whether one-slice decode steps with fewer tokens than PROGRAMS_PER_SM x SMs take the balanced
-# schedule (kernels/lora_balanced.py): not yet measured.
-BALANCED = False
 
 
 def tma_unfit_reason(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -191,8 +187,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
                num_stages: Optional[int] = None, pdl: Optional[bool] = None,
-               tma: Optional[bool] = None, y_io: Optional[int] = None, balanced: Optional[bool] = None,
-               programs: Optional[int] = None) -> torch.Tensor:
+               tma: Optional[bool] = None, y_io: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -210,8 +205,6 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     on CUDA where tma_unfit_reason allows (and APPLIANCE_TMA is not 0), True = required (how the CPU
     tests reach it). y_io (TMA body): how y moves, 0 = copy engine both ways, 1 = pointer load and
     store, 2 = copy-engine load, pointer store; None = TMA_Y_IO (benchmarks' A/B).
-    balanced (fused, TMA body, one slice, fewer tokens than programs): every program's share of the
-    bytes equal (kernels/lora_balanced.py, `programs` of them); None = BALANCED.
     """
     if fused is None:
         fused = fuses(segs, A, x.device)
@@ -249,13 +242,6 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     if G == 0 or T == 0:
         return y
     widest = max(b - a for a, b in zip(offs, offs[1:]))
-    if balanced and not (tma and n == 1):
-        raise ValueError("lora_apply: balanced takes one slice through the TMA body")
-    if (BALANCED if balanced is None else balanced) and tma and n == 1:
-        if launch_balanced(y, x, A, B, segs, slot_ranks, scalings, programs=programs,
-                           block_k=min(block_k or TMA_TILES[0], 256), num_stages=num_stages or TMA_TILES[2],
-                           num_warps=num_warps or TMA_TILES[3]):
-            return y
     if tma:
         return _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog,
                            num_warps, num_stages, y_io)
