@@ -253,41 +253,46 @@ VARIANTS = {
 }
 
 
+def one_adapter_cases(args: argparse.Namespace):
+    """(projection name, T, projection(...) of 16 slots, x [T, K], y [T, N], one adapter's segments) for
+    every --proj and --t: the operands --variants and --decompose time."""
+    for name in args.proj.split(","):
+        K, slices = LLAMA_8B[name]
+        operands = projection(K, slices, 16)
+        for T in [int(t) for t in args.t.split(",")]:
+            x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+            y = torch.empty(T, operands[0], device=DEV, dtype=torch.bfloat16)
+            yield name, T, operands, x, y, one_adapter(T)
+
+
 def variants(args: argparse.Namespace) -> None:
     """Per projection and T: cuBLAS, lora_linear's cuBLAS order, and lora_gemm under each of VARIANTS
     (the fused shrink, one adapter over 4096-token segments), interleaved; LoRA % of cuBLAS's GEMM."""
-    dev = DEV
     print_device()
     rows = []
-    for name in args.proj.split(","):
-        K, slices = LLAMA_8B[name]
-        N, offs, w, A, B, ranks = projection(K, slices, 16)
-        for T in [int(t) for t in args.t.split(",")]:
-            x = torch.randn(T, K, device=dev, dtype=torch.bfloat16)
-            y = torch.empty(T, N, device=dev, dtype=torch.bfloat16)
-            segs = one_adapter(T)
-            want = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton")
-            fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
-                   "cublas path": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas")}
-            # the no-ticket wait's way out (a tile computing its row tile's h itself), forced on every tile
-            lg.SPIN_LIMIT, limit = 0, lg.SPIN_LIMIT
-            got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=VARIANTS["no ticket G8"])
-            lg.SPIN_LIMIT = limit
-            print(f"  {name} {T}: every tile's own h (SPIN_LIMIT 0): bits equal to the default's: "
-                  f"{torch.equal(got, want)}", flush=True)
-            for v, tiles in VARIANTS.items():
-                got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=tiles)
-                if not torch.equal(got, want):
-                    print(f"  {name} {T} {v}: bits differ from the default's (max |diff| "
-                          f"{(got.float() - want.float()).abs().max().item():.3e})", flush=True)
-                fns[v] = lambda tiles=tiles: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton",
-                                                         gemm_tiles=tiles)
-            t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
-            c = t["cuBLAS"]
-            rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
-            print(f"{name:8s} {T:6d} " + " | ".join(
-                f"{k} {v * 1e6:.1f}" + ("" if k == "cuBLAS" else f" ({100 * (v - c) / c:+.1f} %)")
-                for k, v in t.items()), flush=True)
+    for name, T, (N, offs, w, A, B, ranks), x, y, segs in one_adapter_cases(args):
+        want = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton")
+        fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
+               "cublas path": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas")}
+        # the no-ticket wait's way out (a tile computing its row tile's h itself), forced on every tile
+        lg.SPIN_LIMIT, limit = 0, lg.SPIN_LIMIT
+        got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=VARIANTS["no ticket G8"])
+        lg.SPIN_LIMIT = limit
+        print(f"  {name} {T}: every tile's own h (SPIN_LIMIT 0): bits equal to the default's: "
+              f"{torch.equal(got, want)}", flush=True)
+        for v, tiles in VARIANTS.items():
+            got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=tiles)
+            if not torch.equal(got, want):
+                print(f"  {name} {T} {v}: bits differ from the default's (max |diff| "
+                      f"{(got.float() - want.float()).abs().max().item():.3e})", flush=True)
+            fns[v] = lambda tiles=tiles: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton",
+                                                     gemm_tiles=tiles)
+        t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
+        c = t["cuBLAS"]
+        rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
+        print(f"{name:8s} {T:6d} " + " | ".join(
+            f"{k} {v * 1e6:.1f}" + ("" if k == "cuBLAS" else f" ({100 * (v - c) / c:+.1f} %)")
+            for k, v in t.items()), flush=True)
     keys = list(rows[0][2]) if rows else []
     print("\n| proj | T | cuBLAS µs | " + " | ".join(k for k in keys[1:]) + " |")
     print("|---|---|---|" + "---|" * (len(keys) - 1))
@@ -303,25 +308,19 @@ def decompose(args: argparse.Namespace) -> None:
     timing: the epilogue's delta without the shrink or the flags), and whole (the shrink inside)."""
     print_device()
     rows = []
-    for name in args.proj.split(","):
-        K, slices = LLAMA_8B[name]
-        N, offs, w, A, B, ranks = projection(K, slices, 16)
-        for T in [int(t) for t in args.t.split(",")]:
-            x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
-            y = torch.empty(T, N, device=DEV, dtype=torch.bfloat16)
-            segs = one_adapter(T)
-            base_rows = torch.full((T,), -1, dtype=torch.int32, device=DEV)
-            h = lora_shrink(x, A, segs, ranks)
-            fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
-                   "GEMM, no adapter row": lambda: lora_gemm(x, w, None, B, base_rows, ranks, offs, A=A),
-                   "GEMM + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs),
-                   "GEMM + delta + shrink": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A),
-                   "cuBLAS again": lambda: torch.mm(x, w.t(), out=y)}
-            t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
-            rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
-            c = t["cuBLAS"]
-            print(f"{name:8s} {T:6d} " + " | ".join(f"{k} {v * 1e6:.1f} ({100 * (v - c) / c:+.1f} %)"
-                                                   for k, v in t.items()), flush=True)
+    for name, T, (N, offs, w, A, B, ranks), x, y, segs in one_adapter_cases(args):
+        base_rows = torch.full((T,), -1, dtype=torch.int32, device=DEV)
+        h = lora_shrink(x, A, segs, ranks)
+        fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
+               "GEMM, no adapter row": lambda: lora_gemm(x, w, None, B, base_rows, ranks, offs, A=A),
+               "GEMM + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs),
+               "GEMM + delta + shrink": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A),
+               "cuBLAS again": lambda: torch.mm(x, w.t(), out=y)}
+        t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
+        rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
+        c = t["cuBLAS"]
+        print(f"{name:8s} {T:6d} " + " | ".join(f"{k} {v * 1e6:.1f} ({100 * (v - c) / c:+.1f} %)"
+                                               for k, v in t.items()), flush=True)
     keys = list(dict.fromkeys(k for _, _, t in rows for k in t))
     print("\n| proj | T | cuBLAS µs | " + " | ".join(keys[1:]) + " |")
     print("|---|---|---|" + "---|" * (len(keys) - 1))
