@@ -74,18 +74,19 @@ def lora_epilogue(acc, slots, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, sc
     sl = (c0 >= o1).to(tl.int32) + (c0 >= o2).to(tl.int32)  # the tile's slice
     offs_r = tl.arange(0, BLOCK_R)
     r_cols = (offs_r < R)[None, :]
-    cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
-    rank = tl.load(rank_ptr + cur)
-    # [BLOCK_N, R] of the slot's B in its own layout (R contiguous: wide loads), transposed in registers
+    # [BLOCK_N, R] of a slot's B in its own layout (R contiguous: wide loads), transposed in registers
     # below; every column is loaded (edge columns wrap, never stored)
     b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :]
-    braw = tl.load(b_rows + cur.to(tl.int64) * stride_bs, mask=r_cols, other=0.0)
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + (sl * R + offs_r)[None, :]
     hraw = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for p in range(n_parts):  # K splits' partial sums, in a fixed order
         # from L2 (.cg): h may have been written by another SM during this launch
         hraw += tl.load(h_ptrs + p * stride_hp, mask=(offs_m < M)[:, None] & r_cols, other=0.0, cache_modifier=".cg")
+    cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
     while cur != _NO_SLOT:
+        # issued before anything waits on h's loads above
+        rank = tl.load(rank_ptr + cur)
+        braw = tl.load(b_rows + cur.to(tl.int64) * stride_bs, mask=r_cols, other=0.0)
         ht = tl.where((slots == cur)[:, None] & (offs_r < rank)[None, :], hraw, 0.0)
         if HAS_SCALE:
             ht = ht * tl.load(scale_ptr + cur)
@@ -96,9 +97,6 @@ def lora_epilogue(acc, slots, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, sc
             bt = bt.to(tl.float32)
         acc = tl.dot(ht, bt, acc, input_precision=PRECISION)
         cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT))
-        if cur != _NO_SLOT:  # a row tile across adapters: the next one's rank and B
-            rank = tl.load(rank_ptr + cur)
-            braw = tl.load(b_rows + cur.to(tl.int64) * stride_bs, mask=r_cols, other=0.0)
     return acc
 
 
