@@ -19,6 +19,8 @@ First a correctness check (bf16, qkv shape, 3 adapters + base rows, both paths a
         GROUP_M, main-loop depth)
     python3 benchmarks/probe_lora_gemm_gpu.py --decompose --t 4096,8192 [--proj qkv,o]
         (lora_gemm's LoRA time split: the GEMM alone, + the epilogue's delta with h given, + the shrink)
+    python3 benchmarks/probe_lora_gemm_gpu.py --chunks --t 16384 --proj qkv,gate_up [--chunk-rows 8192]
+        (lora_gemm in one launch and in launches of --chunk-rows rows, against cuBLAS and the cuBLAS order)
     python3 benchmarks/probe_lora_gemm_gpu.py --activation --t 512,4096,8192
         (gate_up_proj as the engine's MLP runs it: its delta inside the activation, kernels/silu_mul_lora.py,
         against lora_linear's two orders followed by silu_mul; LoRA % of cuBLAS's GEMM)
@@ -165,6 +167,9 @@ def main() -> None:
                    help="no sweep: lora_gemm without adapter rows, with h given, and whole, against cuBLAS")
     p.add_argument("--table", action="store_true",
                    help="no tile sweep: the default tiles (and persistent), interleaved against cuBLAS, per T")
+    p.add_argument("--chunks", action="store_true",
+                   help="no sweep: lora_gemm in one launch and in --chunk-rows launches against cuBLAS")
+    p.add_argument("--chunk-rows", type=int, default=8192)
     args = p.parse_args()
     if args.check_small:
         return check_small()
@@ -177,6 +182,8 @@ def main() -> None:
         return variants(args)
     if args.decompose:
         return decompose(args)
+    if args.chunks:
+        return chunks(args)
     if args.activation:
         return activation(args)
     dev = DEV
@@ -332,6 +339,39 @@ def decompose(args: argparse.Namespace) -> None:
         c = t["cuBLAS"]
         print(f"| {name} | {T} | {c:.1f} | " + " | ".join(
             f"{t[k]:.1f} ({100 * (t[k] - c) / c:+.1f} %)" if k in t else "-" for k in keys[1:]) + " |")
+
+
+def chunks(args: argparse.Namespace) -> None:
+    """lora_gemm over T rows in one launch, or in launches of --chunk-rows rows each (views of x and the
+    row slots, each writing its own rows), against cuBLAS's GEMM and the cuBLAS order, interleaved:
+    whether the rows a launch sees, not the shape, cost qkv_proj its figure above 8192 tokens."""
+    print_device()
+    rows = []
+    c = args.chunk_rows
+    for name, T, (N, offs, w, A, B, ranks), x, y, segs in one_adapter_cases(args):
+        whole = lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A)
+        parts = [lora_gemm(x[r:r + c], w, None, B, segs.row_slots[r:r + c], ranks, offs, A=A) for r in range(0, T, c)]
+        print(f"  {name} {T}: chunks of {c} rows bit-equal to one launch: {torch.equal(torch.cat(parts), whole)}",
+              flush=True)
+        fns = {"cuBLAS": lambda: torch.mm(x, w.t(), out=y),
+               "cublas path": lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="cublas"),
+               "lora_gemm, one launch": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A),
+               f"lora_gemm, {c}-row launches": lambda: [
+                   lora_gemm(x[r:r + c], w, None, B, segs.row_slots[r:r + c], ranks, offs, A=A)
+                   for r in range(0, T, c)],
+               "cuBLAS again": lambda: torch.mm(x, w.t(), out=y)}
+        t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
+        rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
+        base = t["cuBLAS"]
+        print(f"{name:8s} {T:6d} " + " | ".join(f"{k} {v * 1e6:.1f} ({100 * (v - base) / base:+.1f} %)"
+                                               for k, v in t.items()), flush=True)
+    keys = list(rows[0][2]) if rows else []
+    print("\n| proj | T | cuBLAS µs | " + " | ".join(keys[1:]) + " |")
+    print("|---|---|---|" + "---|" * (len(keys) - 1))
+    for name, T, t in rows:
+        base = t["cuBLAS"]
+        print(f"| {name} | {T} | {base:.1f} | " + " | ".join(f"{100 * (t[k] - base) / base:.1f} %" for k in keys[1:])
+              + " |")
 
 
 # silu_mul_lora's tile body: name -> (launcher overrides, TILE_WAVES or None)
