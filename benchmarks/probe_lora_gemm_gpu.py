@@ -327,11 +327,22 @@ def decompose(args: argparse.Namespace) -> None:
                "GEMM + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs),
                "GEMM + delta + shrink": lambda: lora_gemm(x, w, None, B, segs.row_slots, ranks, offs, A=A),
                "cuBLAS again": lambda: torch.mm(x, w.t(), out=y)}
-        t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
-        rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
-        c = t["cuBLAS"]
-        print(f"{name:8s} {T:6d} " + " | ".join(f"{k} {v * 1e6:.1f} ({100 * (v - c) / c:+.1f} %)"
-                                               for k, v in t.items()), flush=True)
+        time_row(name, T, fns, args.reps, rows)
+    print_rows(rows)
+
+
+def time_row(name: str, T: int, fns: dict, reps: int, rows: list) -> None:
+    """fns (the first "cuBLAS") timed interleaved; their µs appended to rows as (name, T, {fn: µs})
+    and printed with each one's % over the first."""
+    t = dict(zip(fns, interleaved_times(list(fns.values()), reps=reps)))
+    rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
+    c = t["cuBLAS"]
+    print(f"{name:8s} {T:6d} " + " | ".join(f"{k} {v * 1e6:.1f} ({100 * (v - c) / c:+.1f} %)"
+                                           for k, v in t.items()), flush=True)
+
+
+def print_rows(rows: list) -> None:
+    """time_row's rows as a markdown table: µs (% over cuBLAS)."""
     keys = list(dict.fromkeys(k for _, _, t in rows for k in t))
     print("\n| proj | T | cuBLAS µs | " + " | ".join(keys[1:]) + " |")
     print("|---|---|---|" + "---|" * (len(keys) - 1))
@@ -360,18 +371,8 @@ def chunks(args: argparse.Namespace) -> None:
                    lora_gemm(x[r:r + c], w, None, B, segs.row_slots[r:r + c], ranks, offs, A=A)
                    for r in range(0, T, c)],
                "cuBLAS again": lambda: torch.mm(x, w.t(), out=y)}
-        t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
-        rows.append((name, T, {k: v * 1e6 for k, v in t.items()}))
-        base = t["cuBLAS"]
-        print(f"{name:8s} {T:6d} " + " | ".join(f"{k} {v * 1e6:.1f} ({100 * (v - base) / base:+.1f} %)"
-                                               for k, v in t.items()), flush=True)
-    keys = list(rows[0][2]) if rows else []
-    print("\n| proj | T | cuBLAS µs | " + " | ".join(keys[1:]) + " |")
-    print("|---|---|---|" + "---|" * (len(keys) - 1))
-    for name, T, t in rows:
-        base = t["cuBLAS"]
-        print(f"| {name} | {T} | {base:.1f} | " + " | ".join(f"{100 * (t[k] - base) / base:.1f} %" for k in keys[1:])
-              + " |")
+        time_row(name, T, fns, args.reps, rows)
+    print_rows(rows)
 
 
 # silu_mul_lora's tile body: name -> (launcher overrides, TILE_WAVES or None)
