@@ -1,0 +1,469 @@
+"""Probe: a ping-pong GEMM in triton's Gluon dialect on Hopper, against cuBLAS (issue 6, round 13).
+
+lora_gemm's Triton GEMM stays 4-6 % behind cuBLAS at 4096-8192 tokens (round 12: a fixed cost a tile,
+pipeline fill and epilogue, that cuBLAS hides), and triton 3.6's automatic warp specialization did not
+change that (probe_ws_gemm_gpu.py). cuBLAS's Hopper kernels hide the epilogue with a ping-pong schedule:
+two consumer warp groups take alternate output tiles from one ring of TMA-loaded operand stages, so
+one group's epilogue runs while the other's MMAs do. This writes that schedule by hand in Gluon (no CPU
+interpreter: a probe, not a kernel of the package) to learn whether it closes the gap before anyone
+builds lora_gemm on it.
+
+Each program is persistent and walks the tiles p, p + P, ...; its local tiles 0, 2, 4, ... go to
+consumer 0 (the default partition), 1, 3, 5, ... to consumer 1 (a worker); a 4-warp loader fills the
+ring in the order the tiles are consumed. Ring position of K step k of local tile j: j * k_steps + k.
+A group starts a tile only once the other has reached its own tile's last K step (a "turn" barrier):
+that keeps every stage barrier's waiter at most one phase ahead (parity waits) and is the ping-pong.
+
+    python3 benchmarks/probe_gluon_gemm_gpu.py [--t 4096,8192] [--proj qkv,o,down]
+    python3 benchmarks/probe_gluon_gemm_gpu.py --delta [--t 4096,8192] [--proj qkv,o]
+        (with the LoRA delta in the epilogue, h given, against the ping-pong alone and lora_gemm)
+    PYTHONPATH=.venv/gpu-triton python3 benchmarks/probe_gluon_gemm_gpu.py --compile-only   (sm90, no GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if "--compile-only" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+PROJ = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096)}
+# (name, BM, BN, BK, stages, consumer regs, loader regs, maxnreg, y buffers: 2 = one a group, 1 = shared)
+VARIANTS = [
+    ("pingpong 128x128x64 s5", 128, 128, 64, 5, 232, 40, 168, 2),
+    ("pingpong 128x128x64 s6 shared y", 128, 128, 64, 6, 232, 40, 168, 1),
+    ("pingpong 128x128x32 s12 shared y", 128, 128, 32, 12, 232, 40, 168, 1),
+    ("pingpong 128x128x128 s3 shared y", 128, 128, 128, 3, 232, 40, 168, 1),
+]
+# --delta: the deepest ring that leaves room for the delta's B tile
+DELTA_VARIANT = ("pingpong 128x128x64 s5 shared y", 128, 128, 64, 5, 232, 40, 168, 1)
+# the fused shrink: A's tiles take y's room (y stored from registers, under the other group's MMAs)
+FUSED_VARIANT = ("pingpong 128x128x64 s5 direct y", 128, 128, 64, 5, 232, 40, 168, 0)
+
+
+@gluon.jit
+def _tile_offsets(j, pid, nprogs, num_m, num_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    tile = pid + j * nprogs
+    group = GROUP_M * num_n
+    first_m = (tile // group) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % size_m
+    pid_n = (tile % group) // size_m
+    return pid_m * BM, pid_n * BN
+
+
+@gluon.jit
+def _my_tiles(M, N, BM: gl.constexpr, BN: gl.constexpr):
+    num_m = gl.cdiv(M, BM)
+    num_n = gl.cdiv(N, BN)
+    pid = gl.program_id(0)
+    nprogs = gl.num_programs(0)
+    count = (num_m * num_n - pid + nprogs - 1) // nprogs
+    return pid, nprogs, num_m, num_n, count
+
+
+_NO_SLOT = gl.constexpr(1 << 30)
+
+
+@gluon.jit
+def _delta(acc, b_smem, off_m, off_n, M, N, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts,
+           layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """acc += h[rows, slice's R columns] @ B[slot][cols]ᵀ for each distinct slot among the tile's rows
+    (h fp32 [P, M, n*16] planes of partial sums, lora_shrink's output, summed here; B bf16 [S, N, 16]):
+    one rank-16 wgmma a slot, h from registers, B's tile through b_smem. Runs in the group's epilogue,
+    i.e. under the other group's main loop."""
+    RP: gl.constexpr = 16
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    b_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+    sl = (off_n >= o1).to(gl.int32) + (off_n >= o2).to(gl.int32)
+    hr = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, a_layout))
+    hc = gl.arange(0, RP, layout=gl.SliceLayout(0, a_layout))
+    h_ptrs = h_ptr + hr.to(gl.int64)[:, None] * stride_h + sl * RP + hc[None, :]
+    hf = gl.zeros([BM, RP], gl.float32, a_layout)
+    for p in range(n_parts):
+        hf += gl.load(h_ptrs + p * stride_p, mask=(hr < M)[:, None], other=0.0, cache_modifier=".cg")
+    h = hf.to(gl.bfloat16)
+    h_slots = gl.load(slots_ptr + hr, mask=hr < M, other=-1)
+    bn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, b_layout))
+    br = gl.arange(0, RP, layout=gl.SliceLayout(0, b_layout))
+    b_rows = b_ptr + bn.to(gl.int64)[:, None] * RP + br[None, :]
+    cur = gl.min(gl.where(h_slots >= 0, h_slots, _NO_SLOT), axis=0)
+    while cur != _NO_SLOT:
+        b = gl.load(b_rows + cur.to(gl.int64) * N * RP)
+        b_smem.store(b)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of B in shared memory before the group's wgmma reads it
+        hm = gl.where((h_slots == cur)[:, None], h, gl.zeros_like(h))
+        acc = warpgroup_mma(hm, b_smem.permute((1, 0)), acc)
+        gl.thread_barrier()  # the wgmma has read b_smem before the next slot's B overwrites it
+        cur = gl.min(gl.where(h_slots > cur, h_slots, _NO_SLOT), axis=0)
+    return acc
+
+
+@gluon.jit
+def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs):
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    # one y buffer for both groups: their epilogues come one after the other (the ping-pong), ordered
+    # by turn's third barrier; else one each
+    # y stored from registers (a [2, 16, 16] placeholder for y_bufs): no y buffer, the room goes to stages
+    DIRECT_Y: gl.constexpr = y_bufs.type.shape[1] < BM
+    SHARED_Y: gl.constexpr = (y_bufs.type.shape[0] == 1) and not DIRECT_Y
+    y_buf = y_bufs.index(0 if SHARED_Y else c)
+    pid, nprogs, num_m, num_n, count = _my_tiles(M, N, BM, BN)
+    k_steps = gl.cdiv(K, BK)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    for j in range(c, count, 2):
+        off_m, off_n = _tile_offsets(j, pid, nprogs, num_m, num_n, BM, BN, 8)
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+        base = j * k_steps
+        # Wait for the other group to reach its tile's last K step: every ring position before this
+        # tile's is loaded then, so a parity wait on a stage's barrier cannot match a phase two behind.
+        turn_phase = j // 2 - 1 + c
+        mbarrier.wait(turn.index(c), turn_phase & 1, pred=turn_phase >= 0)
+        b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr = dargs
+        FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
+        tslot = -1
+        if FUSED:
+            tslot = gl.load(tslot_ptr + off_m // BM)
+        if FUSED and (off_n == 0) and (tslot >= 0):
+            # column tile 0 of a row tile with an adapter: h = x @ A[slot]ᵀ in the same K loop, from the
+            # x tile already in shared memory and A's [n*R, BK] tile the loader put beside it
+            NR: gl.constexpr = a_bufs.type.shape[1]
+            h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, NR, 16])
+            hacc = gl.zeros((BM, NR), dtype=gl.float32, layout=h_layout)
+            for k in range(k_steps):
+                pos = base + k
+                s = pos % STAGES
+                mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
+                mbarrier.arrive(turn.index(1 - c), pred=k == k_steps - 1)
+                acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                hacc = warpgroup_mma(x_bufs.index(s), a_bufs.index(s).permute((1, 0)), hacc, is_async=True)
+                acc, hacc = warpgroup_mma_wait(2, deps=(acc, hacc))
+                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
+            acc, hacc = warpgroup_mma_wait(0, deps=(acc, hacc))
+            mbarrier.arrive(empty.index((base + k_steps - 1) % STAGES))
+            hrow = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, h_layout))
+            hcol = gl.arange(0, NR, layout=gl.SliceLayout(0, h_layout))  # A's box is n*R rows padded to a power of 2
+            gl.store(h_ptr + hrow.to(gl.int64)[:, None] * stride_h + hcol[None, :], hacc,
+                     mask=(hrow < M)[:, None] & (hcol < stride_h)[None, :])
+            gl.thread_barrier()  # every thread's h stores before the release below
+            gl.atomic_xchg(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
+        else:
+            for k in range(k_steps):
+                pos = base + k
+                s = pos % STAGES
+                mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
+                mbarrier.arrive(turn.index(1 - c), pred=k == k_steps - 1)
+                acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                # one MMA in flight: the previous step's stage is read, hand it back to the loader
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((base + k_steps - 1) % STAGES))
+        if SHARED_Y:  # the previous tile's epilogue (the other group's) is done with y_buf and b_smem
+            mbarrier.wait(turn.index(2), (j - 1) & 1, pred=j > 0)
+        elif not DIRECT_Y:  # this group's previous tile has left y_buf
+            tma.store_wait(0)
+        if b_smems.type.shape[1] > 1:  # HAS_DELTA: the LoRA delta
+            if FUSED and (tslot >= 0):  # wait for the row tile's h (column tile 0's flag)
+                spins = 0
+                while (gl.atomic_add(flag_ptr + off_m // BM, 0, sem="acquire", scope="gpu") == 0) & (spins < 200000):
+                    spins += 1
+            acc = _delta(acc, b_smems.index(0 if SHARED_Y else c), off_m, off_n, M, N, h_ptr, b_ptr, slots_ptr,
+                         o1, o2, stride_h, stride_p, n_parts, layout, BM, BN)
+        if DIRECT_Y:
+            yr = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+            yc = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+            gl.store(y_ptr + yr.to(gl.int64)[:, None] * N + yc[None, :], acc.to(y_desc.dtype),
+                     mask=(yr < M)[:, None] & (yc < N)[None, :])
+        else:
+            y_buf.store(acc.to(y_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(y_desc, [off_m, off_n], y_buf)
+        if SHARED_Y:
+            tma.store_wait(0)
+            mbarrier.arrive(turn.index(2))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _consumer0(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs):
+    _consume(0, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs)
+
+
+@gluon.jit
+def _consumer1(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs):
+    _consume(1, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs)
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs):
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    pid, nprogs, num_m, num_n, count = _my_tiles(M, N, BM, BN)
+    k_steps = gl.cdiv(K, BK)
+    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr = dargs
+    FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
+    for j in range(count):
+        off_m, off_n = _tile_offsets(j, pid, nprogs, num_m, num_n, BM, BN, 8)
+        do_a = False
+        tslot = 0
+        if FUSED:
+            tslot = gl.load(tslot_ptr + off_m // BM)
+            do_a = (off_n == 0) & (tslot >= 0)
+        for k in range(k_steps):
+            pos = j * k_steps + k
+            s = pos % STAGES
+            # barriers start with phase 1 complete: the first pass over the ring does not wait
+            mbarrier.wait(empty.index(s), ((pos // STAGES) & 1) ^ 1)
+            if do_a:
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes
+                                + a_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k * BK], ready.index(s), x_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
+            if FUSED:
+                tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, k * BK], ready.index(s), a_bufs.index(s),
+                                                pred=do_a)
+
+
+@gluon.jit
+def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts,
+                     a_desc, tslot_ptr, flag_ptr, y_ptr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     LOADER_REGS: gl.constexpr, Y_BUFS: gl.constexpr, HAS_DELTA: gl.constexpr,
+                     FUSED: gl.constexpr):
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
+    if Y_BUFS == 0:  # y from registers: a placeholder
+        y_bufs = gl.allocate_shared_memory(y_desc.dtype, [2, 16, 16], gl.NVMMASharedLayout.get_default_for([16, 16], y_desc.dtype))
+    else:
+        y_bufs = gl.allocate_shared_memory(y_desc.dtype, [Y_BUFS, BM, BN], y_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(3):
+        mbarrier.init(turn.index(i), count=1)
+    # without the delta a [.., 1, 16] placeholder (never touched): the partitions take one argument list;
+    # one B tile buffer when the groups share y (their epilogues are ordered), else one each
+    b_smems = gl.allocate_shared_memory(w_desc.dtype, [1 if Y_BUFS == 1 else 2, BN if HAS_DELTA else 1, 16],
+                                        gl.NVMMASharedLayout.get_default_for([BN, 16], w_desc.dtype))
+    # the fused shrink's A tiles, a stage each (a one-entry placeholder without it)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES if FUSED else 1] + a_desc.block_type.shape, a_desc.layout)
+    dargs = (b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr,
+             y_ptr)
+    args = (x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs)
+    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 4],
+                       [CONSUMER_REGS, LOADER_REGS])
+
+
+def launch(x, w, y, v, sms: int = 132, delta=None, fused=None):
+    """y = x @ wᵀ, + the delta given h (delta: h fp32 [(P,) M, n, 16] from lora_shrink, B bf16 [S, N, 16], row
+    slots int32 [M], o1, o2), or + the delta with the shrink fused (fused: A bf16 [S, n, 16, K], the row
+    tiles' slot int32 [cdiv(M, BM)] (one a row tile, -1 = none), row slots, B, o1, o2)."""
+    _, BM, BN, BK, stages, creg, lreg, maxnreg, ybufs = v
+    M, K = x.shape
+    N = w.shape[0]
+    gdt = gl.bfloat16
+    dummy = torch.empty(1, dtype=torch.int32, device=x.device)
+    tslots = flags = dummy
+    a_t = torch.zeros(16, BK, dtype=x.dtype, device=x.device)  # placeholder without the fused shrink
+    if fused is not None:
+        A, tslots, slots, B, o1, o2 = fused
+        S, n, R, _ = A.shape
+        a_t = A.view(S * n * R, K)
+        h = torch.empty(1, M, n * R, dtype=torch.float32, device=x.device)  # written by column tile 0
+        flags = torch.zeros(triton.cdiv(M, BM), dtype=torch.int32, device=x.device)
+    elif delta is not None:
+        h, B, slots, o1, o2 = delta
+        h = h if h.dim() == 4 else h.unsqueeze(0)
+        h = h.view(h.shape[0], M, -1)
+    else:  # pointers never read
+        h, B, slots, o1, o2 = x.view(1, M, K), x, dummy, N, N
+    x_desc = TensorDescriptor.from_tensor(x, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gdt))
+    w_desc = TensorDescriptor.from_tensor(w, [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK], gdt))
+    y_desc = TensorDescriptor.from_tensor(y, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], gdt))
+    a_box = [16 if fused is None else triton.next_power_of_2(A.shape[1] * A.shape[2]), BK]
+    a_desc = TensorDescriptor.from_tensor(a_t, a_box, gl.NVMMASharedLayout.get_default_for(a_box, gdt))
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    return _pingpong_kernel[(min(sms, tiles),)](x_desc, w_desc, y_desc, M, N, K, h, B, slots, o1, o2, h.stride(1),
+                                                 h.stride(0), h.shape[0], a_desc, tslots, flags, y, BM, BN, BK, stages, 8,
+                                                 creg, lreg, ybufs, delta is not None or fused is not None,
+                                                 fused is not None, num_warps=4, maxnreg=maxnreg)
+
+
+def compile_only() -> None:
+    """Each variant (and the delta and fused-shrink ones) compiled for sm90 through launch's own
+    arguments, CPU tensors (nothing runs): shared memory, register reallocation, wgmma count."""
+    import subprocess
+
+    from sm90_compile_check import _has_driver, _Sm90Driver  # the compile-only sm90 driver of the CI check
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_Sm90Driver(driver.active if _has_driver() else None))
+    run = JITFunction.run
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: run(self, *a, grid=grid, warmup=True, **kw)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    T, K = 512, 4096
+    for name, v, mode, n in ([(v[0], v, None, 1) for v in VARIANTS] + [(DELTA_VARIANT[0] + " + delta", DELTA_VARIANT, "delta", 3),
+                             (FUSED_VARIANT[0] + " + delta", FUSED_VARIANT, "delta", 3),
+                             (FUSED_VARIANT[0] + " + fused shrink, qkv", FUSED_VARIANT, "fused", 3),
+                             (FUSED_VARIANT[0] + " + fused shrink, o", FUSED_VARIANT, "fused", 1)]):
+        N = 1024
+        x, w, y = (torch.empty(*sh, dtype=torch.bfloat16) for sh in ((T, K), (N, K), (T, N)))
+        B = torch.empty(4, N, 16, dtype=torch.bfloat16)
+        slots = torch.empty(T, dtype=torch.int32)
+        try:
+            if mode == "delta":
+                k = launch(x, w, y, v, delta=(torch.empty(T, n, 16), B, slots, 512, 768))
+            elif mode == "fused":
+                k = launch(x, w, y, v, fused=(torch.empty(4, n, 16, K, dtype=torch.bfloat16),
+                                              torch.empty(T // v[1], dtype=torch.int32), slots, B, 512, 768))
+            else:
+                k = launch(x, w, y, v)
+            Path("/tmp/probe_gluon.ptx").write_text(k.asm["ptx"])
+            info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", "/tmp/probe_gluon.ptx", "-o", "/dev/null"],
+                                  capture_output=True, text=True).stderr
+            spills = [ln.strip() for ln in info.splitlines() if "spill" in ln]
+            print(f"{name:48s} compiled: smem {k.metadata.shared} B, setmaxnreg {k.asm['ptx'].count('setmaxnreg')}, "
+                  f"wgmma {k.asm['ptx'].count('wgmma.mma_async')}; {spills[0] if spills else ''}")
+        except Exception as e:  # noqa: BLE001 - report and go on
+            err, msgs = e, []
+            while err is not None:
+                msgs.append(str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__)
+                err = err.__cause__ or err.__context__
+            print(f"{name:48s} FAILED: {' <- '.join(msgs)}")
+
+
+DELTA_PROJ = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096])}
+
+
+def delta_bench(args) -> None:
+    """The ping-pong GEMM with the LoRA delta in its epilogue, h from lora_shrink (fp32 planes), against
+    cuBLAS, the ping-pong alone and lora_gemm (no adapter row / h given), and the whole paths: lora_shrink
+    then the ping-pong, against the shipped lora_linear (lora_gemm with its fused shrink). One adapter on
+    every row, and four adapters plus base rows in segments that cut row tiles."""
+    from bench_kernels_gpu import DEV, interleaved_times
+    from kernels.lora_gemm import lora_gemm
+    from kernels.lora_linear import lora_linear
+    from kernels.lora_shrink import lora_shrink
+    from kernels.segments import sgmv_segments
+
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    print(f"{torch.cuda.get_device_name(DEV)}, torch {torch.__version__}, triton {triton.__version__}")
+    v, rows = DELTA_VARIANT, []
+    for proj in args.proj.split(","):
+        K, slices = DELTA_PROJ[proj]
+        N, n = sum(slices), len(slices)
+        offs = [0]
+        for sz in slices:
+            offs.append(offs[-1] + sz)
+        o1, o2 = (offs[1] if n > 1 else N), (offs[2] if n > 2 else N)
+        w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02
+        A = torch.randn(4, n, 16, K, device=DEV, dtype=torch.bfloat16) * 0.02
+        B = torch.randn(4, N, 16, device=DEV, dtype=torch.bfloat16) * 0.02
+        ranks = torch.full((4,), 16, dtype=torch.int32, device=DEV)
+        for T in [int(t) for t in args.t.split(",")]:
+            x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16) * 0.1
+            f = T // 4096
+            # the second layout's segments end on row-tile (128) boundaries: the probe's fused shrink takes
+            # one slot a row tile (a row tile of two adapters would need a second A tile per K step)
+            for layout_name, lens, seg_slots in (("1 adapter", [4096] * f, [0] * f),
+                                                 ("4 adapters + base", [1024 * f, 512 * f, 1280 * f, 1280 * f],
+                                                  [0, -1, 2, 1])):
+                segs = sgmv_segments(lens, seg_slots, DEV)
+                rs = torch.nn.functional.pad(segs.row_slots, (0, (-T) % 128), value=-1).view(-1, 128)
+                tslots = rs.max(dim=1).values.to(torch.int32).contiguous()
+                assert bool(((rs == tslots[:, None]) | (rs < 0)).all()), "a row tile with two adapters"
+                fused = (A, tslots, segs.row_slots, B, o1, o2)
+                yf = torch.full((T, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+                h = lora_shrink(x, A, segs, ranks)
+                want = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton").float()
+                y = torch.full((T, N), float("nan"), device=DEV, dtype=torch.bfloat16)
+                delta = (h, B, segs.row_slots, o1, o2)
+                launch(x, w, y, v, sms, delta)
+                torch.cuda.synchronize()
+                err = (y.float() - want).abs().max().item()
+                ok = err <= 2e-2 * want.abs().max().item()
+                print(f"{proj} {T} {layout_name}: ping-pong + delta against the shipped lora_linear: max |diff| "
+                      f"{err:.3g} ({'ok' if ok else 'WRONG'})", flush=True)
+                launch(x, w, yf, FUSED_VARIANT, sms, fused=fused)
+                torch.cuda.synchronize()
+                err = (yf.float() - want).abs().max().item()
+                ok = err <= 2e-2 * want.abs().max().item()
+                print(f"{proj} {T} {layout_name}: ping-pong with the fused shrink against the shipped lora_linear: "
+                      f"max |diff| {err:.3g} of max |y| {want.abs().max().item():.3g} ({'ok' if ok else 'WRONG'})",
+                      flush=True)
+                base_rows = torch.full((T,), -1, dtype=torch.int32, device=DEV)
+
+                def shrink_then_pingpong():
+                    hh = lora_shrink(x, A, segs, ranks)
+                    launch(x, w, y, v, sms, (hh, B, segs.row_slots, o1, o2))
+
+                fns = {"cuBLAS": lambda: torch.mm(x, w.t()),
+                       "ping-pong alone": lambda: launch(x, w, y, v, sms),
+                       "ping-pong + delta, h given": lambda: launch(x, w, y, v, sms, delta),
+                       "lora_gemm, no adapter row": lambda: lora_gemm(x, w, h, B, base_rows, ranks, offs),
+                       "lora_gemm + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs),
+                       "lora_shrink alone": lambda: lora_shrink(x, A, segs, ranks),
+                       "lora_shrink + ping-pong with delta": shrink_then_pingpong,
+                       "ping-pong, fused shrink + delta (y from registers)":
+                           lambda: launch(x, w, yf, FUSED_VARIANT, sms, fused=fused),
+                       "shipped lora_linear (lora_gemm, fused shrink)":
+                           lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton"),
+                       "cuBLAS again": lambda: torch.mm(x, w.t())}
+                t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
+                c = t["cuBLAS"]
+                rows.append((proj, T, layout_name, {k: (val * 1e6, 100 * (val - c) / c) for k, val in t.items()}))
+                print(f"{proj} {T} {layout_name}: " + " | ".join(f"{k} {val * 1e6:.1f} ({100 * (val - c) / c:+.1f} %)"
+                                                                for k, val in t.items()), flush=True)
+    keys = list(rows[0][3]) if rows else []
+    print("\n| proj | T | layout | cuBLAS µs | " + " | ".join(keys[1:]) + " |")
+    print("|---|---|---|---|" + "---|" * (len(keys) - 1))
+    for proj, T, name, t in rows:
+        print(f"| {proj} | {T} | {name} | {t['cuBLAS'][0]:.1f} | " + " | ".join(
+            f"{t[k][0]:.1f} ({t[k][1]:+.1f} %)" for k in keys[1:]) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--delta", action="store_true", help="the ping-pong with the LoRA delta (h given) in its epilogue")
+    ap.add_argument("--t", default="4096,8192")
+    ap.add_argument("--proj", default="qkv,o,down")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    if args.compile_only:
+        compile_only()
+    elif args.delta:
+        delta_bench(args)
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()
