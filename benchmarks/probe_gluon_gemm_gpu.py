@@ -14,9 +14,16 @@ ring in the order the tiles are consumed. Ring position of K step k of local til
 A group starts a tile only once the other has reached its own tile's last K step (a "turn" barrier):
 that keeps every stage barrier's waiter at most one phase ahead (parity waits) and is the ping-pong.
 
+The LoRA delta (--delta) goes in the epilogue, under the other group's MMAs: h from lora_shrink's fp32
+planes, or with the shrink fused (FUSED_VARIANT): column tile 0 of each row tile also multiplies the x
+tile already in shared memory by A's [n*R, 64] tile (loaded beside W's), stores h and raises the row
+tile's flag; every tile of the row waits for it (bounded spin) before its delta. One adapter a row tile
+in that mode (segments on 128-row boundaries); y is stored from registers there, for A's stages.
+
     python3 benchmarks/probe_gluon_gemm_gpu.py [--t 4096,8192] [--proj qkv,o,down]
     python3 benchmarks/probe_gluon_gemm_gpu.py --delta [--t 4096,8192] [--proj qkv,o]
-        (with the LoRA delta in the epilogue, h given, against the ping-pong alone and lora_gemm)
+        (the LoRA delta in the epilogue, h given and with the fused shrink, against the ping-pong alone,
+        lora_gemm and the shipped lora_linear)
     PYTHONPATH=.venv/gpu-triton python3 benchmarks/probe_gluon_gemm_gpu.py --compile-only   (sm90, no GPU)
 """
 
