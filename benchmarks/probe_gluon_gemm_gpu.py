@@ -86,6 +86,20 @@ _NO_SLOT = gl.constexpr(1 << 30)
 
 
 @gluon.jit
+def _tile_steps(j, pid, nprogs, num_m, num_n, k_steps, tslot_ptr, SHRINK_FIRST: gl.constexpr, BM: gl.constexpr,
+                BN: gl.constexpr):
+    """Ring positions local tile j takes: its K steps, twice for a shrink-first column tile 0 with an
+    adapter (the [x, A] steps of its shrink, then its [x, W] steps)."""
+    steps = k_steps
+    if SHRINK_FIRST:
+        off_m, off_n = _tile_offsets(j, pid, nprogs, num_m, num_n, BM, BN, 8)
+        tslot = gl.load(tslot_ptr + off_m // BM)
+        if (off_n == 0) & (tslot >= 0):
+            steps = 2 * k_steps
+    return steps
+
+
+@gluon.jit
 def _delta(acc, b_smem, off_m, off_n, M, N, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts,
            layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
     """acc += h[rows, slice's R columns] @ B[slot][cols]ᵀ for each distinct slot among the tile's rows
@@ -135,10 +149,19 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
     pid, nprogs, num_m, num_n, count = _my_tiles(M, N, BM, BN)
     k_steps = gl.cdiv(K, BK)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    a_bufs_ = dargs[10]
+    tslot_ptr_ = dargs[11]
+    # the fused shrink: in the K loop (a_bufs a stage each) or first, through W's stages (a 2-entry marker)
+    SHRINK_FIRST: gl.constexpr = a_bufs_.type.shape[0] == 2
+    base = 0
+    if c == 1:
+        base = _tile_steps(0, pid, nprogs, num_m, num_n, k_steps, tslot_ptr_, SHRINK_FIRST, BM, BN)
     for j in range(c, count, 2):
         off_m, off_n = _tile_offsets(j, pid, nprogs, num_m, num_n, BM, BN, 8)
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
-        base = j * k_steps
+        tile_base = base
+        base += _tile_steps(j, pid, nprogs, num_m, num_n, k_steps, tslot_ptr_, SHRINK_FIRST, BM, BN)
+        base += _tile_steps(j + 1, pid, nprogs, num_m, num_n, k_steps, tslot_ptr_, SHRINK_FIRST, BM, BN)
         # Wait for the other group to reach its tile's last K step: every ring position before this
         # tile's is loaded then, so a parity wait on a stage's barrier cannot match a phase two behind.
         turn_phase = j // 2 - 1 + c
@@ -148,7 +171,31 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
         tslot = -1
         if FUSED:
             tslot = gl.load(tslot_ptr + off_m // BM)
-        if FUSED and (off_n == 0) and (tslot >= 0):
+        if SHRINK_FIRST and (off_n == 0) and (tslot >= 0):
+            # column tile 0 of a row tile with an adapter: h = x @ A[slot]ᵀ first, [x, A] steps through
+            # the ring (A's [n*R padded, BK] tile in the first rows of W's stage), published, then the GEMM
+            NRP: gl.constexpr = a_desc.block_type.shape[0]
+            hs_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, NRP, 16])
+            hacc = gl.zeros((BM, NRP), dtype=gl.float32, layout=hs_layout)
+            for k in range(k_steps):
+                pos = tile_base + k
+                s = pos % STAGES
+                mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
+                hacc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).slice(0, NRP).permute((1, 0)), hacc,
+                                     is_async=True)
+                hacc = warpgroup_mma_wait(1, deps=(hacc,))
+                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
+            hacc = warpgroup_mma_wait(0, deps=(hacc,))
+            mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
+            hrow = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, hs_layout))
+            hcol = gl.arange(0, NRP, layout=gl.SliceLayout(0, hs_layout))
+            gl.store(h_ptr + hrow.to(gl.int64)[:, None] * stride_h + hcol[None, :], hacc,
+                     mask=(hrow < M)[:, None] & (hcol < stride_h)[None, :])
+            gl.thread_barrier()  # every thread's h stores before the release below
+            gl.atomic_xchg(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
+            tile_base += k_steps
+        if (not SHRINK_FIRST) and FUSED and (off_n == 0) and (tslot >= 0):
             # column tile 0 of a row tile with an adapter: h = x @ A[slot]ᵀ in the same K loop, from the
             # x tile already in shared memory and A's [n*R, BK] tile the loader put beside it
             NR: gl.constexpr = a_bufs.type.shape[1]
@@ -156,7 +203,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
                                                                instr_shape=[16, NR, 16])
             hacc = gl.zeros((BM, NR), dtype=gl.float32, layout=h_layout)
             for k in range(k_steps):
-                pos = base + k
+                pos = tile_base + k
                 s = pos % STAGES
                 mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
                 mbarrier.arrive(turn.index(1 - c), pred=k == k_steps - 1)
@@ -165,7 +212,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
                 acc, hacc = warpgroup_mma_wait(2, deps=(acc, hacc))
                 mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
             acc, hacc = warpgroup_mma_wait(0, deps=(acc, hacc))
-            mbarrier.arrive(empty.index((base + k_steps - 1) % STAGES))
+            mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
             hrow = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, h_layout))
             hcol = gl.arange(0, NR, layout=gl.SliceLayout(0, h_layout))  # A's box is n*R rows padded to a power of 2
             gl.store(h_ptr + hrow.to(gl.int64)[:, None] * stride_h + hcol[None, :], hacc,
@@ -174,7 +221,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
             gl.atomic_xchg(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
         else:
             for k in range(k_steps):
-                pos = base + k
+                pos = tile_base + k
                 s = pos % STAGES
                 mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
                 mbarrier.arrive(turn.index(1 - c), pred=k == k_steps - 1)
@@ -183,7 +230,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
                 acc = warpgroup_mma_wait(1, deps=(acc,))
                 mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((base + k_steps - 1) % STAGES))
+            mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
         if SHARED_Y:  # the previous tile's epilogue (the other group's) is done with y_buf and b_smem
             mbarrier.wait(turn.index(2), (j - 1) & 1, pred=j > 0)
         elif not DIRECT_Y:  # this group's previous tile has left y_buf
@@ -230,6 +277,9 @@ def _loader(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, 
     k_steps = gl.cdiv(K, BK)
     b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr = dargs
     FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
+    SHRINK_FIRST: gl.constexpr = a_bufs.type.shape[0] == 2
+    NRP: gl.constexpr = a_desc.block_type.shape[0]
+    pos = 0
     for j in range(count):
         off_m, off_n = _tile_offsets(j, pid, nprogs, num_m, num_n, BM, BN, 8)
         do_a = False
@@ -237,21 +287,32 @@ def _loader(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, 
         if FUSED:
             tslot = gl.load(tslot_ptr + off_m // BM)
             do_a = (off_n == 0) & (tslot >= 0)
+        if SHRINK_FIRST and do_a:
+            # the shrink's steps first: x and A's tile (in the first NRP rows of W's stage buffer)
+            for k in range(k_steps):
+                s = pos % STAGES
+                mbarrier.wait(empty.index(s), ((pos // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + a_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(x_desc, [off_m, k * BK], ready.index(s), x_bufs.index(s))
+                tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, k * BK], ready.index(s),
+                                                w_bufs.index(s).slice(0, NRP))
+                pos += 1
         for k in range(k_steps):
-            pos = j * k_steps + k
             s = pos % STAGES
             # barriers start with phase 1 complete: the first pass over the ring does not wait
             mbarrier.wait(empty.index(s), ((pos // STAGES) & 1) ^ 1)
-            if do_a:
+            in_loop_a = do_a and not SHRINK_FIRST
+            if in_loop_a:
                 mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes
                                 + a_desc.block_type.nbytes)
             else:
                 mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [off_m, k * BK], ready.index(s), x_bufs.index(s))
             tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
-            if FUSED:
+            if FUSED and not SHRINK_FIRST:
                 tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, k * BK], ready.index(s), a_bufs.index(s),
                                                 pred=do_a)
+            pos += 1
 
 
 @gluon.jit
@@ -259,7 +320,7 @@ def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o
                      a_desc, tslot_ptr, flag_ptr, y_ptr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr, Y_BUFS: gl.constexpr, HAS_DELTA: gl.constexpr,
-                     FUSED: gl.constexpr):
+                     FUSED: gl.constexpr, SHRINK_FIRST: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     if Y_BUFS == 0:  # y from registers: a placeholder
@@ -279,7 +340,13 @@ def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o
     b_smems = gl.allocate_shared_memory(w_desc.dtype, [1 if Y_BUFS == 1 else 2, BN if HAS_DELTA else 1, 16],
                                         gl.NVMMASharedLayout.get_default_for([BN, 16], w_desc.dtype))
     # the fused shrink's A tiles, a stage each (a one-entry placeholder without it)
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES if FUSED else 1] + a_desc.block_type.shape, a_desc.layout)
+    # (the shrink-first variant keeps A's tiles in W's stages: a 2-entry [16, 16] marker)
+    if SHRINK_FIRST:
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2, 16, 16], gl.NVMMASharedLayout.get_default_for([16, 16], a_desc.dtype))
+    elif FUSED:
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    else:
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [1] + a_desc.block_type.shape, a_desc.layout)
     dargs = (b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr,
              y_ptr)
     args = (x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs)
@@ -287,7 +354,7 @@ def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o
                        [CONSUMER_REGS, LOADER_REGS])
 
 
-def launch(x, w, y, v, sms: int = 132, delta=None, fused=None):
+def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=False):
     """y = x @ wᵀ, + the delta given h (delta: h fp32 [(P,) M, n, 16] from lora_shrink, B bf16 [S, N, 16], row
     slots int32 [M], o1, o2), or + the delta with the shrink fused (fused: A bf16 [S, n, 16, K], the row
     tiles' slot int32 [cdiv(M, BM)] (one a row tile, -1 = none), row slots, B, o1, o2)."""
@@ -319,7 +386,8 @@ def launch(x, w, y, v, sms: int = 132, delta=None, fused=None):
     return _pingpong_kernel[(min(sms, tiles),)](x_desc, w_desc, y_desc, M, N, K, h, B, slots, o1, o2, h.stride(1),
                                                  h.stride(0), h.shape[0], a_desc, tslots, flags, y, BM, BN, BK, stages, 8,
                                                  creg, lreg, ybufs, delta is not None or fused is not None,
-                                                 fused is not None, num_warps=4, maxnreg=maxnreg)
+                                                 fused is not None, fused is not None and shrink_first,
+                                                 num_warps=4, maxnreg=maxnreg)
 
 
 def compile_only() -> None:
@@ -339,7 +407,9 @@ def compile_only() -> None:
     for name, v, mode, n in ([(v[0], v, None, 1) for v in VARIANTS] + [(DELTA_VARIANT[0] + " + delta", DELTA_VARIANT, "delta", 3),
                              (FUSED_VARIANT[0] + " + delta", FUSED_VARIANT, "delta", 3),
                              (FUSED_VARIANT[0] + " + fused shrink, qkv", FUSED_VARIANT, "fused", 3),
-                             (FUSED_VARIANT[0] + " + fused shrink, o", FUSED_VARIANT, "fused", 1)]):
+                             (FUSED_VARIANT[0] + " + fused shrink, o", FUSED_VARIANT, "fused", 1),
+                             (FUSED_VARIANT[0] + " + shrink first, qkv", FUSED_VARIANT, "first", 3),
+                             (FUSED_VARIANT[0] + " + shrink first, o", FUSED_VARIANT, "first", 1)]):
         N = 1024
         x, w, y = (torch.empty(*sh, dtype=torch.bfloat16) for sh in ((T, K), (N, K), (T, N)))
         B = torch.empty(4, N, 16, dtype=torch.bfloat16)
@@ -347,9 +417,10 @@ def compile_only() -> None:
         try:
             if mode == "delta":
                 k = launch(x, w, y, v, delta=(torch.empty(T, n, 16), B, slots, 512, 768))
-            elif mode == "fused":
+            elif mode in ("fused", "first"):
                 k = launch(x, w, y, v, fused=(torch.empty(4, n, 16, K, dtype=torch.bfloat16),
-                                              torch.empty(T // v[1], dtype=torch.int32), slots, B, 512, 768))
+                                              torch.empty(T // v[1], dtype=torch.int32), slots, B, 512, 768),
+                           shrink_first=mode == "first")
             else:
                 k = launch(x, w, y, v)
             Path("/tmp/probe_gluon.ptx").write_text(k.asm["ptx"])
@@ -418,13 +489,15 @@ def delta_bench(args) -> None:
                 ok = err <= 2e-2 * want.abs().max().item()
                 print(f"{proj} {T} {layout_name}: ping-pong + delta against the shipped lora_linear: max |diff| "
                       f"{err:.3g} ({'ok' if ok else 'WRONG'})", flush=True)
-                launch(x, w, yf, FUSED_VARIANT, sms, fused=fused)
-                torch.cuda.synchronize()
-                err = (yf.float() - want).abs().max().item()
-                ok = err <= 2e-2 * want.abs().max().item()
-                print(f"{proj} {T} {layout_name}: ping-pong with the fused shrink against the shipped lora_linear: "
-                      f"max |diff| {err:.3g} of max |y| {want.abs().max().item():.3g} ({'ok' if ok else 'WRONG'})",
-                      flush=True)
+                for first in (False, True):
+                    yf.fill_(float("nan"))
+                    launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, shrink_first=first)
+                    torch.cuda.synchronize()
+                    err = (yf.float() - want).abs().max().item()
+                    ok = err <= 2e-2 * want.abs().max().item()
+                    print(f"{proj} {T} {layout_name}: ping-pong with the shrink {'first' if first else 'in the K loop'} "
+                          f"against the shipped lora_linear: max |diff| {err:.3g} of max |y| "
+                          f"{want.abs().max().item():.3g} ({'ok' if ok else 'WRONG'})", flush=True)
                 base_rows = torch.full((T,), -1, dtype=torch.int32, device=DEV)
 
                 def shrink_then_pingpong():
@@ -438,8 +511,10 @@ def delta_bench(args) -> None:
                        "lora_gemm + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs),
                        "lora_shrink alone": lambda: lora_shrink(x, A, segs, ranks),
                        "lora_shrink + ping-pong with delta": shrink_then_pingpong,
-                       "ping-pong, fused shrink + delta (y from registers)":
+                       "ping-pong, shrink in the K loop + delta (y from registers)":
                            lambda: launch(x, w, yf, FUSED_VARIANT, sms, fused=fused),
+                       "ping-pong, shrink first + delta (y from registers)":
+                           lambda: launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, shrink_first=True),
                        "shipped lora_linear (lora_gemm, fused shrink)":
                            lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton"),
                        "cuBLAS again": lambda: torch.mm(x, w.t())}
