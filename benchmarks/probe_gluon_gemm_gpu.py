@@ -135,6 +135,18 @@ def _delta(acc, b_smem, off_m, off_n, M, N, h_ptr, b_ptr, slots_ptr, o1, o2, str
 
 
 @gluon.jit
+def _publish_h(hacc, off_m, M, h_ptr, stride_h, flag_ptr, BM: gl.constexpr):
+    """Column tile 0's h (fp32 [BM, n*R padded], its MMA layout) stored, then the row tile's flag raised."""
+    NR: gl.constexpr = hacc.shape[1]
+    hrow = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, hacc.type.layout))
+    hcol = gl.arange(0, NR, layout=gl.SliceLayout(0, hacc.type.layout))  # padded to a power of 2
+    gl.store(h_ptr + hrow.to(gl.int64)[:, None] * stride_h + hcol[None, :], hacc,
+             mask=(hrow < M)[:, None] & (hcol < stride_h)[None, :])
+    gl.thread_barrier()  # every thread's h stores before the release below
+    gl.atomic_xchg(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
 def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -188,12 +200,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
                 mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
             hacc = warpgroup_mma_wait(0, deps=(hacc,))
             mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
-            hrow = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, hs_layout))
-            hcol = gl.arange(0, NRP, layout=gl.SliceLayout(0, hs_layout))
-            gl.store(h_ptr + hrow.to(gl.int64)[:, None] * stride_h + hcol[None, :], hacc,
-                     mask=(hrow < M)[:, None] & (hcol < stride_h)[None, :])
-            gl.thread_barrier()  # every thread's h stores before the release below
-            gl.atomic_xchg(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
+            _publish_h(hacc, off_m, M, h_ptr, stride_h, flag_ptr, BM)
             tile_base += k_steps
         if (not SHRINK_FIRST) and FUSED and (off_n == 0) and (tslot >= 0):
             # column tile 0 of a row tile with an adapter: h = x @ A[slot]ᵀ in the same K loop, from the
@@ -213,12 +220,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
                 mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
             acc, hacc = warpgroup_mma_wait(0, deps=(acc, hacc))
             mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
-            hrow = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, h_layout))
-            hcol = gl.arange(0, NR, layout=gl.SliceLayout(0, h_layout))  # A's box is n*R rows padded to a power of 2
-            gl.store(h_ptr + hrow.to(gl.int64)[:, None] * stride_h + hcol[None, :], hacc,
-                     mask=(hrow < M)[:, None] & (hcol < stride_h)[None, :])
-            gl.thread_barrier()  # every thread's h stores before the release below
-            gl.atomic_xchg(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
+            _publish_h(hacc, off_m, M, h_ptr, stride_h, flag_ptr, BM)
         else:
             for k in range(k_steps):
                 pos = tile_base + k
@@ -534,7 +536,7 @@ def delta_bench(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--delta", action="store_true", help="the ping-pong with the LoRA delta (h given) in its epilogue")
+    ap.add_argument("--delta", action="store_true", help="the ping-pong with the LoRA delta in its epilogue (h given, and the fused shrink modes)")
     ap.add_argument("--t", default="4096,8192")
     ap.add_argument("--proj", default="qkv,o,down")
     ap.add_argument("--reps", type=int, default=7)
