@@ -152,34 +152,32 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
     BK: gl.constexpr = x_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     STAGES: gl.constexpr = x_bufs.type.shape[0]
-    # one y buffer for both groups: their epilogues come one after the other (the ping-pong), ordered
-    # by turn's third barrier; else one each
     # y stored from registers (a [2, 16, 16] placeholder for y_bufs): no y buffer, the room goes to stages
     DIRECT_Y: gl.constexpr = y_bufs.type.shape[1] < BM
+    # one y buffer for both groups: their epilogues come one after the other (the ping-pong), ordered
+    # by turn's third barrier; else one each
     SHARED_Y: gl.constexpr = (y_bufs.type.shape[0] == 1) and not DIRECT_Y
     y_buf = y_bufs.index(0 if SHARED_Y else c)
     pid, nprogs, num_m, num_n, count = _my_tiles(M, N, BM, BN)
     k_steps = gl.cdiv(K, BK)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    a_bufs_ = dargs[10]
-    tslot_ptr_ = dargs[11]
+    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr = dargs
     # the fused shrink: in the K loop (a_bufs a stage each) or first, through W's stages (a 2-entry marker)
-    SHRINK_FIRST: gl.constexpr = a_bufs_.type.shape[0] == 2
+    FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
+    SHRINK_FIRST: gl.constexpr = a_bufs.type.shape[0] == 2
     base = 0
     if c == 1:
-        base = _tile_steps(0, pid, nprogs, num_m, num_n, k_steps, tslot_ptr_, SHRINK_FIRST, BM, BN)
+        base = _tile_steps(0, pid, nprogs, num_m, num_n, k_steps, tslot_ptr, SHRINK_FIRST, BM, BN)
     for j in range(c, count, 2):
         off_m, off_n = _tile_offsets(j, pid, nprogs, num_m, num_n, BM, BN, 8)
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
         tile_base = base
-        base += _tile_steps(j, pid, nprogs, num_m, num_n, k_steps, tslot_ptr_, SHRINK_FIRST, BM, BN)
-        base += _tile_steps(j + 1, pid, nprogs, num_m, num_n, k_steps, tslot_ptr_, SHRINK_FIRST, BM, BN)
+        base += _tile_steps(j, pid, nprogs, num_m, num_n, k_steps, tslot_ptr, SHRINK_FIRST, BM, BN)
+        base += _tile_steps(j + 1, pid, nprogs, num_m, num_n, k_steps, tslot_ptr, SHRINK_FIRST, BM, BN)
         # Wait for the other group to reach its tile's last K step: every ring position before this
         # tile's is loaded then, so a parity wait on a stage's barrier cannot match a phase two behind.
         turn_phase = j // 2 - 1 + c
         mbarrier.wait(turn.index(c), turn_phase & 1, pred=turn_phase >= 0)
-        b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr = dargs
-        FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
         tslot = -1
         if FUSED:
             tslot = gl.load(tslot_ptr + off_m // BM)
