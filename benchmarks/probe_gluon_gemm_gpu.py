@@ -18,7 +18,16 @@ The LoRA delta (--delta) goes in the epilogue, under the other group's MMAs: h f
 planes, or with the shrink fused (FUSED_VARIANT): column tile 0 of each row tile also multiplies the x
 tile already in shared memory by A's [n*R, 64] tile (loaded beside W's), stores h and raises the row
 tile's flag; every tile of the row waits for it (bounded spin) before its delta. One adapter a row tile
-in that mode (segments on 128-row boundaries); y is stored from registers there, for A's stages.
+in that mode (segments on 128-row boundaries); y is stored from registers there, for A's stages. Two
+more forms of the fused shrink: shrink first (column tile 0 streams [x, A] steps through the ring before
+its GEMM steps, round 13) and spread over C (round 14: column tiles 0..C-1 each take 1/C of the shrink's
+K steps, run them first in a K order rotated to start there, publish a partial plane and raise a count;
+the epilogue waits for C and sums the planes in order).
+
+--compile-only also says when ptxas serializes the kernel's wgmmas (C7515: a non-wgmma instruction
+defines accumulator registers while one is in flight). Round 14's first spread form had a second copy of
+the plain K loop inside the sharing tiles' branch: serialized, every fused mode ran 2x slower, results
+right. One plain loop that every tile runs after the branch fixed it.
 
     python3 benchmarks/probe_gluon_gemm_gpu.py [--t 4096,8192] [--proj qkv,o,down]
     python3 benchmarks/probe_gluon_gemm_gpu.py --delta [--t 4096,8192] [--proj qkv,o]
@@ -136,14 +145,38 @@ def _delta(acc, b_smem, off_m, off_n, M, N, h_ptr, b_ptr, slots_ptr, o1, o2, str
 
 @gluon.jit
 def _publish_h(hacc, off_m, M, h_ptr, stride_h, flag_ptr, BM: gl.constexpr):
-    """Column tile 0's h (fp32 [BM, n*R padded], its MMA layout) stored, then the row tile's flag raised."""
+    """A share of h (fp32 [BM, n*R padded], its MMA layout) stored in its plane, then the row tile's
+    count of published shares raised."""
     NR: gl.constexpr = hacc.shape[1]
     hrow = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, hacc.type.layout))
     hcol = gl.arange(0, NR, layout=gl.SliceLayout(0, hacc.type.layout))  # padded to a power of 2
     gl.store(h_ptr + hrow.to(gl.int64)[:, None] * stride_h + hcol[None, :], hacc,
              mask=(hrow < M)[:, None] & (hcol < stride_h)[None, :])
     gl.thread_barrier()  # every thread's h stores before the release below
-    gl.atomic_xchg(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
+    gl.atomic_add(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _share(part, k_steps, num_n, SPREAD: gl.constexpr):
+    """K steps [k0, k1) of the shrink that column tile `part` (< SPREAD) of a row tile computes."""
+    parts = gl.minimum(num_n, SPREAD)
+    return part * k_steps // parts, (part + 1) * k_steps // parts
+
+
+@gluon.jit
+def _plain_steps(acc, x_bufs, w_bufs, ready, empty, turn, c: gl.constexpr, tile_base, i_lo, i_hi, k_steps):
+    """The tile's ring positions tile_base + [i_lo, i_hi) (its i-th K step, whichever K index the loader
+    put there): one MMA in flight; the previous step's stage, read then, goes back to the loader."""
+    STAGES: gl.constexpr = x_bufs.type.shape[0]
+    for i in range(i_lo, i_hi):
+        pos = tile_base + i
+        s = pos % STAGES
+        mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
+        mbarrier.arrive(turn.index(1 - c), pred=i == k_steps - 1)
+        acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=i > 0)
+    return acc
 
 
 @gluon.jit
@@ -161,7 +194,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
     pid, nprogs, num_m, num_n, count = _my_tiles(M, N, BM, BN)
     k_steps = gl.cdiv(K, BK)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr = dargs
+    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr, SPREAD = dargs
     # the fused shrink: in the K loop (a_bufs a stage each) or first, through W's stages (a 2-entry marker)
     FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
     SHRINK_FIRST: gl.constexpr = a_bufs.type.shape[0] == 2
@@ -200,45 +233,46 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
             mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
             _publish_h(hacc, off_m, M, h_ptr, stride_h, flag_ptr, BM)
             tile_base += k_steps
-        if (not SHRINK_FIRST) and FUSED and (off_n == 0) and (tslot >= 0):
-            # column tile 0 of a row tile with an adapter: h = x @ A[slot]ᵀ in the same K loop, from the
-            # x tile already in shared memory and A's [n*R, BK] tile the loader put beside it
+        i_first = 0
+        if (not SHRINK_FIRST) and FUSED and (off_n < SPREAD * BN) and (tslot >= 0):
+            # one of column tiles 0..SPREAD-1 of a row tile with an adapter: its share [k0, k1) of the K
+            # steps of h = x @ A[slot]ᵀ, from the x tile already in shared memory and A's [n*R, BK] tile
+            # the loader put beside it. The tile runs its K steps from k0 round to k0 - 1, so the share
+            # comes first and h's partial sum (plane off_n // BN) is published early
             NR: gl.constexpr = a_bufs.type.shape[1]
             h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                instr_shape=[16, NR, 16])
             hacc = gl.zeros((BM, NR), dtype=gl.float32, layout=h_layout)
-            for k in range(k_steps):
-                pos = tile_base + k
+            part = off_n // BN
+            k0, k1 = _share(part, k_steps, num_n, SPREAD)
+            for i in range(0, k1 - k0):
+                pos = tile_base + i
                 s = pos % STAGES
                 mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
-                mbarrier.arrive(turn.index(1 - c), pred=k == k_steps - 1)
+                mbarrier.arrive(turn.index(1 - c), pred=i == k_steps - 1)
                 acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
                 hacc = warpgroup_mma(x_bufs.index(s), a_bufs.index(s).permute((1, 0)), hacc, is_async=True)
                 acc, hacc = warpgroup_mma_wait(2, deps=(acc, hacc))
-                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
+                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=i > 0)
             acc, hacc = warpgroup_mma_wait(0, deps=(acc, hacc))
-            mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
-            _publish_h(hacc, off_m, M, h_ptr, stride_h, flag_ptr, BM)
-        else:
-            for k in range(k_steps):
-                pos = tile_base + k
-                s = pos % STAGES
-                mbarrier.wait(ready.index(s), (pos // STAGES) & 1)
-                mbarrier.arrive(turn.index(1 - c), pred=k == k_steps - 1)
-                acc = warpgroup_mma(x_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                # one MMA in flight: the previous step's stage is read, hand it back to the loader
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), pred=k > 0)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
+            _publish_h(hacc, off_m, M, h_ptr + part * stride_p, stride_h, flag_ptr, BM)
+            i_first = k1 - k0
+        # the tile's (remaining) steps: one loop for every tile, as a second copy of it in the branch
+        # above makes ptxas serialize every wgmma of the kernel (C7515, 2x slower)
+        acc = _plain_steps(acc, x_bufs, w_bufs, ready, empty, turn, c, tile_base, i_first, k_steps, k_steps)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((tile_base + k_steps - 1) % STAGES))
         if SHARED_Y:  # the previous tile's epilogue (the other group's) is done with y_buf and b_smem
             mbarrier.wait(turn.index(2), (j - 1) & 1, pred=j > 0)
         elif not DIRECT_Y:  # this group's previous tile has left y_buf
             tma.store_wait(0)
         if b_smems.type.shape[1] > 1:  # HAS_DELTA: the LoRA delta
-            if FUSED and (tslot >= 0):  # wait for the row tile's h (column tile 0's flag)
+            if FUSED and (tslot >= 0):  # wait for every share of the row tile's h
+                parts = 1
+                if not SHRINK_FIRST:
+                    parts = gl.minimum(num_n, SPREAD)
                 spins = 0
-                while (gl.atomic_add(flag_ptr + off_m // BM, 0, sem="acquire", scope="gpu") == 0) & (spins < 200000):
+                while (gl.atomic_add(flag_ptr + off_m // BM, 0, sem="acquire", scope="gpu") < parts) & (spins < 200000):
                     spins += 1
             acc = _delta(acc, b_smems.index(0 if SHARED_Y else c), off_m, off_n, M, N, h_ptr, b_ptr, slots_ptr,
                          o1, o2, stride_h, stride_p, n_parts, layout, BM, BN)
@@ -275,7 +309,7 @@ def _loader(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, 
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     pid, nprogs, num_m, num_n, count = _my_tiles(M, N, BM, BN)
     k_steps = gl.cdiv(K, BK)
-    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr = dargs
+    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr, SPREAD = dargs
     FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
     SHRINK_FIRST: gl.constexpr = a_bufs.type.shape[0] == 2
     NRP: gl.constexpr = a_desc.block_type.shape[0]
@@ -284,9 +318,16 @@ def _loader(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, 
         off_m, off_n = _tile_offsets(j, pid, nprogs, num_m, num_n, BM, BN, 8)
         do_a = False
         tslot = 0
+        k0 = 0
+        k1 = 0  # the K steps [k0, k1) that load A's tile beside x and W (the shrink in the K loop)
         if FUSED:
             tslot = gl.load(tslot_ptr + off_m // BM)
-            do_a = (off_n == 0) & (tslot >= 0)
+            if SHRINK_FIRST:
+                do_a = (off_n == 0) & (tslot >= 0)
+            else:
+                do_a = (off_n < SPREAD * BN) & (tslot >= 0)
+                if do_a:
+                    k0, k1 = _share(off_n // BN, k_steps, num_n, SPREAD)
         if SHRINK_FIRST and do_a:
             # the shrink's steps first: x and A's tile (in the first NRP rows of W's stage buffer)
             for k in range(k_steps):
@@ -297,11 +338,14 @@ def _loader(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, 
                 tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, k * BK], ready.index(s),
                                                 w_bufs.index(s).slice(0, NRP))
                 pos += 1
-        for k in range(k_steps):
+        for i in range(k_steps):
+            # the tile's i-th step: K step k0 + i round the K loop (k0 = 0 unless it takes a share of the
+            # shrink, whose steps come first)
+            k = (k0 + i) % k_steps
             s = pos % STAGES
             # barriers start with phase 1 complete: the first pass over the ring does not wait
             mbarrier.wait(empty.index(s), ((pos // STAGES) & 1) ^ 1)
-            in_loop_a = do_a and not SHRINK_FIRST
+            in_loop_a = do_a & (i < k1 - k0)
             if in_loop_a:
                 mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes
                                 + a_desc.block_type.nbytes)
@@ -311,7 +355,7 @@ def _loader(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, 
             tma.async_copy_global_to_shared(w_desc, [off_n, k * BK], ready.index(s), w_bufs.index(s))
             if FUSED and not SHRINK_FIRST:
                 tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, k * BK], ready.index(s), a_bufs.index(s),
-                                                pred=do_a)
+                                                pred=in_loop_a)
             pos += 1
 
 
@@ -320,7 +364,7 @@ def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o
                      a_desc, tslot_ptr, flag_ptr, y_ptr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr, Y_BUFS: gl.constexpr, HAS_DELTA: gl.constexpr,
-                     FUSED: gl.constexpr, SHRINK_FIRST: gl.constexpr):
+                     FUSED: gl.constexpr, SHRINK_FIRST: gl.constexpr, SPREAD: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     if Y_BUFS == 0:  # y from registers: a placeholder
@@ -348,13 +392,13 @@ def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o
     else:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [1] + a_desc.block_type.shape, a_desc.layout)
     dargs = (b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr,
-             y_ptr)
+             y_ptr, SPREAD)
     args = (x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 4],
                        [CONSUMER_REGS, LOADER_REGS])
 
 
-def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=False):
+def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=False, spread=1):
     """y = x @ wᵀ, + the delta given h (delta: h fp32 [(P,) M, n, 16] from lora_shrink, B bf16 [S, N, 16], row
     slots int32 [M], o1, o2), or + the delta with the shrink fused (fused: A bf16 [S, n, 16, K], the row
     tiles' slot int32 [cdiv(M, BM)] (one a row tile, -1 = none), row slots, B, o1, o2)."""
@@ -369,7 +413,9 @@ def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=Fals
         A, tslots, slots, B, o1, o2 = fused
         S, n, R, _ = A.shape
         a_t = A.view(S * n * R, K)
-        h = torch.empty(1, M, n * R, dtype=torch.float32, device=x.device)  # written by column tile 0
+        # written by column tiles 0..spread-1 (shares of K; shrink first: column tile 0)
+        parts = 1 if shrink_first else min(spread, triton.cdiv(N, BN))
+        h = torch.empty(parts, M, n * R, dtype=torch.float32, device=x.device)
         flags = torch.zeros(triton.cdiv(M, BM), dtype=torch.int32, device=x.device)
     elif delta is not None:
         h, B, slots, o1, o2 = delta
@@ -386,7 +432,7 @@ def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=Fals
     return _pingpong_kernel[(min(sms, tiles),)](x_desc, w_desc, y_desc, M, N, K, h, B, slots, o1, o2, h.stride(1),
                                                  h.stride(0), h.shape[0], a_desc, tslots, flags, y, BM, BN, BK, stages, 8,
                                                  creg, lreg, ybufs, delta is not None or fused is not None,
-                                                 fused is not None, fused is not None and shrink_first,
+                                                 fused is not None, fused is not None and shrink_first, spread,
                                                  num_warps=4, maxnreg=maxnreg)
 
 
@@ -409,7 +455,9 @@ def compile_only() -> None:
                              (FUSED_VARIANT[0] + " + fused shrink, qkv", FUSED_VARIANT, "fused", 3),
                              (FUSED_VARIANT[0] + " + fused shrink, o", FUSED_VARIANT, "fused", 1),
                              (FUSED_VARIANT[0] + " + shrink first, qkv", FUSED_VARIANT, "first", 3),
-                             (FUSED_VARIANT[0] + " + shrink first, o", FUSED_VARIANT, "first", 1)]):
+                             (FUSED_VARIANT[0] + " + shrink first, o", FUSED_VARIANT, "first", 1),
+                             (FUSED_VARIANT[0] + " + shrink spread 8, qkv", FUSED_VARIANT, "spread", 3),
+                             (FUSED_VARIANT[0] + " + shrink spread 8, o", FUSED_VARIANT, "spread", 1)]):
         N = 1024
         x, w, y = (torch.empty(*sh, dtype=torch.bfloat16) for sh in ((T, K), (N, K), (T, N)))
         B = torch.empty(4, N, 16, dtype=torch.bfloat16)
@@ -417,18 +465,19 @@ def compile_only() -> None:
         try:
             if mode == "delta":
                 k = launch(x, w, y, v, delta=(torch.empty(T, n, 16), B, slots, 512, 768))
-            elif mode in ("fused", "first"):
+            elif mode in ("fused", "first", "spread"):
                 k = launch(x, w, y, v, fused=(torch.empty(4, n, 16, K, dtype=torch.bfloat16),
                                               torch.empty(T // v[1], dtype=torch.int32), slots, B, 512, 768),
-                           shrink_first=mode == "first")
+                           shrink_first=mode == "first", spread=8 if mode == "spread" else 1)
             else:
                 k = launch(x, w, y, v)
             Path("/tmp/probe_gluon.ptx").write_text(k.asm["ptx"])
             info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", "/tmp/probe_gluon.ptx", "-o", "/dev/null"],
                                   capture_output=True, text=True).stderr
             spills = [ln.strip() for ln in info.splitlines() if "spill" in ln]
+            serial = "; WGMMA SERIALIZED (ptxas C7515)" if "C7515" in info else ""
             print(f"{name:48s} compiled: smem {k.metadata.shared} B, setmaxnreg {k.asm['ptx'].count('setmaxnreg')}, "
-                  f"wgmma {k.asm['ptx'].count('wgmma.mma_async')}; {spills[0] if spills else ''}")
+                  f"wgmma {k.asm['ptx'].count('wgmma.mma_async')}; {spills[0] if spills else ''}{serial}")
         except Exception as e:  # noqa: BLE001 - report and go on
             err, msgs = e, []
             while err is not None:
@@ -438,6 +487,10 @@ def compile_only() -> None:
 
 
 DELTA_PROJ = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096])}
+# the fused shrink's modes (name, shrink first, spread): column tile 0 in its K loop (round 13), column
+# tile 0 before its GEMM (round 13), and the K steps shared by column tiles 0..spread-1 (round 14)
+FUSED_MODES = [("in the K loop", False, 1), ("first", True, 1), ("spread over 4", False, 4),
+               ("spread over 8", False, 8), ("spread over 16", False, 16)]
 
 
 def delta_bench(args) -> None:
@@ -489,13 +542,13 @@ def delta_bench(args) -> None:
                 ok = err <= 2e-2 * want.abs().max().item()
                 print(f"{proj} {T} {layout_name}: ping-pong + delta against the shipped lora_linear: max |diff| "
                       f"{err:.3g} ({'ok' if ok else 'WRONG'})", flush=True)
-                for first in (False, True):
+                for mode_name, first, spread in FUSED_MODES:
                     yf.fill_(float("nan"))
-                    launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, shrink_first=first)
+                    launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, shrink_first=first, spread=spread)
                     torch.cuda.synchronize()
                     err = (yf.float() - want).abs().max().item()
                     ok = err <= 2e-2 * want.abs().max().item()
-                    print(f"{proj} {T} {layout_name}: ping-pong with the shrink {'first' if first else 'in the K loop'} "
+                    print(f"{proj} {T} {layout_name}: ping-pong with the shrink {mode_name} "
                           f"against the shipped lora_linear: max |diff| {err:.3g} of max |y| "
                           f"{want.abs().max().item():.3g} ({'ok' if ok else 'WRONG'})", flush=True)
                 base_rows = torch.full((T,), -1, dtype=torch.int32, device=DEV)
@@ -511,10 +564,10 @@ def delta_bench(args) -> None:
                        "lora_gemm + delta, h given": lambda: lora_gemm(x, w, h, B, segs.row_slots, ranks, offs),
                        "lora_shrink alone": lambda: lora_shrink(x, A, segs, ranks),
                        "lora_shrink + ping-pong with delta": shrink_then_pingpong,
-                       "ping-pong, shrink in the K loop + delta (y from registers)":
-                           lambda: launch(x, w, yf, FUSED_VARIANT, sms, fused=fused),
-                       "ping-pong, shrink first + delta (y from registers)":
-                           lambda: launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, shrink_first=True),
+                       **{f"ping-pong, shrink {mode_name} + delta (y from registers)":
+                          (lambda first=first, spread=spread:
+                           launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, shrink_first=first, spread=spread))
+                          for mode_name, first, spread in FUSED_MODES},
                        "shipped lora_linear (lora_gemm, fused shrink)":
                            lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton"),
                        "cuBLAS again": lambda: torch.mm(x, w.t())}
