@@ -69,7 +69,8 @@ test: install-dev prepare system-deps
 	$(MAKE) --no-print-directory compile-check
 
 # The GPU host runs triton 3.6, the CPU suite triton's interpreter (3.9 here), which takes code that 3.6's
-# compiler refuses: compile every kernel the kernel tests launch for sm90 with triton 3.6 (~1 min, no GPU).
+# compiler refuses: compile every kernel the kernel tests launch for sm90 with triton 3.6, and the launches
+# a GPU makes at Llama-3.1-8B shapes; ptxas's wgmma serialization (C7515) fails it (~1-2 min, no GPU).
 GPU_TRITON ?= triton==3.6.0
 GPU_TRITON_DIR := $(VENV)/gpu-triton
 compile-check: install-dev

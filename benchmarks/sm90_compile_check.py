@@ -12,6 +12,14 @@ fp32-upcast variants, e.g. tf32 wgmma in lora_gemm, where the H200 runs bf16 one
 assertions fail (nothing runs): their output is not shown; only compile errors count (and pytest
 failing to run).
 
+The tests' shapes are tiny, and on them lora_gemm takes its CPU tiles (mma.sync): the H200's own
+configurations would never be compiled here. So the launchers are also called at Llama-3.1-8B shapes
+with the tiles a GPU takes (PRODUCTION: lora_gemm's DEFAULT_TILES, fused shrink and h given, one tile a
+program and the persistent grid; lora_shrink's 128-row prefill tiles). Every kernel whose PTX has wgmma
+then goes through `ptxas -v` once more: ptxas info C7515 (it serialized the kernel's wgmmas because a
+non-wgmma instruction defines accumulator registers while one is in flight: the right numbers at half
+the speed, docs/benchmarks.md round 14) counts as an error; register spills are listed.
+
     make compile-check        # installs triton 3.6.0 (the GPU host's) beside the venv once, then runs this
     PYTHONPATH=DIR/with/triton-3.6 .venv/bin/python benchmarks/sm90_compile_check.py [pytest args, default tests/kernels]
 
@@ -23,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -39,6 +49,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 COMPILED: dict[str, int] = {}
 ERRORS: dict[tuple[str, str], str] = {}
+SPILLS: dict[str, set[str]] = {}  # kernel -> ptxas's spill lines of its wgmma variants
+PTXAS_CHECKED = [0]
 
 
 class _Sm90Driver:
@@ -65,6 +77,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     try:
         kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
         COMPILED[name] = COMPILED.get(name, 0) + 1
+        _ptxas_report(name, kernel)
         return kernel
     except Exception as e:  # noqa: BLE001 - every compile error is the report
         # triton's CompilationError names the call site; its cause (chained) says what failed
@@ -77,6 +90,73 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 
 
 _run = JITFunction.run
+
+
+def _ptxas_report(name: str, kernel) -> None:
+    """ptxas -v on a wgmma kernel's PTX (triton keeps ptxas's info to itself): C7515 is an error."""
+    ptx = kernel.asm.get("ptx", "")
+    if "wgmma.mma_async" not in ptx:
+        return
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        arch = "sm_90a" if "sm_90a" in ptx else "sm_90"
+        info = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True).stderr
+    PTXAS_CHECKED[0] += 1
+    for line in info.splitlines():
+        if "C7515" in line:
+            ERRORS.setdefault((name, "ptxas serialized its wgmmas (C7515)"), line.strip())
+        elif "spill" in line and "0 bytes spill stores, 0 bytes spill loads" not in line:
+            SPILLS.setdefault(name, set()).add(line.strip())
+
+
+def _production_launches() -> None:
+    """The launches a GPU makes at Llama-3.1-8B shapes (bf16; fp16 for qkv_proj), CPU tensors: each
+    is a compile only. lora_gemm with its H200 tiles, the fused shrink and h given (gate_up_proj's 28672
+    columns take the persistent grid), and lora_shrink on a 4096-token prefill segment."""
+    import torch
+
+    import kernels.platform as platform
+    from kernels.lora_gemm import DEFAULT_TILES, lora_gemm
+    from kernels.lora_shrink import lora_shrink
+    from kernels.segments import sgmv_segments
+
+    cpu, T, R, S = torch.device("cpu"), 4096, 16, 4
+    segs = sgmv_segments([T], [0], cpu)
+    ranks = torch.full((S,), R, dtype=torch.int32)
+    projs = {"qkv_proj": (4096, [4096, 1024, 1024]), "o_proj": (4096, [4096]), "down_proj": (14336, [4096]),
+             "gate_up_proj": (4096, [14336, 14336])}
+    runs = [(p, torch.bfloat16) for p in projs] + [("qkv_proj", torch.float16)]
+    for proj, dtype in runs:
+        K, slices = projs[proj]
+        N, n = sum(slices), len(slices)
+        offs = [0]
+        for width in slices:
+            offs.append(offs[-1] + width)
+        x, w = torch.empty(T, K, dtype=dtype), torch.empty(N, K, dtype=dtype)
+        A, B = torch.empty(S, n, R, K, dtype=dtype), torch.empty(S, N, R, dtype=dtype)
+        h = torch.empty(T, n, R, dtype=torch.float32)
+        for fused in (True, False):
+            # the launcher runs the persistent grid's fused form only off the interpreter (a spin-wait
+            # there would never end): answer as a GPU would for this one call
+            interp = platform.interpreter_active
+            platform.interpreter_active = lambda: False
+            try:
+                lora_gemm(x, w, None if fused else h, B, segs.row_slots, ranks, offs, A=A if fused else None,
+                          tiles=DEFAULT_TILES)
+            except Exception:  # noqa: BLE001 - recorded in ERRORS by _compile_only
+                pass
+            finally:
+                platform.interpreter_active = interp
+        if dtype == torch.bfloat16:
+            try:
+                lora_shrink(x, A, segs, ranks)
+            except Exception:  # noqa: BLE001 - recorded in ERRORS by _compile_only
+                pass
 
 
 def main() -> int:
@@ -102,10 +182,17 @@ def main() -> int:
         print(out.getvalue())
         print(f"pytest could not run the tests (exit code {int(code)})")
         return 1
+    print("... and the launches a GPU makes at Llama-3.1-8B shapes (lora_gemm's H200 tiles, lora_shrink's "
+          "prefill tiles)", flush=True)
+    _production_launches()
     print(f"\ntriton {triton.__version__}, sm90: compiled {sum(COMPILED.values())} specializations of "
           f"{len(COMPILED)} kernels:", flush=True)
     for name, n in sorted(COMPILED.items()):
         print(f"  {name}: {n}")
+    print(f"ptxas -v on the {PTXAS_CHECKED[0]} wgmma variants: C7515 (serialized wgmmas) is an error below; spills:")
+    for name, lines in sorted(SPILLS.items()):
+        for line in sorted(lines):
+            print(f"  {name}: {line}")
     for (name, first), text in ERRORS.items():
         print(f"\nCOMPILE ERROR in {name}: {first}\n{text}")
     print(f"\n{len(ERRORS)} compile errors")
