@@ -150,7 +150,7 @@ def _publish_h(hacc, off_m, M, h_ptr, stride_h, flag_ptr, BM: gl.constexpr):
     NR: gl.constexpr = hacc.shape[1]
     hrow = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, hacc.type.layout))
     hcol = gl.arange(0, NR, layout=gl.SliceLayout(0, hacc.type.layout))  # padded to a power of 2
-    gl.store(h_ptr + hrow.to(gl.int64)[:, None] * stride_h + hcol[None, :], hacc,
+    gl.store(h_ptr + hrow[:, None] * stride_h + hcol[None, :], hacc,
              mask=(hrow < M)[:, None] & (hcol < stride_h)[None, :])
     gl.thread_barrier()  # every thread's h stores before the release below
     gl.atomic_add(flag_ptr + off_m // BM, 1, sem="release", scope="gpu")
@@ -194,7 +194,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
     pid, nprogs, num_m, num_n, count = _my_tiles(M, N, BM, BN)
     k_steps = gl.cdiv(K, BK)
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr, SPREAD = dargs
+    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr, SPREAD, SHRINK_WG, sx_bufs, sa_bufs, sready = dargs
     # the fused shrink: in the K loop (a_bufs a stage each) or first, through W's stages (a 2-entry marker)
     FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
     SHRINK_FIRST: gl.constexpr = a_bufs.type.shape[0] == 2
@@ -212,7 +212,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
         turn_phase = j // 2 - 1 + c
         mbarrier.wait(turn.index(c), turn_phase & 1, pred=turn_phase >= 0)
         tslot = -1
-        if FUSED:
+        if FUSED or SHRINK_WG:
             tslot = gl.load(tslot_ptr + off_m // BM)
         if SHRINK_FIRST and (off_n == 0) and (tslot >= 0):
             # column tile 0 of a row tile with an adapter: h = x @ A[slot]ᵀ first, [x, A] steps through
@@ -267,10 +267,12 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
         elif not DIRECT_Y:  # this group's previous tile has left y_buf
             tma.store_wait(0)
         if b_smems.type.shape[1] > 1:  # HAS_DELTA: the LoRA delta
-            if FUSED and (tslot >= 0):  # wait for every share of the row tile's h
+            if (FUSED or SHRINK_WG == 1) and (tslot >= 0):  # wait for every share of the row tile's h
                 parts = 1
-                if not SHRINK_FIRST:
+                if FUSED and not SHRINK_FIRST:
                     parts = gl.minimum(num_n, SPREAD)
+                if SHRINK_WG == 1:
+                    parts = SPREAD
                 spins = 0
                 while (gl.atomic_add(flag_ptr + off_m // BM, 0, sem="acquire", scope="gpu") < parts) & (spins < 200000):
                     spins += 1
@@ -279,7 +281,7 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
         if DIRECT_Y:
             yr = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
             yc = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-            gl.store(y_ptr + yr.to(gl.int64)[:, None] * N + yc[None, :], acc.to(y_desc.dtype),
+            gl.store(y_ptr + yr[:, None] * N + yc[None, :], acc.to(y_desc.dtype),
                      mask=(yr < M)[:, None] & (yc < N)[None, :])
         else:
             y_buf.store(acc.to(y_desc.dtype))
@@ -289,6 +291,57 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
             tma.store_wait(0)
             mbarrier.arrive(turn.index(2))
     tma.store_wait(0)
+
+
+@gluon.jit
+def _shrinker(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs):
+    """A fourth warp group (SHRINK_WG): h = x @ A[slot]ᵀ from the kernel's start, through a ring of its
+    own (its TMA loads SS - 1 steps ahead of its wgmma), in work items pid, pid + P, ...: item w is
+    share w % SPREAD of row tile w // SPREAD's K steps (SPREAD = 1: whole row tiles), published in plane
+    w % SPREAD with a count on the row tile's flag. The shrink is memory-bound and the GEMM's groups
+    compute-bound: it runs beside them on the same SM; split, h is ready sooner."""
+    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr, SPREAD, SHRINK_WG, sx_bufs, sa_bufs, sready = dargs
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    NRP: gl.constexpr = a_desc.block_type.shape[0]
+    SS: gl.constexpr = sx_bufs.type.shape[0]
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NRP, 16])
+    num_m = gl.cdiv(M, BM)
+    k_steps = gl.cdiv(K, BK)
+    cnt = 0  # ring position of this row tile's first step
+    # SHRINK_WG 2: the partition idles (no shrink, no flags): what the layout itself costs the GEMM
+    for w in range(gl.program_id(0), num_m * SPREAD if SHRINK_WG == 1 else 0, gl.num_programs(0)):
+        r = w // SPREAD
+        part = w % SPREAD
+        tslot = gl.load(tslot_ptr + r)
+        if tslot >= 0:
+            off_m = r * BM
+            k0 = part * k_steps // SPREAD
+            n_k = (part + 1) * k_steps // SPREAD - k0
+            for i in gl.static_range(SS - 1):
+                if i < n_k:
+                    s = (cnt + i) % SS
+                    mbarrier.expect(sready.index(s), x_desc.block_type.nbytes + a_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * BK], sready.index(s), sx_bufs.index(s))
+                    tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, (k0 + i) * BK], sready.index(s),
+                                                    sa_bufs.index(s))
+            hacc = gl.zeros((BM, NRP), dtype=gl.float32, layout=h_layout)
+            for k in range(n_k):
+                # the stage of step k + SS - 1 is step k - 1's, whose wgmma has completed
+                kn = k + SS - 1
+                if kn < n_k:
+                    s = (cnt + kn) % SS
+                    mbarrier.expect(sready.index(s), x_desc.block_type.nbytes + a_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + kn) * BK], sready.index(s), sx_bufs.index(s))
+                    tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, (k0 + kn) * BK], sready.index(s),
+                                                    sa_bufs.index(s))
+                pos = cnt + k
+                s = pos % SS
+                mbarrier.wait(sready.index(s), (pos // SS) & 1)
+                hacc = warpgroup_mma(sx_bufs.index(s), sa_bufs.index(s).permute((1, 0)), hacc, is_async=True)
+                hacc = warpgroup_mma_wait(0, deps=(hacc,))
+            cnt += n_k
+            _publish_h(hacc, off_m, M, h_ptr + part * stride_p, stride_h, flag_ptr, BM)
 
 
 @gluon.jit
@@ -309,7 +362,7 @@ def _loader(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, 
     STAGES: gl.constexpr = x_bufs.type.shape[0]
     pid, nprogs, num_m, num_n, count = _my_tiles(M, N, BM, BN)
     k_steps = gl.cdiv(K, BK)
-    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr, SPREAD = dargs
+    b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr, y_ptr, SPREAD, SHRINK_WG, sx_bufs, sa_bufs, sready = dargs
     FUSED: gl.constexpr = a_bufs.type.shape[0] > 1
     SHRINK_FIRST: gl.constexpr = a_bufs.type.shape[0] == 2
     NRP: gl.constexpr = a_desc.block_type.shape[0]
@@ -364,7 +417,8 @@ def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o
                      a_desc, tslot_ptr, flag_ptr, y_ptr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr, Y_BUFS: gl.constexpr, HAS_DELTA: gl.constexpr,
-                     FUSED: gl.constexpr, SHRINK_FIRST: gl.constexpr, SPREAD: gl.constexpr):
+                     FUSED: gl.constexpr, SHRINK_FIRST: gl.constexpr, SPREAD: gl.constexpr,
+                     SHRINK_WG: gl.constexpr, SHRINK_REGS: gl.constexpr):
     x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     if Y_BUFS == 0:  # y from registers: a placeholder
@@ -389,20 +443,34 @@ def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2, 16, 16], gl.NVMMASharedLayout.get_default_for([16, 16], a_desc.dtype))
     elif FUSED:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    else:
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [1] + a_desc.block_type.shape, a_desc.layout)
+    else:  # a 1-entry [16, 16] placeholder
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [1, 16, 16], gl.NVMMASharedLayout.get_default_for([16, 16], a_desc.dtype))
+    # the shrink warp group's ring (SHRINK_WG): 2 stages (what shared memory has left) of x's and A's tiles; else 1-entry placeholders
+    SS: gl.constexpr = 2 if SHRINK_WG else 1
+    sx_bufs = gl.allocate_shared_memory(x_desc.dtype, [SS, BM if SHRINK_WG else 16, BK if SHRINK_WG else 16],
+                                        x_desc.layout if SHRINK_WG else gl.NVMMASharedLayout.get_default_for([16, 16], x_desc.dtype))
+    sa_bufs = gl.allocate_shared_memory(a_desc.dtype, [SS] + a_desc.block_type.shape, a_desc.layout)
+    sready = gl.allocate_shared_memory(gl.int64, [SS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SS):
+        mbarrier.init(sready.index(i), count=1)
     dargs = (b_smems, h_ptr, b_ptr, slots_ptr, o1, o2, stride_h, stride_p, n_parts, a_desc, a_bufs, tslot_ptr, flag_ptr,
-             y_ptr, SPREAD)
+             y_ptr, SPREAD, SHRINK_WG, sx_bufs, sa_bufs, sready)
     args = (x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs)
-    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 4],
-                       [CONSUMER_REGS, LOADER_REGS])
+    if SHRINK_WG:
+        gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args), (_shrinker, args)], [4, 4, 4],
+                           [CONSUMER_REGS, LOADER_REGS, SHRINK_REGS])
+    else:
+        gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 4],
+                           [CONSUMER_REGS, LOADER_REGS])
 
 
-def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=False, spread=1):
+def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=False, spread=1, shrink_wg=False):
     """y = x @ wᵀ, + the delta given h (delta: h fp32 [(P,) M, n, 16] from lora_shrink, B bf16 [S, N, 16], row
     slots int32 [M], o1, o2), or + the delta with the shrink fused (fused: A bf16 [S, n, 16, K], the row
     tiles' slot int32 [cdiv(M, BM)] (one a row tile, -1 = none), row slots, B, o1, o2)."""
     _, BM, BN, BK, stages, creg, lreg, maxnreg, ybufs = v
+    if shrink_wg:
+        creg, lreg = WG_REGS[0], WG_REGS[1]
     M, K = x.shape
     N = w.shape[0]
     gdt = gl.bfloat16
@@ -414,7 +482,7 @@ def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=Fals
         S, n, R, _ = A.shape
         a_t = A.view(S * n * R, K)
         # written by column tiles 0..spread-1 (shares of K; shrink first: column tile 0)
-        parts = 1 if shrink_first else min(spread, triton.cdiv(N, BN))
+        parts = 1 if shrink_first else (spread if shrink_wg else min(spread, triton.cdiv(N, BN)))
         h = torch.empty(parts, M, n * R, dtype=torch.float32, device=x.device)
         flags = torch.zeros(triton.cdiv(M, BM), dtype=torch.int32, device=x.device)
     elif delta is not None:
@@ -432,8 +500,9 @@ def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=Fals
     return _pingpong_kernel[(min(sms, tiles),)](x_desc, w_desc, y_desc, M, N, K, h, B, slots, o1, o2, h.stride(1),
                                                  h.stride(0), h.shape[0], a_desc, tslots, flags, y, BM, BN, BK, stages, 8,
                                                  creg, lreg, ybufs, delta is not None or fused is not None,
-                                                 fused is not None, fused is not None and shrink_first, spread,
-                                                 num_warps=4, maxnreg=maxnreg)
+                                                 fused is not None and not shrink_wg,
+                                                 fused is not None and shrink_first, spread, int(shrink_wg), WG_REGS[2],
+                                                 num_warps=4, maxnreg=WG_REGS[3] if shrink_wg else maxnreg)
 
 
 def compile_only() -> None:
@@ -457,7 +526,9 @@ def compile_only() -> None:
                              (FUSED_VARIANT[0] + " + shrink first, qkv", FUSED_VARIANT, "first", 3),
                              (FUSED_VARIANT[0] + " + shrink first, o", FUSED_VARIANT, "first", 1),
                              (FUSED_VARIANT[0] + " + shrink spread 8, qkv", FUSED_VARIANT, "spread", 3),
-                             (FUSED_VARIANT[0] + " + shrink spread 8, o", FUSED_VARIANT, "spread", 1)]):
+                             (FUSED_VARIANT[0] + " + shrink spread 8, o", FUSED_VARIANT, "spread", 1),
+                             (FUSED_VARIANT[0] + " + shrink warp group split 4, qkv", FUSED_VARIANT, "wg", 3),
+                             (FUSED_VARIANT[0] + " + shrink warp group split 4, o", FUSED_VARIANT, "wg", 1)]):
         N = 1024
         x, w, y = (torch.empty(*sh, dtype=torch.bfloat16) for sh in ((T, K), (N, K), (T, N)))
         B = torch.empty(4, N, 16, dtype=torch.bfloat16)
@@ -465,10 +536,10 @@ def compile_only() -> None:
         try:
             if mode == "delta":
                 k = launch(x, w, y, v, delta=(torch.empty(T, n, 16), B, slots, 512, 768))
-            elif mode in ("fused", "first", "spread"):
+            elif mode in ("fused", "first", "spread", "wg"):
                 k = launch(x, w, y, v, fused=(torch.empty(4, n, 16, K, dtype=torch.bfloat16),
                                               torch.empty(T // v[1], dtype=torch.int32), slots, B, 512, 768),
-                           shrink_first=mode == "first", spread=8 if mode == "spread" else 1)
+                           **_mode_kw(mode == "first", "wg split 4" if mode == "wg" else (8 if mode == "spread" else 1)))
             else:
                 k = launch(x, w, y, v)
             Path("/tmp/probe_gluon.ptx").write_text(k.asm["ptx"])
@@ -487,10 +558,25 @@ def compile_only() -> None:
 
 
 DELTA_PROJ = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096])}
+# the shrink warp group's mode: 16 warps share the register file (65536 / 512 = 128 each at launch)
+# (consumers, loader, shrinker, launch maxnreg): 2 * 192 + 24 + 104 = 512; the sm90 compile spills nothing
+# for qkv and o (184 / 40 / 64 spilled 612 bytes for qkv: h's [128, 64] accumulator and its store)
+WG_REGS = tuple(int(r) for r in os.environ.get("PROBE_WG_REGS", "192,24,104,128").split(","))
+
+
+def _mode_kw(first, spread) -> dict:
+    """launch's keywords for a FUSED_MODES entry."""
+    if str(spread).startswith("wg"):  # "wg", "wg split N", "wg idle"
+        return {"shrink_wg": 2 if spread == "wg idle" else 1,
+                "spread": int(spread.split()[-1]) if "split" in spread else 1}
+    return {"shrink_first": first, "spread": spread}
 # the fused shrink's modes (name, shrink first, spread): column tile 0 in its K loop (round 13), column
 # tile 0 before its GEMM (round 13), and the K steps shared by column tiles 0..spread-1 (round 14)
 FUSED_MODES = [("in the K loop", False, 1), ("first", True, 1), ("spread over 4", False, 4),
-               ("spread over 8", False, 8), ("spread over 16", False, 16)]
+               ("spread over 8", False, 8), ("by a fourth warp group", False, "wg"),
+               ("by a fourth warp group in 4 K splits", False, "wg split 4"),
+               ("by a fourth warp group in 8 K splits", False, "wg split 8"),
+               ("none (a fourth warp group idle; h not computed: timing only)", False, "wg idle")]
 
 
 def delta_bench(args) -> None:
@@ -507,6 +593,7 @@ def delta_bench(args) -> None:
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     print(f"{torch.cuda.get_device_name(DEV)}, torch {torch.__version__}, triton {triton.__version__}")
     v, rows = DELTA_VARIANT, []
+    modes = [m for m in FUSED_MODES if args.fused_modes == "all" or m[0] in args.fused_modes.split(",")]
     for proj in args.proj.split(","):
         K, slices = DELTA_PROJ[proj]
         N, n = sum(slices), len(slices)
@@ -542,9 +629,9 @@ def delta_bench(args) -> None:
                 ok = err <= 2e-2 * want.abs().max().item()
                 print(f"{proj} {T} {layout_name}: ping-pong + delta against the shipped lora_linear: max |diff| "
                       f"{err:.3g} ({'ok' if ok else 'WRONG'})", flush=True)
-                for mode_name, first, spread in FUSED_MODES:
+                for mode_name, first, spread in modes:
                     yf.fill_(float("nan"))
-                    launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, shrink_first=first, spread=spread)
+                    launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, **_mode_kw(first, spread))
                     torch.cuda.synchronize()
                     err = (yf.float() - want).abs().max().item()
                     ok = err <= 2e-2 * want.abs().max().item()
@@ -566,8 +653,8 @@ def delta_bench(args) -> None:
                        "lora_shrink + ping-pong with delta": shrink_then_pingpong,
                        **{f"ping-pong, shrink {mode_name} + delta (y from registers)":
                           (lambda first=first, spread=spread:
-                           launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, shrink_first=first, spread=spread))
-                          for mode_name, first, spread in FUSED_MODES},
+                           launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, **_mode_kw(first, spread)))
+                          for mode_name, first, spread in modes},
                        "shipped lora_linear (lora_gemm, fused shrink)":
                            lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton"),
                        "cuBLAS again": lambda: torch.mm(x, w.t())}
@@ -589,6 +676,7 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--delta", action="store_true", help="the ping-pong with the LoRA delta in its epilogue (h given, and the fused shrink modes)")
     ap.add_argument("--t", default="4096,8192")
+    ap.add_argument("--fused-modes", default="all", help="--delta: the fused shrink's modes to run (names, comma-separated)")
     ap.add_argument("--proj", default="qkv,o,down")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
