@@ -22,7 +22,9 @@ in that mode (segments on 128-row boundaries); y is stored from registers there,
 more forms of the fused shrink: shrink first (column tile 0 streams [x, A] steps through the ring before
 its GEMM steps, round 13) and spread over C (round 14: column tiles 0..C-1 each take 1/C of the shrink's
 K steps, run them first in a K order rotated to start there, publish a partial plane and raise a count;
-the epilogue waits for C and sums the planes in order).
+the epilogue waits for C and sums the planes in order), and by a fourth warp group (round 14: a partition
+of its own with its own ring computes h from the kernel's start, whole row tiles or K splits; an idle
+mode times the 16-warp layout alone). All of them lost to the shipped lora_gemm (docs/benchmarks.md).
 
 --compile-only also says when ptxas serializes the kernel's wgmmas (C7515: a non-wgmma instruction
 defines accumulator registers while one is in flight). Round 14's first spread form had a second copy of
@@ -30,9 +32,9 @@ the plain K loop inside the sharing tiles' branch: serialized, every fused mode 
 right. One plain loop that every tile runs after the branch fixed it.
 
     python3 benchmarks/probe_gluon_gemm_gpu.py [--t 4096,8192] [--proj qkv,o,down]
-    python3 benchmarks/probe_gluon_gemm_gpu.py --delta [--t 4096,8192] [--proj qkv,o]
+    python3 benchmarks/probe_gluon_gemm_gpu.py --delta [--t 4096,8192] [--proj qkv,o] [--fused-modes NAMES]
         (the LoRA delta in the epilogue, h given and with the fused shrink, against the ping-pong alone,
-        lora_gemm and the shipped lora_linear)
+        lora_gemm and the shipped lora_linear; NAMES from FUSED_MODES, comma-separated, default all)
     PYTHONPATH=.venv/gpu-triton python3 benchmarks/probe_gluon_gemm_gpu.py --compile-only   (sm90, no GPU)
 """
 
