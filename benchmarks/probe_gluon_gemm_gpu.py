@@ -296,6 +296,14 @@ def _consume(c: gl.constexpr, x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, re
 
 
 @gluon.jit
+def _shrink_load(x_desc, a_desc, sx_bufs, sa_bufs, sready, s, off_m, a_row, k_off):
+    """The shrink warp group's stage s: x's [BM, BK] tile and A's [n*R padded, BK] tile at column k_off."""
+    mbarrier.expect(sready.index(s), x_desc.block_type.nbytes + a_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [off_m, k_off], sready.index(s), sx_bufs.index(s))
+    tma.async_copy_global_to_shared(a_desc, [a_row, k_off], sready.index(s), sa_bufs.index(s))
+
+
+@gluon.jit
 def _shrinker(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn, M, N, K, dargs):
     """A fourth warp group (SHRINK_WG): h = x @ A[slot]ᵀ from the kernel's start, through a ring of its
     own (its TMA loads SS - 1 steps ahead of its wgmma), in work items pid, pid + P, ...: item w is
@@ -322,21 +330,15 @@ def _shrinker(x_desc, w_desc, y_desc, x_bufs, w_bufs, y_bufs, ready, empty, turn
             n_k = (part + 1) * k_steps // SPREAD - k0
             for i in gl.static_range(SS - 1):
                 if i < n_k:
-                    s = (cnt + i) % SS
-                    mbarrier.expect(sready.index(s), x_desc.block_type.nbytes + a_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * BK], sready.index(s), sx_bufs.index(s))
-                    tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, (k0 + i) * BK], sready.index(s),
-                                                    sa_bufs.index(s))
+                    _shrink_load(x_desc, a_desc, sx_bufs, sa_bufs, sready, (cnt + i) % SS, off_m, tslot * stride_h,
+                                 (k0 + i) * BK)
             hacc = gl.zeros((BM, NRP), dtype=gl.float32, layout=h_layout)
             for k in range(n_k):
                 # the stage of step k + SS - 1 is step k - 1's, whose wgmma has completed
                 kn = k + SS - 1
                 if kn < n_k:
-                    s = (cnt + kn) % SS
-                    mbarrier.expect(sready.index(s), x_desc.block_type.nbytes + a_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + kn) * BK], sready.index(s), sx_bufs.index(s))
-                    tma.async_copy_global_to_shared(a_desc, [tslot * stride_h, (k0 + kn) * BK], sready.index(s),
-                                                    sa_bufs.index(s))
+                    _shrink_load(x_desc, a_desc, sx_bufs, sa_bufs, sready, (cnt + kn) % SS, off_m, tslot * stride_h,
+                                 (k0 + kn) * BK)
                 pos = cnt + k
                 s = pos % SS
                 mbarrier.wait(sready.index(s), (pos // SS) & 1)
