@@ -161,6 +161,7 @@ def main() -> None:
     p.add_argument("--check-small", action="store_true", help="only check_small (SmolLM2 shapes, fp16/bf16)")
     p.add_argument("--variants", action="store_true", help="no sweep: VARIANTS interleaved against cuBLAS, per T")
     p.add_argument("--proj", default="qkv,o,gate_up,down")
+    p.add_argument("--only", default="", help="--variants: these VARIANTS (names, comma-separated) beside the default")
     p.add_argument("--activation", action="store_true",
                    help="no sweep: gate_up_proj with its delta inside the activation against lora_linear + silu_mul")
     p.add_argument("--decompose", action="store_true",
@@ -296,6 +297,8 @@ def variants(args: argparse.Namespace) -> None:
         print(f"  {name} {T}: every tile's own h (SPIN_LIMIT 0): bits equal to the default's: "
               f"{torch.equal(got, want)}", flush=True)
         for v, tiles in VARIANTS.items():
+            if args.only and v not in args.only.split(",") and v != "default":
+                continue
             got = lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton", gemm_tiles=tiles)
             if not torch.equal(got, want):
                 print(f"  {name} {T} {v}: bits differ from the default's (max |diff| "
