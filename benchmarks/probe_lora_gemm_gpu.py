@@ -252,7 +252,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(rows, indent=1, default=str))
 
 
-# (block_m, block_n, block_k, warps, stages, group_m, persistent, block_ks, shrink stages, ticket[, shrink programs])
+# (block_m, block_n, block_k, warps, stages, group_m, persistent, block_ks, shrink stages, ticket)
 VARIANTS = {
     "default": None,
     "ticket, G8 (round 5's default)": (128, 256, 64, 8, 3, 8, None, 128, None, True),
@@ -262,10 +262,6 @@ VARIANTS = {
     # lora_gemm's one tile a program for o_proj at 4096 tokens)
     "persistent G8": (128, 256, 64, 8, 3, 8, True, 128, None, False),
     "persistent G16": (128, 256, 64, 8, 3, 16, True, 128, None, False),
-    # round 14: a program per row tile only shrinks, ahead of the GEMM tiles (round 5's "extra tiles"
-    # with 64-wide steps lost; these take the shipped 128-wide steps). Not for gate_up (persistent).
-    "shrink programs": (128, 256, 64, 8, 3, None, None, 128, None, False, True),
-    "shrink programs G8": (128, 256, 64, 8, 3, 8, None, 128, None, False, True),
 }
 
 

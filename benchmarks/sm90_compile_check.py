@@ -140,16 +140,14 @@ def _production_launches() -> None:
         x, w = torch.empty(T, K, dtype=dtype), torch.empty(N, K, dtype=dtype)
         A, B = torch.empty(S, n, R, K, dtype=dtype), torch.empty(S, N, R, dtype=dtype)
         h = torch.empty(T, n, R, dtype=torch.float32)
-        # (the fused shrink; h given; for qkv_proj in bf16 also the shrink programs option)
-        for fused, tiles in [(True, DEFAULT_TILES), (False, DEFAULT_TILES)] + (
-                [(True, DEFAULT_TILES + (True,))] if (proj, dtype) == ("qkv_proj", torch.bfloat16) else []):
+        for fused in (True, False):
             # the launcher runs the persistent grid's fused form only off the interpreter (a spin-wait
             # there would never end): answer as a GPU would for this one call
             interp = platform.interpreter_active
             platform.interpreter_active = lambda: False
             try:
                 lora_gemm(x, w, None if fused else h, B, segs.row_slots, ranks, offs, A=A if fused else None,
-                          tiles=tiles)
+                          tiles=DEFAULT_TILES)
             except Exception:  # noqa: BLE001 - recorded in ERRORS by _compile_only
                 pass
             finally:

@@ -32,10 +32,6 @@ L2, columns sweeping within a group (column tile 0 of every row tile of a group 
   GEMM's time, docs/benchmarks.md, round 6.) Persistent grid (outputs wider than
   PERSISTENT_MIN_OUT): each program walks its tiles in order.
 - Mode h given (A None, h from lora_shrink, planes summed): no shrink, no flags (benchmarks, tests).
-- Option shrink programs (tiles[10], one tile a program): programs 0..row tiles-1 only shrink (row tile
-  = program id), the GEMM tiles are the programs after them and all wait for their h; the shrink's
-  cost moves off column tile 0's program into short programs the block dispatch spreads (round 5's
-  "extra tiles" lost with 64-wide shrink steps; docs/benchmarks.md round 14 has it with 128-wide ones).
 
 The tile's columns lie in one slice: the launcher picks BLOCK_N dividing every slice boundary. x, W
 and y move through the copy engine (TMA descriptors: rows on 16-byte boundaries, see unfit_reason).
@@ -181,27 +177,14 @@ def _lora_gemm_kernel(
     BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr, TICKET: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SHRINK_PROGS: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    first = tl.program_id(0)
-    if FUSED_SHRINK and SHRINK_PROGS:
-        # Programs 0..num_pid_m-1 only shrink (row tile = program id), ahead of every GEMM tile in the
-        # block order; the GEMM tiles are the programs after them, and every one waits for its h.
-        if first < num_pid_m:
-            offs_s = first * BLOCK_M + tl.arange(0, BLOCK_M)
-            _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, tl.load(row_slot_ptr + offs_s, mask=offs_s < M, other=-1),
-                         first * BLOCK_M, K, R, NR, stride_hm, BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION,
-                         UPCAST)
-            tl.debug_barrier()  # every thread's h stores before the release below
-            tl.atomic_xchg(flag_ptr + first, 1, sem="release", scope="gpu")
-        first = first - num_pid_m  # < 0: a shrink program, no GEMM tile (the loop below runs no step)
     if PERSISTENT:  # NUM_PROGS programs walk the tiles in order (no launch ramp per tile)
         last = num_pid_m * num_pid_n
     else:  # one tile a program
-        last = first + 1
-    for tile in tl.range(tl.maximum(first, 0), last, NUM_PROGS):
+        last = tl.program_id(0) + 1
+    for tile in tl.range(tl.program_id(0), last, NUM_PROGS):
         if FUSED_SHRINK and TICKET and not PERSISTENT:
             # Tiles are handed out in the order programs start (a ticket, not the block index, whose
             # dispatch order CUDA does not promise), so the shrink a tile waits on is already running.
@@ -211,7 +194,7 @@ def _lora_gemm_kernel(
         n0 = pid_n * BLOCK_N
         offs_m = m0 + tl.arange(0, BLOCK_M)
         slots = tl.load(row_slot_ptr + offs_m, mask=offs_m < M, other=-1)
-        if FUSED_SHRINK and not SHRINK_PROGS:
+        if FUSED_SHRINK:
             if pid_n == 0:
                 # The row tile's first column tile computes its h first, then its own GEMM tile: the
                 # other column tiles of these rows run their main loops meanwhile and find h ready.
@@ -328,11 +311,9 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     lora_shrink (planes summed); B [S, out, R] same dtype as x; row_slots [T] int32 (slot of each row,
     -1 = base); slot_ranks [S] int32; out_offsets [n + 1] slice boundaries; scalings [S] fp32 or None.
     tiles: (block_m, block_n, block_k, num_warps, num_stages, group_m, persistent[, block_ks,
-    shrink_stages, ticket, shrink_programs]) override (None = DEFAULT_TILES on CUDA; ticket: tiles
-    handed out by an atomic ticket rather than taken by block index; block_ks, shrink_stages: the fused
-    shrink's K step and pipeline depth; shrink_programs: one program per row tile only shrinks, ahead
-    of the GEMM tiles, instead of column tile 0 shrinking before its own GEMM tile; one tile a program,
-    no ticket); block_n shrinks to divide the slice boundaries.
+    shrink_stages, ticket]) override (None = DEFAULT_TILES on CUDA; ticket: tiles handed out by an
+    atomic ticket rather than taken by block index; block_ks, shrink_stages: the fused shrink's
+    K step and pipeline depth); block_n shrinks to divide the slice boundaries.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -378,7 +359,6 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     block_ks = tiles[7] if len(tiles) > 7 else None
     shrink_stages = tiles[8] if len(tiles) > 8 else num_stages
     ticket = tiles[9] if len(tiles) > 9 else False
-    shrink_progs = bool(tiles[10]) if len(tiles) > 10 else False
     block_n = block_n_for(out_offsets, block_n)
     if group_m is None:
         group_m = group_m_for(triton.cdiv(N, block_n), persistent)
@@ -394,9 +374,6 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     if persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4
         progs = min(num_tiles, sms)
-    shrink_progs = shrink_progs and fused
-    if shrink_progs and (persistent or ticket):
-        raise ValueError("lora_gemm: shrink programs take one tile a program, without the ticket")
     # row tiles' "h written" flags and the tile ticket; without FUSED_SHRINK never read (no memset)
     flags = torch.zeros(num_pid_m + 1, dtype=torch.int32, device=x.device) if fused else slot_ranks
     block_nr = max(16, triton.next_power_of_2(n * R))
@@ -409,7 +386,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         as_desc = TensorDescriptor.from_tensor(A.view(S * n * R, K), [block_nr, block_ks])
     else:
         xs_desc = as_desc = x_desc  # not read without FUSED_SHRINK
-    _lora_gemm_kernel[(progs + (num_pid_m if shrink_progs else 0),)](
+    _lora_gemm_kernel[(progs,)](
         x_desc, TensorDescriptor.from_tensor(weight, [block_n, block_k]),
         TensorDescriptor.from_tensor(y, [block_m, block_n]),
         h4, xs_desc, as_desc, B, scalings if scalings is not None else slot_ranks, row_slots, slot_ranks, flags,
@@ -420,6 +397,6 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
         NUM_PROGS=progs, TICKET=ticket, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
-        SHRINK_PROGS=shrink_progs, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return y
