@@ -58,7 +58,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
-PROJ = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (14336, 4096)}
 # (name, BM, BN, BK, stages, consumer regs, loader regs, maxnreg, y buffers: 2 = one a group, 1 = shared)
 VARIANTS = [
     ("pingpong 128x128x64 s5", 128, 128, 64, 5, 232, 40, 168, 2),
@@ -468,10 +467,12 @@ def _pingpong_kernel(x_desc, w_desc, y_desc, M, N, K, h_ptr, b_ptr, slots_ptr, o
                            [CONSUMER_REGS, LOADER_REGS])
 
 
-def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=False, spread=1, shrink_wg=False):
+def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=False, spread=1, shrink_wg=0):
     """y = x @ wᵀ, + the delta given h (delta: h fp32 [(P,) M, n, 16] from lora_shrink, B bf16 [S, N, 16], row
     slots int32 [M], o1, o2), or + the delta with the shrink fused (fused: A bf16 [S, n, 16, K], the row
-    tiles' slot int32 [cdiv(M, BM)] (one a row tile, -1 = none), row slots, B, o1, o2)."""
+    tiles' slot int32 [cdiv(M, BM)] (one a row tile, -1 = none), row slots, B, o1, o2). The fused shrink's
+    form (FUSED_MODES): column tile 0 in its K loop (default), shrink_first, spread over column tiles
+    0..spread-1, or shrink_wg 1 (a fourth warp group, in `spread` K splits) / 2 (that group idle)."""
     _, BM, BN, BK, stages, creg, lreg, maxnreg, ybufs = v
     if shrink_wg:
         creg, lreg = WG_REGS[0], WG_REGS[1]
@@ -505,34 +506,28 @@ def launch(x, w, y, v, sms: int = 132, delta=None, fused=None, shrink_first=Fals
                                                  h.stride(0), h.shape[0], a_desc, tslots, flags, y, BM, BN, BK, stages, 8,
                                                  creg, lreg, ybufs, delta is not None or fused is not None,
                                                  fused is not None and not shrink_wg,
-                                                 fused is not None and shrink_first, spread, int(shrink_wg), WG_REGS[2],
+                                                 fused is not None and shrink_first, spread, shrink_wg, WG_REGS[2],
                                                  num_warps=4, maxnreg=WG_REGS[3] if shrink_wg else maxnreg)
 
 
 def compile_only() -> None:
     """Each variant (and the delta and fused-shrink ones) compiled for sm90 through launch's own
     arguments, CPU tensors (nothing runs): shared memory, register reallocation, wgmma count."""
-    import subprocess
-
-    from sm90_compile_check import _has_driver, _Sm90Driver  # the compile-only sm90 driver of the CI check
+    from sm90_compile_check import _has_driver, _Sm90Driver, ptxas_info  # the CI check's compile-only sm90 driver
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
     driver.set_active(_Sm90Driver(driver.active if _has_driver() else None))
     run = JITFunction.run
     JITFunction.run = lambda self, *a, grid, warmup, **kw: run(self, *a, grid=grid, warmup=True, **kw)
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     T, K = 512, 4096
-    for name, v, mode, n in ([(v[0], v, None, 1) for v in VARIANTS] + [(DELTA_VARIANT[0] + " + delta", DELTA_VARIANT, "delta", 3),
-                             (FUSED_VARIANT[0] + " + delta", FUSED_VARIANT, "delta", 3),
-                             (FUSED_VARIANT[0] + " + fused shrink, qkv", FUSED_VARIANT, "fused", 3),
-                             (FUSED_VARIANT[0] + " + fused shrink, o", FUSED_VARIANT, "fused", 1),
-                             (FUSED_VARIANT[0] + " + shrink first, qkv", FUSED_VARIANT, "first", 3),
-                             (FUSED_VARIANT[0] + " + shrink first, o", FUSED_VARIANT, "first", 1),
-                             (FUSED_VARIANT[0] + " + shrink spread 8, qkv", FUSED_VARIANT, "spread", 3),
-                             (FUSED_VARIANT[0] + " + shrink spread 8, o", FUSED_VARIANT, "spread", 1),
-                             (FUSED_VARIANT[0] + " + shrink warp group split 4, qkv", FUSED_VARIANT, "wg", 3),
-                             (FUSED_VARIANT[0] + " + shrink warp group split 4, o", FUSED_VARIANT, "wg", 1)]):
+    # (name, variant, None / "delta" / a FUSED_MODES name, n slices: 3 = qkv, 1 = o)
+    compiled_modes = ("in the K loop", "first", "spread over 8", "by a fourth warp group in 4 K splits")
+    for name, v, mode, n in ([(v[0], v, None, 1) for v in VARIANTS]
+                             + [(DELTA_VARIANT[0] + " + delta", DELTA_VARIANT, "delta", 3),
+                                (FUSED_VARIANT[0] + " + delta", FUSED_VARIANT, "delta", 3)]
+                             + [(f"{FUSED_VARIANT[0]} + shrink {m}, {proj}", FUSED_VARIANT, m, n)
+                                for m in compiled_modes for proj, n in (("qkv", 3), ("o", 1))]):
         N = 1024
         x, w, y = (torch.empty(*sh, dtype=torch.bfloat16) for sh in ((T, K), (N, K), (T, N)))
         B = torch.empty(4, N, 16, dtype=torch.bfloat16)
@@ -540,15 +535,13 @@ def compile_only() -> None:
         try:
             if mode == "delta":
                 k = launch(x, w, y, v, delta=(torch.empty(T, n, 16), B, slots, 512, 768))
-            elif mode in ("fused", "first", "spread", "wg"):
+            elif mode is not None:
                 k = launch(x, w, y, v, fused=(torch.empty(4, n, 16, K, dtype=torch.bfloat16),
                                               torch.empty(T // v[1], dtype=torch.int32), slots, B, 512, 768),
-                           **_mode_kw(mode == "first", "wg split 4" if mode == "wg" else (8 if mode == "spread" else 1)))
+                           **FUSED_MODES[mode])
             else:
                 k = launch(x, w, y, v)
-            Path("/tmp/probe_gluon.ptx").write_text(k.asm["ptx"])
-            info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", "/tmp/probe_gluon.ptx", "-o", "/dev/null"],
-                                  capture_output=True, text=True).stderr
+            info = ptxas_info(k.asm["ptx"]) or ""
             spills = [ln.strip() for ln in info.splitlines() if "spill" in ln]
             serial = "; WGMMA SERIALIZED (ptxas C7515)" if "C7515" in info else ""
             print(f"{name:48s} compiled: smem {k.metadata.shared} B, setmaxnreg {k.asm['ptx'].count('setmaxnreg')}, "
@@ -561,26 +554,54 @@ def compile_only() -> None:
             print(f"{name:48s} FAILED: {' <- '.join(msgs)}")
 
 
-DELTA_PROJ = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096])}
 # the shrink warp group's mode: 16 warps share the register file (65536 / 512 = 128 each at launch)
 # (consumers, loader, shrinker, launch maxnreg): 2 * 192 + 24 + 104 = 512; the sm90 compile spills nothing
 # for qkv and o (184 / 40 / 64 spilled 612 bytes for qkv: h's [128, 64] accumulator and its store)
 WG_REGS = tuple(int(r) for r in os.environ.get("PROBE_WG_REGS", "192,24,104,128").split(","))
 
+# the fused shrink's forms: name -> launch's keywords. Column tile 0 in its K loop and before its GEMM
+# (round 13); the K steps shared by column tiles 0..spread-1, and a fourth warp group (round 14)
+FUSED_MODES = {
+    "in the K loop": {},
+    "first": {"shrink_first": True},
+    "spread over 4": {"spread": 4},
+    "spread over 8": {"spread": 8},
+    "by a fourth warp group": {"shrink_wg": 1},
+    "by a fourth warp group in 4 K splits": {"shrink_wg": 1, "spread": 4},
+    "by a fourth warp group in 8 K splits": {"shrink_wg": 1, "spread": 8},
+    "none (a fourth warp group idle; h not computed: timing only)": {"shrink_wg": 2},
+}
 
-def _mode_kw(first, spread) -> dict:
-    """launch's keywords for a FUSED_MODES entry."""
-    if str(spread).startswith("wg"):  # "wg", "wg split N", "wg idle"
-        return {"shrink_wg": 2 if spread == "wg idle" else 1,
-                "spread": int(spread.split()[-1]) if "split" in spread else 1}
-    return {"shrink_first": first, "spread": spread}
-# the fused shrink's modes (name, shrink first, spread): column tile 0 in its K loop (round 13), column
-# tile 0 before its GEMM (round 13), and the K steps shared by column tiles 0..spread-1 (round 14)
-FUSED_MODES = [("in the K loop", False, 1), ("first", True, 1), ("spread over 4", False, 4),
-               ("spread over 8", False, 8), ("by a fourth warp group", False, "wg"),
-               ("by a fourth warp group in 4 K splits", False, "wg split 4"),
-               ("by a fourth warp group in 8 K splits", False, "wg split 8"),
-               ("none (a fourth warp group idle; h not computed: timing only)", False, "wg idle")]
+
+def bench(args) -> None:
+    """The ping-pong GEMM alone (every VARIANT, its output checked against fp32 torch first) against
+    cuBLAS, interleaved CUDA graphs (medians of --reps), per projection and T."""
+    from bench_kernels_gpu import DEV, LLAMA_8B, interleaved_times
+
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    print(f"{torch.cuda.get_device_name(DEV)}, torch {torch.__version__}, triton {triton.__version__}")
+    rows = []
+    for proj in args.proj.split(","):
+        K, slices = LLAMA_8B[proj]
+        w = torch.randn(sum(slices), K, device=DEV, dtype=torch.bfloat16) * 0.02
+        for T in [int(t) for t in args.t.split(",")]:
+            x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16) * 0.1
+            want = x.float() @ w.float().t()
+            ys = {v[0]: torch.full((T, w.shape[0]), float("nan"), device=DEV, dtype=torch.bfloat16) for v in VARIANTS}
+            for v in VARIANTS:
+                launch(x, w, ys[v[0]], v, sms)
+                torch.cuda.synchronize()
+                err = (ys[v[0]].float() - want).abs().max().item()
+                ok = err <= 2e-2 * want.abs().max().item()
+                print(f"{proj} {T} {v[0]}: max |diff| against fp32 torch {err:.3g} ({'ok' if ok else 'WRONG'})",
+                      flush=True)
+            fns = {"cuBLAS": lambda: torch.mm(x, w.t()),
+                   **{v[0]: (lambda v=v: launch(x, w, ys[v[0]], v, sms)) for v in VARIANTS}}
+            t = dict(zip(fns, interleaved_times(list(fns.values()), reps=args.reps)))
+            rows += [(proj, T, k, val * 1e6, 100 * (val - t["cuBLAS"]) / t["cuBLAS"]) for k, val in t.items()]
+    print("\n| proj | T | kernel | us | vs cuBLAS |\n|---|---|---|---|---|")
+    for proj, T, k, us, pct in rows:
+        print(f"| {proj} | {T} | {k} | {us:.1f} | {pct:+.1f} % |")
 
 
 def delta_bench(args) -> None:
@@ -588,7 +609,7 @@ def delta_bench(args) -> None:
     cuBLAS, the ping-pong alone and lora_gemm (no adapter row / h given), and the whole paths: lora_shrink
     then the ping-pong, against the shipped lora_linear (lora_gemm with its fused shrink). One adapter on
     every row, and four adapters plus base rows in segments that cut row tiles."""
-    from bench_kernels_gpu import DEV, interleaved_times
+    from bench_kernels_gpu import DEV, LLAMA_8B, interleaved_times, offsets
     from kernels.lora_gemm import lora_gemm
     from kernels.lora_linear import lora_linear
     from kernels.lora_shrink import lora_shrink
@@ -597,13 +618,11 @@ def delta_bench(args) -> None:
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     print(f"{torch.cuda.get_device_name(DEV)}, torch {torch.__version__}, triton {triton.__version__}")
     v, rows = DELTA_VARIANT, []
-    modes = [m for m in FUSED_MODES if args.fused_modes == "all" or m[0] in args.fused_modes.split(",")]
+    modes = [m for m in FUSED_MODES if args.fused_modes == "all" or m in args.fused_modes.split(",")]
     for proj in args.proj.split(","):
-        K, slices = DELTA_PROJ[proj]
+        K, slices = LLAMA_8B[proj]
         N, n = sum(slices), len(slices)
-        offs = [0]
-        for sz in slices:
-            offs.append(offs[-1] + sz)
+        offs = offsets(slices)
         o1, o2 = (offs[1] if n > 1 else N), (offs[2] if n > 2 else N)
         w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * 0.02
         A = torch.randn(4, n, 16, K, device=DEV, dtype=torch.bfloat16) * 0.02
@@ -633,9 +652,9 @@ def delta_bench(args) -> None:
                 ok = err <= 2e-2 * want.abs().max().item()
                 print(f"{proj} {T} {layout_name}: ping-pong + delta against the shipped lora_linear: max |diff| "
                       f"{err:.3g} ({'ok' if ok else 'WRONG'})", flush=True)
-                for mode_name, first, spread in modes:
+                for mode_name in modes:
                     yf.fill_(float("nan"))
-                    launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, **_mode_kw(first, spread))
+                    launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, **FUSED_MODES[mode_name])
                     torch.cuda.synchronize()
                     err = (yf.float() - want).abs().max().item()
                     ok = err <= 2e-2 * want.abs().max().item()
@@ -656,9 +675,8 @@ def delta_bench(args) -> None:
                        "lora_shrink alone": lambda: lora_shrink(x, A, segs, ranks),
                        "lora_shrink + ping-pong with delta": shrink_then_pingpong,
                        **{f"ping-pong, shrink {mode_name} + delta (y from registers)":
-                          (lambda first=first, spread=spread:
-                           launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, **_mode_kw(first, spread)))
-                          for mode_name, first, spread in modes},
+                          (lambda kw=FUSED_MODES[mode_name]: launch(x, w, yf, FUSED_VARIANT, sms, fused=fused, **kw))
+                          for mode_name in modes},
                        "shipped lora_linear (lora_gemm, fused shrink)":
                            lambda: lora_linear(x, w, A, B, segs, ranks, offs, gemm="triton"),
                        "cuBLAS again": lambda: torch.mm(x, w.t())}

@@ -92,20 +92,26 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
 _run = JITFunction.run
 
 
-def _ptxas_report(name: str, kernel) -> None:
-    """ptxas -v on a wgmma kernel's PTX (triton keeps ptxas's info to itself): C7515 is an error."""
-    ptx = kernel.asm.get("ptx", "")
-    if "wgmma.mma_async" not in ptx:
-        return
+def ptxas_info(ptx: str) -> str | None:
+    """What `ptxas -v` (triton's own) says of a kernel's PTX: registers, spills, and info such as C7515
+    (triton keeps ptxas's messages to itself). None when triton ships no ptxas."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
-        return
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         arch = "sm_90a" if "sm_90a" in ptx else "sm_90"
-        info = subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+        return subprocess.run([str(ptxas), f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
                               capture_output=True, text=True).stderr
+
+
+def _ptxas_report(name: str, kernel) -> None:
+    """ptxas -v on a wgmma kernel's PTX: C7515 is an error, spills are listed."""
+    ptx = kernel.asm.get("ptx", "")
+    info = ptxas_info(ptx) if "wgmma.mma_async" in ptx else None
+    if info is None:
+        return
     PTXAS_CHECKED[0] += 1
     for line in info.splitlines():
         if "C7515" in line:
@@ -121,6 +127,7 @@ def _production_launches() -> None:
     import torch
 
     import kernels.platform as platform
+    from bench_kernels_gpu import LLAMA_8B, offsets
     from kernels.lora_gemm import DEFAULT_TILES, lora_gemm
     from kernels.lora_shrink import lora_shrink
     from kernels.segments import sgmv_segments
@@ -128,21 +135,17 @@ def _production_launches() -> None:
     cpu, T, R, S = torch.device("cpu"), 4096, 16, 4
     segs = sgmv_segments([T], [0], cpu)
     ranks = torch.full((S,), R, dtype=torch.int32)
-    projs = {"qkv_proj": (4096, [4096, 1024, 1024]), "o_proj": (4096, [4096]), "down_proj": (14336, [4096]),
-             "gate_up_proj": (4096, [14336, 14336])}
-    runs = [(p, torch.bfloat16) for p in projs] + [("qkv_proj", torch.float16)]
+    runs = [(p, torch.bfloat16) for p in LLAMA_8B] + [("qkv", torch.float16)]
     for proj, dtype in runs:
-        K, slices = projs[proj]
+        K, slices = LLAMA_8B[proj]
         N, n = sum(slices), len(slices)
-        offs = [0]
-        for width in slices:
-            offs.append(offs[-1] + width)
+        offs = offsets(slices)
         x, w = torch.empty(T, K, dtype=dtype), torch.empty(N, K, dtype=dtype)
         A, B = torch.empty(S, n, R, K, dtype=dtype), torch.empty(S, N, R, dtype=dtype)
         h = torch.empty(T, n, R, dtype=torch.float32)
         for fused in (True, False):
             # the launcher runs the persistent grid's fused form only off the interpreter (a spin-wait
-            # there would never end): answer as a GPU would for this one call
+            # there would never end): answer as a GPU would for these calls
             interp = platform.interpreter_active
             platform.interpreter_active = lambda: False
             try:
