@@ -116,8 +116,7 @@ def test_tile_order_and_the_waits_way_out_give_the_same_bits(ticket: bool, monke
     # tile waits for its row tile's column tile 0: each adapter tile computes that row tile's h itself
     # (the way out of a wait that lasts too long), overwriting the h its column tile 0 stored (the
     # interpreter runs tiles in order), and must still write the same bits. (A way out that computed
-    # other bits fails here; one that were missing cannot, in the interpreter's order: the GPU probe,
-    # benchmarks/probe_lora_gemm_gpu.py --variants, runs the same check compiled.)
+    # other bits fails here; one that were missing cannot, in the interpreter's order.)
     import kernels.lora_gemm as lg
 
     lens, slots, ranks = [20, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
