@@ -79,7 +79,7 @@ compile-check: install-dev
 	    echo '$(GPU_TRITON)' > $(GPU_TRITON_DIR)/.spec; }
 	PYTHONPATH=$(GPU_TRITON_DIR) $(PY) benchmarks/sm90_compile_check.py
 
-# Not a test: measures CPU tokens/s and loopback TTFT, rewrites its section of docs/benchmarks.md.
+# Not a test: measures CPU tokens/s and loopback TTFT, rewrites its section of docs/performance.md.
 bench: install-dev prepare
 	$(PY) benchmarks/bench_cpu.py $(BENCH_ARGS)
 

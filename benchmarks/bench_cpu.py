@@ -1,7 +1,7 @@
 """CPU benchmark: our engine vs transformers' generate offline, then requests/s and TTFT over loopback.
 
     .venv/bin/python benchmarks/bench_cpu.py [--config-dir DIR] [--new-tokens 64] [--requests 32]
-        [--concurrency 8] [--skip-online] [--out docs/benchmarks.md] [--note TEXT] [KEY=VALUE ...]
+        [--concurrency 8] [--skip-online] [--out docs/performance.md] [--note TEXT] [KEY=VALUE ...]
 
 Part 1 (offline, in process): the same chat prompts, greedy, EOS banned, --new-tokens each; batch 1 (one
 prompt at a time) and batch 8 (all at once), for LLMEngine and for AutoModelForCausalLM.generate.
@@ -316,7 +316,7 @@ def write_doc(path: Path, section: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config-dir", default=None, help="Hydra config dir (default: the repository's configs/)")
-    p.add_argument("--out", default="docs/benchmarks.md", help="Markdown file whose bench_cpu section is rewritten")
+    p.add_argument("--out", default="docs/performance.md", help="Markdown file whose bench_cpu section is rewritten")
     p.add_argument("--new-tokens", type=int, default=64, help="offline: tokens generated per prompt")
     p.add_argument("--requests", type=int, default=32, help="online: requests in total")
     p.add_argument("--concurrency", type=int, default=8, help="online: requests in flight")

@@ -1,6 +1,6 @@
 """CPU decode throughput of the default model with 0, 1, 4 and 8 distinct LoRA adapters in the batch.
 
-Not a test: it prints a table and rewrites its marked section of docs/benchmarks.md. Adapters are
+Not a test: it prints a table and rewrites its marked section of docs/performance.md. Adapters are
 synthetic PEFT adapters (peft's own save format, random weights) on all seven projections, made once
 in a temp dir. Every configuration runs the same 8 prompts together, greedy, EOS banned (min_tokens)
 so each request generates exactly --new-tokens tokens.
@@ -62,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "performance.md")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as td:

@@ -15,7 +15,7 @@
 2. Decode (bfloat16, the 8B shape; the tiny model with --smoke): median step ms and tokens/s of pure
    decode steps at batch 1, 16 and 64 (64-token prompts), requests spread over 4 adapters of rank 16,
    in the GPU configuration (`engine=gpu lora=gpu lora.backend=triton`, as the single-GPU figures of
-   docs/benchmarks.md) at tp 1 and tp N with graphs, and at tp N with engine.enforce_eager=true. Under
+   docs/performance.md) at tp 1 and tp N with graphs, and at tp N with engine.enforce_eager=true. Under
    TP, rank 0's time in the per-step control broadcast is reported too (`bcast_ms`).
 
 Prints a table and writes everything to --out as JSON (rewritten after every phase, so a run cut short

@@ -18,7 +18,7 @@ with the tiles a GPU takes (PRODUCTION: lora_gemm's DEFAULT_TILES, fused shrink 
 program and the persistent grid; lora_shrink's 128-row prefill tiles). Every kernel whose PTX has wgmma
 then goes through `ptxas -v` once more: ptxas info C7515 (it serialized the kernel's wgmmas because a
 non-wgmma instruction defines accumulator registers while one is in flight: the right numbers at half
-the speed, docs/benchmarks.md round 14) counts as an error; register spills are listed.
+the speed) counts as an error; register spills are listed.
 
     make compile-check        # installs triton 3.6.0 (the GPU host's) beside the venv once, then runs this
     PYTHONPATH=DIR/with/triton-3.6 .venv/bin/python benchmarks/sm90_compile_check.py [pytest args, default tests/kernels]
