@@ -496,11 +496,6 @@ def tune(args: argparse.Namespace, bw: float) -> list[str]:
         p = Proj(K, slices, T)
         segs = [make_segments("triton", *it) for it in layouts(T, D, T)]
         nbytes = D * (p.n * RANK * K + p.offs[-1] * RANK) * 2
-        # the unfused path with the expand a programmatic dependent but its column-loop body (all after the wait)
-        t = timed([lambda sg=sg: lora_expand(p.y, lora_shrink(p.x, p.A, sg, p.ranks, partials=True,
-                                                              launch_dependents=True),
-                                             p.B, sg, p.ranks, p.offs, pdl=True, b_first=False) for sg in segs])
-        emit("shrink + expand (PDL, loop body)", name, T, D, ("",), t, nbytes)
         for cfg in APPLY_DECODE:
             fu, bk, bn, cp, w, st, pdl, sk = cfg
             kw = dict(fused=fu, block_k=bk, block_n=bn, cols_per_prog=cp, num_warps=w, num_stages=st, pdl=pdl,

@@ -7,8 +7,8 @@ interpreter off and triton's driver replaced by one that reports an sm90 CUDA ta
 turned into a compile only (JITFunction.run with warmup=True): every (kernel, specialization) the
 tests reach is compiled to PTX and cubin with the installed ptxas. The launchers are told the
 interpreter is on (so they take the tests' CPU tensors) but to keep bf16 tl.dot operands in bf16, as on
-a GPU (kernels.platform.UPCAST_BF16_DOTS; before round 10 the bf16 cases compiled the interpreter's
-fp32-upcast variants, e.g. tf32 wgmma in lora_gemm, where the H200 runs bf16 ones). The tests' own
+a GPU (every kernels module's dot_upcast answers False; else the bf16 cases would compile the
+interpreter's fp32-upcast variants, e.g. tf32 wgmma in lora_gemm, where a GPU runs bf16 ones). The tests' own
 assertions fail (nothing runs): their output is not shown; only compile errors count (and pytest
 failing to run).
 
@@ -29,8 +29,10 @@ Prints the kernels compiled and each compile error (kernel, exception); exit 1 o
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
+import pkgutil
 import subprocess
 import sys
 import tempfile
@@ -162,6 +164,11 @@ def _production_launches() -> None:
                 pass
 
 
+def _gpu_dot_upcast(dtype) -> bool:
+    """kernels.platform.dot_upcast's answer on a GPU: operands go to tl.dot in their own dtype."""
+    return False
+
+
 def main() -> int:
     if not triton.__version__.startswith("3.6"):
         print(f"note: triton {triton.__version__} (the H200 host has 3.6: PYTHONPATH=/tmp/t36)", flush=True)
@@ -171,8 +178,14 @@ def main() -> int:
     # the launchers accept CPU tensors where the interpreter is on; every kernels module asks through
     # kernels.platform, so this one patch reaches them all
     platform.interpreter_active = lambda: True
-    # ... but bf16 tl.dot operands as a GPU takes them (the interpreter's fp32 upcast is not what runs)
-    platform.UPCAST_BF16_DOTS = False
+    # ... but bf16 tl.dot operands as a GPU takes them (the interpreter's fp32 upcast is not what runs):
+    # the launchers import dot_upcast by name, so each module's binding is replaced
+    import kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        if hasattr(module, "dot_upcast"):
+            module.dot_upcast = _gpu_dot_upcast
     args = sys.argv[1:] or [str(ROOT / "tests" / "kernels")]
     print(f"sm90 compile check: compiling the kernels that {' '.join(args)} launch ...", flush=True)
     # The tests' own outcomes are noise here (nothing runs): their output is kept back unless pytest

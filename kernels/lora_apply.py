@@ -22,7 +22,6 @@ sm90+ the expand is a programmatic dependent of the shrink, loading B while the 
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -96,20 +95,20 @@ def _lora_fused_gemv_kernel(
 
 @triton.jit
 def _lora_fused_tma_kernel(
-    y_desc,  # TMA descriptor of y [T, OUT], blocks [1, BLOCK_N] (read and written with Y_IO 0; else its dtype)
     x_desc,  # TMA descriptor of x [T, K], blocks [1, BLOCK_K]
     a_desc,  # TMA descriptor of A as [S*n*R, K], blocks [BLOCK_R, BLOCK_K] (BLOCK_R = R)
     b_desc,  # TMA descriptor of B as [S*OUT, R], blocks [BLOCK_N, BLOCK_R]
     scale_ptr, tok_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr, rank_ptr,  # as _lora_fused_gemv_kernel's
     K, OUT, R, NR, o1, o2, cols_per_prog,  # NR = n*R
-    y_ptr, stride_yt,  # y itself (Y_IO 1, 2: y through pointer loads / stores)
+    y_ptr, stride_yt,  # y [T, OUT], row-major: plain pointer loads and stores
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, Y_IO: tl.constexpr,
+    GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     """_lora_fused_gemv_kernel with its weight loads through the copy engine: the compiler pipelines
     descriptor loads STAGES deep in these loops, where it leaves plain pointer loads one tile at a
     time (no shared-memory stages), so a program keeps several A tiles, then several B tiles, in
-    flight instead of one. y moves as Y_IO says (TMA_Y_IO: plain loads and stores). Rows of A past
+    flight instead of one. y moves through plain loads and stores: a bulk store of a [1, BLOCK_N]
+    tile would wait for the previous one to leave shared memory at every step. Rows of A past
     the slot's rank (and B's rank columns) are loaded and masked out in registers; column tiles never
     cross a slice boundary (the launcher's BLOCK_N divides them; y's edge is masked, or clipped by
     the copy engine)."""
@@ -125,38 +124,24 @@ def _lora_fused_tma_kernel(
         at = a_desc.load([slot * NR + i * R, k * BLOCK_K])  # [BLOCK_R, BLOCK_K]
         acc2 += at.to(tl.float32) * xt.to(tl.float32)
     hv = tl.where(r_mask, tl.sum(acc2, axis=1), 0.0)
-    hv = hv.to(y_desc.dtype).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
+    y_ty = y_ptr.dtype.element_ty
+    hv = hv.to(y_ty).to(tl.float32)  # rounded to the weights' dtype, as lora_expand does
     if HAS_SCALE:
         hv = hv * tl.load(scale_ptr + slot)
     y_row = y_ptr + row.to(tl.int64) * stride_yt
     for c0 in tl.range(c_lo, c_hi, BLOCK_N, num_stages=STAGES):
         bt = b_desc.load([slot * OUT + c0, 0])  # [BLOCK_N, BLOCK_R]
         cols = c0 + tl.arange(0, BLOCK_N)[None, :]
-        if Y_IO == 1:  # y loaded through a pointer (before the reduction that waits on B)
-            yt = tl.load(y_row + cols, mask=cols < c_hi, other=0.0)
-        else:
-            yt = y_desc.load([row, c0])  # [1, BLOCK_N]
+        yt = tl.load(y_row + cols, mask=cols < c_hi, other=0.0)  # before the reduction that waits on B
         bt = tl.where(r_mask[None, :], bt.to(tl.float32), 0.0)  # rank padding may hold anything
         acc = tl.sum(bt * hv[None, :], axis=1)
-        out = (yt.to(tl.float32) + acc[None, :]).to(y_desc.dtype)
-        if Y_IO == 0:
-            y_desc.store([row, c0], out)
-        else:  # a plain store: no shared-memory staging, no wait on the previous step's bulk store
-            tl.store(y_row + cols, out, mask=cols < c_hi)
+        out = (yt.to(tl.float32) + acc[None, :]).to(y_ty)
+        tl.store(y_row + cols, out, mask=cols < c_hi)
 
 
-# The TMA body's tiles (block_k, block_n, stages, warps). H200, Llama-3.1-8B projections, 256 tokens on
-# 256 adapters (docs/benchmarks.md, rounds 6 and 8): against 128-column steps, 3 or 6-8 stages,
-# 128-wide K steps, 2 or 8 warps, these were best or within noise of the best for every projection.
+# The TMA body's tiles (block_k, block_n, stages, warps): the best measured on the Llama-3.1-8B
+# projections at 256 tokens on 256 adapters.
 TMA_TILES = (256, 256, 4, 4)
-# How the TMA body moves y (lora_apply's y_io): 1 = a plain pointer load and store. H200 (docs/
-# benchmarks.md round 9, probe_fused_tiles_gpu, interleaved): against y through the copy engine both
-# ways (0, rounds 6-8) all 20 cells of two runs were faster or equal, 256 tokens on 256 adapters
-# alone qkv 47.5 / 47.6 µs, o 24.0 / 24.2, gate_up 91.7 / 92.8, down 43.3 / 44.0; back to back
-# o 23.1 / 23.3, down 42.5 / 42.9; 200 on 200 0.6-1.3 µs faster. The bulk store of a [1, BLOCK_N]
-# tile waits for the previous one to leave shared memory before each step; a plain store does not.
-# (2 = copy-engine load, pointer store: between the two.)
-TMA_Y_IO = 1
 
 
 def tma_unfit_reason(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -187,7 +172,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                fused: Optional[bool] = None, split_k: Optional[int] = None, block_k: Optional[int] = None,
                block_n: Optional[int] = None, cols_per_prog: Optional[int] = None, num_warps: Optional[int] = None,
                num_stages: Optional[int] = None, pdl: Optional[bool] = None,
-               tma: Optional[bool] = None, y_io: Optional[int] = None) -> torch.Tensor:
+               tma: Optional[bool] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
@@ -202,9 +187,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     tiles while the shrink streams A (kernels/lora_expand.py); None = where the device has PDL.
     True off such devices runs the same bodies in plain launches (how the CPU tests reach them).
     tma (fused only): the kernel's body whose loads go through the copy engine (pipelined); None =
-    on CUDA where tma_unfit_reason allows (and APPLIANCE_TMA is not 0), True = required (how the CPU
-    tests reach it). y_io (TMA body): how y moves, 0 = copy engine both ways, 1 = pointer load and
-    store, 2 = copy-engine load, pointer store; None = TMA_Y_IO (benchmarks' A/B).
+    on CUDA where tma_unfit_reason allows, True = required (how the CPU tests reach it).
     """
     if fused is None:
         fused = fuses(segs, A, x.device)
@@ -236,15 +219,15 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     reason = None if tma is False else tma_unfit_reason(y, x, A, B, offs)  # host-side checks, per call
     if tma and reason is not None:
         raise ValueError(f"lora_apply: the TMA body does not take these operands: {reason}")
-    if tma is None:  # APPLIANCE_TMA=0: the pointer body everywhere (read per call: a benchmark's A/B)
-        tma = reason is None and y.device.type == "cuda" and os.environ.get("APPLIANCE_TMA", "1") != "0"
+    if tma is None:
+        tma = reason is None and y.device.type == "cuda"
     G = segs.num_segs
     if G == 0 or T == 0:
         return y
     widest = max(b - a for a, b in zip(offs, offs[1:]))
     if tma:
         return _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog,
-                           num_warps, num_stages, y_io)
+                           num_warps, num_stages)
     block_r = max(16, triton.next_power_of_2(R))
     if block_k is None:
         block_k = max(16, 8192 // block_r)  # [BLOCK_R, BLOCK_K] fp32 partial sums: 64 per thread
@@ -276,7 +259,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 
 
 def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, block_n, cols_per_prog, num_warps,
-                num_stages, y_io=None) -> torch.Tensor:
+                num_stages) -> torch.Tensor:
     """lora_apply's fused kernel, TMA body (operands checked by lora_apply and tma_unfit_reason)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -302,14 +285,13 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
     tok = segs.token_index if segs.token_index is not None else segs.starts
     grid = (segs.num_segs, n, triton.cdiv(widest, cols_per_prog))
     _lora_fused_tma_kernel[grid](
-        TensorDescriptor.from_tensor(y, [1, block_n]), TensorDescriptor.from_tensor(x, [1, block_k]),
+        TensorDescriptor.from_tensor(x, [1, block_k]),
         TensorDescriptor.from_tensor(A.view(S * n * R, K), [R, block_k]),
         TensorDescriptor.from_tensor(B.view(S * OUT, R), [block_n, R]),
         scalings if scalings is not None else slot_ranks, tok, segs.starts, segs.lens, segs.slots, slot_ranks,
         K, OUT, R, n * R, offs[1] if n > 1 else OUT, offs[2] if n > 2 else OUT, cols_per_prog, y, y.stride(0),
         BLOCK_R=R, BLOCK_K=block_k, BLOCK_N=block_n, STAGES=num_stages or d_st,
-        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None,
-        Y_IO=TMA_Y_IO if y_io is None else y_io, num_warps=num_warps or d_w,
+        GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, num_warps=num_warps or d_w,
     )
     return y
 

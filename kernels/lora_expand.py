@@ -202,7 +202,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
                 block_m: Optional[int] = None, block_n: Optional[int] = None,
                 num_warps: Optional[int] = None, cols_per_prog: Optional[int] = None,
                 num_stages: Optional[int] = None, pdl: bool = False,
-                b_first: Optional[bool] = None, unroll: Optional[int] = None) -> torch.Tensor:
+                unroll: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i, :r] @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, every slice i, in place.
 
     y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink,
@@ -219,8 +219,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     pdl: launched as a programmatic dependent of the kernel just before it (lora_shrink; see the
     module docstring): B, segs and scalings must not be written by that kernel. One-token segments in
     add mode then take _lora_expand_gemv_kernel (one block_n-column block a program, B loaded before
-    the wait; cols_per_prog ignored); b_first=False keeps the column-loop body there, all of it after
-    the wait; None = b_first up to B_FIRST_MAX_OUT output columns. Off the devices with PDL the same
+    the wait; cols_per_prog ignored) up to B_FIRST_MAX_OUT output columns, wider outputs the
+    column-loop body, all of it after the wait. Off the devices with PDL the same
     bodies run in a plain launch. unroll: the tile body's plane_sum UNROLL (None = planes_unroll; a
     benchmark's A/B; the one-token body ignores it).
     """
@@ -255,9 +255,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
     if unroll and unroll < P:
         raise ValueError(f"lora_expand: unroll {unroll} must cover the {P} planes of h (or be 0: a loop)")
     launch_pdl = pdl and pdl_available(y.device)
-    if b_first is None:
-        b_first = OUT <= B_FIRST_MAX_OUT
-    if pdl and b_first and block_m == 1 and not write:
+    if pdl and OUT <= B_FIRST_MAX_OUT and block_m == 1 and not write:
         return _expand_gemv_pdl(y, h4, B, segs, slot_ranks, offs, scalings, block_n, num_warps, num_stages,
                                 launch_pdl)
     if block_n is None:
@@ -307,10 +305,8 @@ def planes_unroll(n_parts: int, block_m: int) -> int:
     return MAX_PLANES if (n_parts <= MAX_PLANES and 1 < block_m <= 16) else 0
 
 
-# The PDL GEMV body (B first) up to this many output columns; wider, the column loop after the wait.
-# H200, 64 tokens / 64 adapters (docs/benchmarks.md): B first wins on qkv_proj (6144 columns, 18.0 against
-# 20.0 µs), o_proj (11.2 / 12.0) and down_proj (16.1 / 17.7), the loop on gate_up_proj (28672 columns:
-# 36.3 against 32.4 µs), whose thousands of one-block programs each pay the wait and a launch slot.
+# The PDL GEMV body (B first) up to this many output columns; wider (gate_up_proj), the column loop
+# after the wait: thousands of one-block programs would each pay the wait and a launch slot.
 B_FIRST_MAX_OUT = 16384
 
 # Output columns per program of the PDL GEMV body: its whole B tile [BLOCK_N, R] is loaded before the

@@ -27,9 +27,7 @@ L2, columns sweeping within a group (column tile 0 of every row tile of a group 
   its flag; and a wait is bounded (SPIN_LIMIT polls, far longer than a tile takes), after which the
   tile computes its row tile's h itself (the same code on the same tiles: the same bits). One tile a
   program, taken by block index: CUDA dispatches blocks in index order in practice but does not
-  promise it, and the bound covers the case where it does not. (An atomic ticket handing tiles out in
-  the order programs start, the earlier design, is kept as an option: it cost 0.2-2 points of the
-  GEMM's time, docs/benchmarks.md, round 6.) Persistent grid (outputs wider than
+  promise it, and the bound covers the case where it does not. Persistent grid (outputs wider than
   PERSISTENT_MIN_OUT): each program walks its tiles in order.
 - Mode h given (A None, h from lora_shrink, planes summed): no shrink, no flags (benchmarks, tests).
 
@@ -43,6 +41,7 @@ base product's fp32 accumulator, and the sum is rounded once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional, Sequence
 
@@ -148,8 +147,8 @@ def _wait_h(flag, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride
         spins += 1
     if spins >= SPIN_LIMIT:
         # Column tile 0 has not raised the flag in SPIN_LIMIT polls (far longer than a tile
-        # takes): it may not have started (without the ticket, the block index order is what
-        # CUDA usually dispatches in, not what it promises). Compute the row tile's h here:
+        # takes): it may not have started (the block index order is what CUDA usually
+        # dispatches in, not what it promises). Compute the row tile's h here:
         # the same code on the same tiles, so the same bits, and a second store of them is
         # harmless. No tile can wait forever.
         _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
@@ -169,13 +168,13 @@ def _lora_gemm_kernel(
     scale_ptr,  # [S] fp32 (HAS_SCALE only)
     row_slot_ptr,  # [M] int32 slot of each row, -1 = base token
     rank_ptr,  # [S] int32 true rank per slot
-    flag_ptr,  # [cdiv(M, BLOCK_M) + 1] int32, zeroed: "row tile's h written" flags, then the ticket (FUSED_SHRINK)
+    flag_ptr,  # [cdiv(M, BLOCK_M)] int32, zeroed: "row tile's h written" flags (FUSED_SHRINK)
     M, N, K, R, NR, o1, o2,  # NR = n*R; first columns of slices 1 and 2 (= N when absent)
     stride_hp, stride_hm, stride_bs, stride_bn,
     n_parts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_NR: tl.constexpr, BLOCK_KS: tl.constexpr, SHRINK_STAGES: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr, TICKET: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr, SPIN_LIMIT: tl.constexpr,
     FUSED_SHRINK: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -185,10 +184,6 @@ def _lora_gemm_kernel(
     else:  # one tile a program
         last = tl.program_id(0) + 1
     for tile in tl.range(tl.program_id(0), last, NUM_PROGS):
-        if FUSED_SHRINK and TICKET and not PERSISTENT:
-            # Tiles are handed out in the order programs start (a ticket, not the block index, whose
-            # dispatch order CUDA does not promise), so the shrink a tile waits on is already running.
-            tile = tl.atomic_add(flag_ptr + num_pid_m, 1)
         pid_m, pid_n = _tile_of(tile, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n0 = pid_n * BLOCK_N
@@ -224,17 +219,27 @@ def _lora_gemm_kernel(
         y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M (None: group_m_for), persistent (None:
-# for outputs over PERSISTENT_MIN_OUT columns), BLOCK_KS, shrink stages (None: 4 where A's block is
-# <= 32 rows, else 3, the most that fit in shared memory), ticket). H200, bf16: the best or within
-# noise of the best of 16 configs on the Llama-3.1-8B projections (docs/benchmarks.md, rounds 5-6).
-# The shrink's wide K step matters most: one SM streams a row tile's x there, at the bytes it keeps
-# in flight. CPU (interpreter) runs use small tiles: the tests only need the math.
-DEFAULT_TILES = (128, 256, 64, 8, 3, None, None, 128, None, False)
-_CPU_TILES = (32, 32, 32, 4, 1, 2, False)
-# H200, docs/benchmarks.md: gate_up_proj (28672 columns) with the fused shrink, 4096-8192 tokens: 7.3-7.5 %
-# of the cuBLAS GEMM on a persistent grid against 11.5-12.2 % one tile a program; qkv/o/down_proj lost
-# 2-14 points on it.
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+    """lora_gemm's launch configuration; block_n shrinks to divide the slice boundaries."""
+
+    block_m: int  # BLOCK_M rows of a tile
+    block_n: int  # BLOCK_N columns of a tile (at most)
+    block_k: int  # BLOCK_K, the main loop's K step
+    num_warps: int
+    num_stages: int  # the main loop's pipeline depth
+    group_m: Optional[int] = None  # row tiles sweeping the columns together; None = group_m_for
+    persistent: Optional[bool] = None  # None = for outputs over PERSISTENT_MIN_OUT columns
+    block_ks: Optional[int] = None  # the fused shrink's K step; None = block_k
+    shrink_stages: Optional[int] = None  # its pipeline depth; None = 4 where A's block is <= 32 rows, else 3
+
+
+# The best or within noise of the best of 16 configs on the Llama-3.1-8B projections (bf16). The
+# shrink's wide K step matters most: one SM streams a row tile's x there, at the bytes it keeps in
+# flight. CPU (interpreter) runs use small tiles: the tests only need the math.
+DEFAULT_TILES = GemmTiles(128, 256, 64, num_warps=8, num_stages=3, block_ks=128)
+_CPU_TILES = GemmTiles(32, 32, 32, num_warps=4, num_stages=1, group_m=2, persistent=False, shrink_stages=1)
+# A persistent grid paid only for gate_up_proj (28672 columns); narrower outputs lost on it.
 PERSISTENT_MIN_OUT = 16384
 # Polls of a row tile's flag before a tile computes that row tile's h itself (see the kernel's wait).
 SPIN_LIMIT = 20000
@@ -303,17 +308,14 @@ def unfit_reason(x: torch.Tensor, weight: torch.Tensor, out_offsets: Sequence[in
 def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], B: torch.Tensor,
               row_slots: torch.Tensor, slot_ranks: torch.Tensor, out_offsets: Sequence[int],
               scalings: Optional[torch.Tensor] = None, *, A: Optional[torch.Tensor] = None,
-              tiles: Optional[tuple] = None) -> torch.Tensor:
+              tiles: Optional[GemmTiles] = None) -> torch.Tensor:
     """y = x @ weightᵀ + the multi-LoRA delta, as a new [T, out] tensor.
 
     x [T, in] and weight [out, in] (fp32/bf16/fp16, one dtype, see unfit_reason); h: None with A
     [S, n, R, in] given (the shrink runs inside this launch), or [T, n, R] / [P, T, n, R] fp32 from
     lora_shrink (planes summed); B [S, out, R] same dtype as x; row_slots [T] int32 (slot of each row,
     -1 = base); slot_ranks [S] int32; out_offsets [n + 1] slice boundaries; scalings [S] fp32 or None.
-    tiles: (block_m, block_n, block_k, num_warps, num_stages, group_m, persistent[, block_ks,
-    shrink_stages, ticket]) override (None = DEFAULT_TILES on CUDA; ticket: tiles handed out by an
-    atomic ticket rather than taken by block index; block_ks, shrink_stages: the fused shrink's
-    K step and pipeline depth); block_n shrinks to divide the slice boundaries.
+    tiles: the launch configuration (None = DEFAULT_TILES on CUDA, small tiles under the interpreter).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -352,14 +354,10 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
                              f"{tuple(t.shape)} on {t.device}")
     if tiles is None:
         tiles = DEFAULT_TILES if x.device.type == "cuda" else _CPU_TILES
-    block_m, block_n, block_k, num_warps, num_stages, group_m, persistent = tiles[:7]
-    if persistent is None:
-        persistent = N > PERSISTENT_MIN_OUT
-    # the fused shrink's K step and pipeline depth (None = the main loop's)
-    block_ks = tiles[7] if len(tiles) > 7 else None
-    shrink_stages = tiles[8] if len(tiles) > 8 else num_stages
-    ticket = tiles[9] if len(tiles) > 9 else False
-    block_n = block_n_for(out_offsets, block_n)
+    block_m, block_k, num_warps, num_stages = tiles.block_m, tiles.block_k, tiles.num_warps, tiles.num_stages
+    persistent = N > PERSISTENT_MIN_OUT if tiles.persistent is None else tiles.persistent
+    block_n = block_n_for(out_offsets, tiles.block_n)
+    group_m = tiles.group_m
     if group_m is None:
         group_m = group_m_for(triton.cdiv(N, block_n), persistent)
     if T == 0:
@@ -374,10 +372,11 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     if persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4
         progs = min(num_tiles, sms)
-    # row tiles' "h written" flags and the tile ticket; without FUSED_SHRINK never read (no memset)
-    flags = torch.zeros(num_pid_m + 1, dtype=torch.int32, device=x.device) if fused else slot_ranks
+    # row tiles' "h written" flags; without FUSED_SHRINK never read (no memset)
+    flags = torch.zeros(num_pid_m, dtype=torch.int32, device=x.device) if fused else slot_ranks
     block_nr = max(16, triton.next_power_of_2(n * R))
-    block_ks = block_ks or block_k
+    block_ks = tiles.block_ks or block_k
+    shrink_stages = tiles.shrink_stages
     if shrink_stages is None:
         shrink_stages = 4 if block_nr <= 32 else 3
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
@@ -395,7 +394,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         h4.shape[0],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
-        NUM_PROGS=progs, TICKET=ticket, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
+        NUM_PROGS=progs, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -86,7 +86,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
                 slot_ranks: torch.Tensor, out_offsets: Sequence[int],
                 scalings: Optional[torch.Tensor] = None, *, split_k: Optional[int] = None,
                 partials: Optional[bool] = None, pdl: Optional[bool] = None,
-                gemm: Optional[str] = None, gemm_tiles: Optional[tuple] = None) -> torch.Tensor:
+                gemm: Optional[str] = None) -> torch.Tensor:
     """y = x @ weightᵀ + the multi-LoRA delta of every slice (lora_apply's math), as a new [T, out] tensor.
 
     x [T, in], weight [out, in] (no bias: the caller keeps the add-after order for biased linears),
@@ -99,7 +99,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
     has PDL). gemm: "cublas" (the delta written, then cuBLAS accumulates) or "triton" (kernels/lora_gemm.py:
     one launch, the shrink as tiles of its grid and the delta in the epilogue of its GEMM; needs
     segs.row_slots; split_k, partials and pdl do not apply); None = triton where triton_gemm_pays, else
-    cublas. gemm_tiles: lora_gemm's tile override (benchmarks).
+    cublas.
     """
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"lora_linear: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "
@@ -122,8 +122,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
         key = (x.device, x.dtype, tuple(weight.shape), tuple(out_offsets), A.shape[2])
         if key not in _REFUSED:
             try:
-                return lora_gemm(x, weight, None, B, segs.row_slots, slot_ranks, out_offsets, scalings, A=A,
-                                 tiles=gemm_tiles)
+                return lora_gemm(x, weight, None, B, segs.row_slots, slot_ranks, out_offsets, scalings, A=A)
             except triton.runtime.errors.OutOfResources:
                 if not auto:
                     raise

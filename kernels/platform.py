@@ -37,17 +37,10 @@ def triton_unavailable_reason(device: torch.device) -> Optional[str]:
             "(or set TRITON_INTERPRET=1 before start to run them in Triton's slow CPU interpreter)")
 
 
-# dot_upcast's answer when set (None = interpreter_active()): benchmarks/sm90_compile_check.py sets
-# False, so that its compile-only launches (which pass as the interpreter to take CPU tensors) compile
-# the bf16 tl.dot variants a GPU runs rather than the interpreter's fp32 ones.
-UPCAST_BF16_DOTS: Optional[bool] = None
-
-
 def dot_upcast(dtype: torch.dtype) -> bool:
     """Triton's interpreter (3.9) multiplies bf16 tiles in tl.dot as raw integers; upcasting both
     operands to fp32 first gives the exact bf16 products with fp32 accumulation that a GPU computes."""
-    upcast = interpreter_active() if UPCAST_BF16_DOTS is None else UPCAST_BF16_DOTS
-    return dtype == torch.bfloat16 and upcast
+    return dtype == torch.bfloat16 and interpreter_active()
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,10 +58,8 @@ def pdl_available(device: torch.device) -> bool:
     """Whether kernels on `device` can be launched as programmatic dependents of the kernel before them
     (PDL: the next grid starts while the previous one drains, and waits in-kernel, at
     `griddepcontrol.wait`, only where it needs that grid's output). Hopper (sm90) and later, compiled
-    (never under the interpreter), on a triton that has the launch option and the GDC intrinsics.
-    APPLIANCE_PDL=0 in the environment turns it off everywhere (read per call: a benchmark's A/B, or a
-    fallback should a driver mishandle it)."""
-    if device.type != "cuda" or interpreter_active() or os.environ.get("APPLIANCE_PDL", "1") == "0":
+    (never under the interpreter), on a triton that has the launch option and the GDC intrinsics."""
+    if device.type != "cuda" or interpreter_active():
         return False
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -40,7 +40,6 @@ and replays the same graph (`follow`). The captured collectives keep the ranks i
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -91,13 +90,6 @@ class DecodeBuffers:
 # row), then 2.15 with the base rows in slot -1 chunks (gate_up's expand in the activation) and the shrink
 # aside; at 2 rows a slot (batch 64 on 32 adapters) one segment per row still won, 1.84 against 1.93 ms.
 SORTED_MIN_ROWS_PER_SLOT = 4
-
-
-def sorted_min_rows_per_slot() -> float:
-    """SORTED_MIN_ROWS_PER_SLOT, or APPLIANCE_SORTED_MIN_ROWS from the environment (a benchmark's A/B of
-    the threshold; read when a size's layout is chosen, i.e. at graph capture)."""
-    v = os.environ.get("APPLIANCE_SORTED_MIN_ROWS")
-    return float(v) if v else SORTED_MIN_ROWS_PER_SLOT
 
 
 @dataclass(frozen=True)
@@ -292,7 +284,7 @@ class StaticDecode:
         CUDA: LoRAConfig.sorted_decode; enough rows a slot)."""
         ctx = self.lora
         return (ctx is not None and ctx.sorted_decode and ctx.num_slots > 0
-                and b >= sorted_min_rows_per_slot() * ctx.num_slots)
+                and b >= SORTED_MIN_ROWS_PER_SLOT * ctx.num_slots)
 
     def _lora_info(self, b: int) -> Optional[LoRABatchInfo]:
         if self.lora is None:

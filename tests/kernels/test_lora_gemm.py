@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.lora_gemm import block_n_for, lora_gemm, unfit_reason
+from kernels.lora_gemm import GemmTiles, block_n_for, lora_gemm, unfit_reason
 from kernels.lora_shrink import lora_shrink
 from kernels.segments import csgmv_segments, sgmv_segments
 
@@ -88,7 +88,8 @@ def test_against_reference(dtype: torch.dtype, strategy: str, grid: str, shrink:
     # see lora_gemm). "fused": the shrink as tiles of the same grid; "given": lora_shrink's h.
     lens, slots, ranks = [20, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
     x, W, A, B, offs, ts, r = case(dtype, lens, slots, ranks, 40, [32, 16, 16], 16)
-    tiles = None if grid == "tiles" or DEV.type == "cuda" else (32, 32, 32, 4, 1, 2, True)
+    tiles = None if grid == "tiles" or DEV.type == "cuda" else \
+        GemmTiles(32, 32, 32, num_warps=4, num_stages=1, group_m=2, persistent=True, shrink_stages=1)
     got = run(strategy, x, W, A, B, offs, ts, r, lens, slots, tiles=tiles, fused=shrink == "fused")
     assert not got.isnan().any()
     atol, rtol = TOL[dtype]
@@ -110,19 +111,17 @@ def test_scalings_planes_and_rank_64() -> None:
     torch.testing.assert_close(got.double(), want(x, W, A, B, offs, ts, r, sc), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("ticket", [True, False], ids=["ticket", "block-index"])
-def test_tile_order_and_the_waits_way_out_give_the_same_bits(ticket: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Tiles handed out by the ticket or taken by block index give the same bits. With SPIN_LIMIT 0 no
-    # tile waits for its row tile's column tile 0: each adapter tile computes that row tile's h itself
-    # (the way out of a wait that lasts too long), overwriting the h its column tile 0 stored (the
-    # interpreter runs tiles in order), and must still write the same bits. (A way out that computed
-    # other bits fails here; one that were missing cannot, in the interpreter's order.)
+def test_the_waits_way_out_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With SPIN_LIMIT 0 no tile waits for its row tile's column tile 0: each adapter tile computes that
+    # row tile's h itself (the way out of a wait that lasts too long), overwriting the h its column tile
+    # 0 stored (the interpreter runs tiles in order), and must still write the same bits. (A way out
+    # that computed other bits fails here; one that were missing cannot, in the interpreter's order.)
     import kernels.lora_gemm as lg
 
     lens, slots, ranks = [20, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
     x, W, A, B, offs, ts, r = case(torch.bfloat16, lens, slots, ranks, 40, [32, 16, 16], 16, seed=3)
-    tiles = (32, 32, 32, 4, 1, 2, False, None, None, ticket) if DEV.type == "cpu" else \
-        lg.DEFAULT_TILES[:9] + (ticket,)
+    tiles = GemmTiles(32, 32, 32, num_warps=4, num_stages=1, group_m=2, persistent=False) if DEV.type == "cpu" \
+        else lg.DEFAULT_TILES
     got = run("triton", x, W, A, B, offs, ts, r, lens, slots, tiles=tiles)
     torch.testing.assert_close(got.double(), want(x, W, A, B, offs, ts, r), atol=3e-2, rtol=2e-2)
     monkeypatch.setattr(lg, "SPIN_LIMIT", 0)

@@ -223,11 +223,6 @@ def test_apply_fused_decode_tma(dtype: torch.dtype, strategy: str) -> None:
     for kw in (dict(fused=True, tma=True), dict(fused=True, tma=True, block_k=16, block_n=16, cols_per_prog=16)):
         check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
                    R=16, chunk=1, with_scale=dtype != torch.float32, apply_kw=kw)
-    # y through pointer loads and stores, or a copy-engine load and a pointer store (lora_apply's y_io)
-    for y_io in (1, 2):
-        check_case(strategy, dtype, [1] * 9, seg_slots, ranks=[16, 8, 12, 0, 5], K=80, slices=[32, 16, 16],
-                   R=16, chunk=1, with_scale=dtype != torch.float32,
-                   apply_kw=dict(fused=True, tma=True, block_k=16, block_n=16, cols_per_prog=16, y_io=y_io))
 
 
 def test_apply_tma_refuses_what_it_cannot_take() -> None:
@@ -257,16 +252,20 @@ def test_apply_unfused_pdl(dtype: torch.dtype, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("body", ["gemv", "dot"])
-def test_expand_pdl(body: str) -> None:
+def test_expand_pdl(body: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # lora_expand(pdl=True) on its own: the one-token add path takes the one-block-a-program body
     # (planes summed, a block that ends mid-slice); the dot body and write mode only wait (a no-op here).
-    # b_first=False: the one-token add path keeps the column-loop body, waiting first.
+    # Outputs wider than B_FIRST_MAX_OUT (0 here): the one-token add path keeps the column-loop body.
+    import kernels.lora_expand as le
+
     lens = [1, 1, 1, 1] if body == "gemv" else [1, 6, 1]
+    widths = (le.B_FIRST_MAX_OUT, 0)
     for write in ((False,) if body == "gemv" else (False, True)):
-        for b_first in (True, False):
+        for b_first_max_out in widths:
+            monkeypatch.setattr(le, "B_FIRST_MAX_OUT", b_first_max_out)
             check_case("triton", torch.float32, lens, [1, -1, 0, 1][:len(lens)], ranks=[16, 5], K=96,
                        slices=[40, 24], R=16, split_k=2, partials=True, write=write,
-                       expand_kw=dict(pdl=True, b_first=b_first, block_n=16 if body == "gemv" else None))
+                       expand_kw=dict(pdl=True, block_n=16 if body == "gemv" else None))
 
 
 @pytest.mark.parametrize("ranks,R", [([1, 1], 1), ([64, 3], 64)], ids=["r1", "r64"])
