@@ -226,7 +226,7 @@ def interleaved_times(fns: list[Callable[[], None]], reps: int = 7, scrub_mb: in
     """Seconds per call of each fn, one CUDA graph each, replayed round robin reps times (medians): the
     clock drift of a long run (a 5 ms GEMM's time moved by 5-10 % between rows) hits all of them alike.
     Before every timed replay an untimed read of scrub_mb MB (0 = none) leaves the L2 clean: otherwise a
-    graph pays for the previous one's dirty lines (round 8: a 67 MB copy cost the next variant ~4 µs,
+    graph pays for the previous one's dirty lines (a 67 MB copy cost the next variant ~4 µs,
     and the first lora_linear column of each prefill row, timed after the add-after order's write of
     y, read 1-3 points of the GEMM higher than the same code in the next columns)."""
     if DEV.type == "cpu":

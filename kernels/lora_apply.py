@@ -10,9 +10,7 @@ streams A[slot, i] against x to get h_i in registers, then streams B[slot, slice
 y. No h round trip through memory, no zeroing, no atomics, one launch instead of two or three.
 Two bodies of that kernel: on sm90+ (tma_unfit_reason) every load goes through the copy engine
 (TMA descriptors), which the compiler pipelines STAGES deep; elsewhere plain pointer loads, which it
-does not pipeline in these loops (one tile in flight per program). H200, 256 tokens on 256 adapters,
-% of copy bandwidth: qkv 73 against 70, gate_up 74 / 69, down 70 / 69, o 56 / 54; qkv at 128 tokens
-27 against 34 µs (docs/benchmarks.md, round 6).
+does not pipeline in these loops (one tile in flight per program).
 Longer segments, and steps with fewer than ~1.5 (token, slice) pairs per SM (a program would stream
 a whole A slice alone), go through lora_shrink + lora_expand; for one-token segments the shrink's K
 splits then leave planes of partial sums that the expand adds (no memset, no atomics), and on
@@ -38,9 +36,7 @@ from kernels.segments import LoRASegments, check_tile
 
 
 # The fused kernel runs when the (token, slice) programs cover the SMs FUSE_MIN_WAVES times over;
-# below, shrink (K split into planes of partial sums) + expand is faster. H200, docs/benchmarks.md:
-# 192 pairs (qkv_proj, 64 tokens) 20.2 µs fused against 18.9 split; 256 pairs (o_proj, down_proj,
-# 256 tokens) 29.3 / 53.0 µs fused against 32.4 / 56.3 at best split.
+# below, shrink (K split into planes of partial sums) + expand is faster (measured on the 8B projections).
 FUSE_MIN_WAVES = 1.5
 
 
@@ -148,7 +144,7 @@ def tma_unfit_reason(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch
                      out_offsets: Sequence[int]) -> Optional[str]:
     """None when the fused kernel's TMA body takes these operands, else why not: triton's host-side
     descriptors; on CUDA an sm90+ GPU and bf16/fp16 (fp32 through descriptors gave garbage in
-    lora_gemm on the H200); A and B contiguous with a power-of-two max rank whose row of B is a
+    lora_gemm with triton 3.6); A and B contiguous with a power-of-two max rank whose row of B is a
     multiple of 16 bytes; x and y row-major with rows on 16-byte boundaries; a column tile >= 16
     dividing every slice boundary."""
     reason = platform_reason(x.device, x.dtype)
@@ -273,11 +269,7 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
     check_tile(block_k=block_k, block_n=block_n)
     # Whole slices: one program a (token, slice), streaming its A slice once, in 256-column steps. Where
     # this body runs (>= FUSE_MIN_WAVES pairs an SM) column splits (more programs, each streaming A
-    # again) and 128-column steps lost. H200, docs/benchmarks.md round 8, against round 7's choice (o_proj
-    # at 200-263 tokens: two splits; down_proj: whole slices in 128-column steps), interleaved medians:
-    # 256 tokens on 256 adapters o 23.6 / 24.7 µs back to back (27.6 / 27.3 alone, another run 25.7 /
-    # 26.3), down 43.2 / 45.5 (46.0 / 48.7); 200 on 200: o 24.3 / 26.6, down 40.3 / 43.4; 256 on 64:
-    # o 18.8 / 21.0, down 31.0 / 33.3; qkv and gate_up (whole slices before too) unchanged.
+    # again) and 128-column steps measured slower.
     if cols_per_prog is None:
         cols_per_prog = triton.cdiv(widest, block_n) * block_n
     if cols_per_prog % block_n:
@@ -304,8 +296,8 @@ def fuses(segs: LoRASegments, A: torch.Tensor, device: torch.device) -> bool:
 
 def _fuse_pays(pairs: int, device: torch.device) -> bool:
     """Fuse only when the (token, slice) programs cover every SM FUSE_MIN_WAVES times over: with fewer,
-    one program streams a whole A slice alone (down_proj, 1 token: 21 µs fused against 9 µs for
-    shrink + expand, whose K splits spread A over many programs; H200, docs/benchmarks.md)."""
+    one program streams a whole A slice alone, where shrink + expand's K splits spread A over many
+    programs."""
     if device.type != "cuda":
         return True  # interpreter: the fused path is the one the CPU tests exercise
     return pairs >= FUSE_MIN_WAVES * torch.cuda.get_device_properties(device).multi_processor_count

@@ -32,7 +32,7 @@ def rank_tile(ptrs, row_mask, offs_r, rank, R8: tl.constexpr, CACHE: tl.constexp
     2-byte loads, each its own request (an ahead-of-time sm90 compile: ld.global.b16 per element).
     The padding may hold anything (NaN in B's, garbage in the shrink's h). CACHE: tl.load's
     cache_modifier ("" for none), passed by every caller: triton 3.6 does not make a jit helper's
-    default argument a constexpr (a default "" failed to compile on the H200, "'str' object has no
+    default argument a constexpr (a default "" failed to compile there, "'str' object has no
     attribute 'type'", where triton 3.9's interpreter took it)."""
     if R8:
         cols = offs_r < tl.cdiv(rank, 8) * 8
@@ -49,8 +49,8 @@ def plane_sum(ptrs, row_mask, offs_r, rank, n_parts, stride_hp, ROWS: tl.constex
     [ROWS, BLOCK_R], added in plane order (every kernel that reads planes adds them in that order, so
     their roundings agree). UNROLL > 0 (>= n_parts): UNROLL masked loads unrolled, all issued before the
     first add, where a loop over n_parts pays one memory round trip per plane before the tile's first B
-    step (H200, decode graphs' sorted chunks: 6 planes ahead of each of lora_expand's and silu_mul_lora's
-    programs; docs/benchmarks.md round 10). A plane past n_parts loads nothing and adds +0.0, which
+    step (the decode graphs' sorted chunks put up to 6 planes ahead of each program). A plane past
+    n_parts loads nothing and adds +0.0, which
     leaves every sum as it was (it starts at +0.0). UNROLL = 0: the loop (tall prefill tiles, whose
     UNROLL masked tiles would hold too many registers, and any plane count)."""
     acc = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
@@ -71,9 +71,8 @@ def gemv_shrink(x_row_ptr, a_rows, row_mask, k_lo, k_hi, stride_xk, stride_ak,
 
     Products are summed elementwise in a [BLOCK_N, BLOCK_K] fp32 tile and reduced over K once at the
     end (no cross-thread reduction inside the loop). Double-buffering this loop (and gemv_expand's)
-    by hand, tile k+1 loaded before tile k's products, was much slower on the H200 (fused decode
-    kernel, 256 tokens / 256 adapters: o_proj 41 against 33 µs, down_proj 85 against 54;
-    docs/benchmarks.md, round 4): the compiler pipelines these loads itself (num_stages)."""
+    by hand, tile k+1 loaded before tile k's products, measured much slower: the compiler pipelines
+    these loads itself (num_stages)."""
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -104,8 +103,7 @@ def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, rank, c_lo, c_hi, stride_yo, strid
             tl.store(y_ptrs, acc.to(y_row_ptr.dtype.element_ty), mask=c_mask)
         else:
             # y is loaded before the reduction that waits on B: both loads in flight at once. Loaded
-            # after it (one more DRAM round trip per step), the fused decode kernel lost 5-20 %
-            # (H200, gate_up_proj 256 tokens / 256 adapters: 122 against 102 µs; docs/benchmarks.md).
+            # after it, each step pays one more DRAM round trip.
             y = tl.load(y_ptrs, mask=c_mask, other=0.0)
             acc = tl.sum(bt.to(tl.float32) * hv[None, :], axis=1)  # [BLOCK_N] fp32
             tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=c_mask)

@@ -44,7 +44,7 @@ from kernels.segments import LoRASegments, check_segments, check_tile
 
 
 # These vary every step: specialising on them (== 1, divisible by 16) or unrolling over them would
-# compile new variants while serving (the H200 online run compiled plane counts 11 and 14 mid-run).
+# compile new variants while serving (a request would pay each compile).
 @triton.jit(do_not_specialize=["tiles_per_seg", "num_base", "stride_hp", "n_parts"])
 def _lora_expand_kernel(
     y_ptr,  # [T, OUT] base output, updated in place (WRITE: overwritten)
@@ -300,8 +300,7 @@ def planes_unroll(n_parts: int, block_m: int) -> int:
     """plane_sum's UNROLL for a tile body (kernels/lora_bodies.py): unrolled up to MAX_PLANES planes
     for tiles of 16 rows (the decode graphs' sorted chunks), a loop for taller tiles or more planes.
     One value per row-tile class, so a step's plane count never compiles a new variant. (The one-token
-    bodies keep their loop: the same unroll there made lora_expand 1.6-2.1x and silu_mul_lora's
-    one-token body 1.9x slower on the H200, 64 rows on 32 adapters; docs/benchmarks.md round 10.)"""
+    bodies keep their loop: the same unroll made them up to 2x slower.)"""
     return MAX_PLANES if (n_parts <= MAX_PLANES and 1 < block_m <= 16) else 0
 
 
@@ -349,7 +348,7 @@ def _auto_cols_per_prog(programs_m: int, OUT: int, block_n: int, block_m: int, d
         return n_steps * block_n  # interpreter: fewest programs (each costs host time)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if block_m == 1:
-        # H200, docs/benchmarks.md: 4 steps of 256 columns beat 1 or 2 (gate_up 84 vs 90-96 µs).
+        # 4 steps of 256 columns a program measured faster than 1 or 2.
         splits = max(triton.cdiv(n_steps, 4), triton.cdiv(8 * sms, programs_m))
     else:
         splits = triton.cdiv(4 * sms, programs_m)

@@ -7,9 +7,8 @@ where i(c) is the slice of output column c (qkv: 3, gate_up: 2), r = rank[slot(t
 row_slots[t] (-1: base token, no delta). One launch: y is written once, and h is computed inside it.
 
 Why: lora_linear's cuBLAS order (shrink, write the delta into y, then cuBLAS accumulates x @ Wᵀ into
-it) moves y through HBM once more than the GEMM alone and reads x in a kernel of its own; for
-qkv_proj and o_proj at 4096 tokens that is 14-21 % of the GEMM's time on an H200, and the floor of
-that design is 8-9 % (docs/benchmarks.md). Here the delta costs the epilogue a [BLOCK_M, R] load of h
+it) moves y through HBM once more than the GEMM alone and reads x in a kernel of its own, which at
+4096-token steps costs more than the LoRA target of 10 % of the GEMM. Here the delta costs the epilogue a [BLOCK_M, R] load of h
 and an [R, BLOCK_N] load of B per adapter among the tile's rows (tiny, L2-resident) and one rank-R
 tensor-core product into the accumulator; h costs one extra K loop per row tile, run beside the
 compute-bound GEMM tiles of other SMs, where HBM has bandwidth to spare.
@@ -67,9 +66,8 @@ def lora_epilogue(acc, slots, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, sc
     The slot's rank, B's [BLOCK_N, R] tile and h (all R columns, every row of the tile) are loaded
     together, h before the rank is known, so the delta costs one memory round trip after the K loop
     instead of a chain (rank, then h and B under its masks); the masks are applied in registers (rank
-    padding, and other slots' and base rows' h, may hold anything). H200, docs/benchmarks.md round 12:
-    with h given 0.5-1 % of the GEMM faster, gate_up_proj 1.2-1.4 %, qkv/o_proj with the fused shrink
-    unchanged; the same bits."""
+    padding, and other slots' and base rows' h, may hold anything); measured faster than the chain,
+    the same bits."""
     sl = (c0 >= o1).to(tl.int32) + (c0 >= o2).to(tl.int32)  # the tile's slice
     offs_r = tl.arange(0, BLOCK_R)
     r_cols = (offs_r < R)[None, :]
@@ -212,7 +210,7 @@ def _lora_gemm_kernel(
                 _wait_h(flag_ptr + pid_m, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
                         BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST, SPIN_LIMIT)
             # (B's loads issued before the wait held their registers across the wait's way out, the
-            # shrink: qkv_proj spilled; docs/benchmarks.md round 12)
+            # shrink: qkv_proj spilled)
             acc = lora_epilogue(acc, slots, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, rank_ptr,
                                 stride_hp, stride_hm, stride_bs, stride_bn, n_parts, w_desc.dtype, BLOCK_M,
                                 BLOCK_R, HAS_SCALE, PRECISION, UPCAST)
@@ -246,10 +244,8 @@ SPIN_LIMIT = 20000
 
 
 def group_m_for(num_pid_n: int, persistent: bool) -> int:
-    """Row tiles grouped to sweep the columns together. H200, docs/benchmarks.md (round 6, two runs,
-    4096-8192 tokens, one tile a program): 16 for qkv_proj (24 column tiles: 8.5-9.4 % of the cuBLAS
-    GEMM against 10.5-11.0 % with 8), 8 for o_proj and down_proj (16 column tiles: 16 lost up to 7
-    points at 4096 tokens; 12, 24, 32 lost everywhere); the persistent grid (gate_up_proj) keeps 8."""
+    """Row tiles grouped to sweep the columns together: 16 for 24+ column tiles (qkv_proj), else 8
+    (o_proj, down_proj, and the persistent grid), the best measured one tile a program."""
     return 16 if num_pid_n >= 24 and not persistent else 8
 
 
@@ -283,8 +279,8 @@ def platform_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
         if torch.cuda.get_device_capability(device)[0] < 9:
             return f"{torch.cuda.get_device_name(device)} has no TMA copy engine (sm90+ needed)"
         if dtype == torch.float32:
-            # H200, triton 3.6: fp32 operands through this kernel gave NaN and garbage where bf16/fp16 on
-            # the same layouts matched fp64 torch (docs/benchmarks.md); the interpreter's fp32 is exact.
+            # triton 3.6: fp32 operands through this kernel gave NaN and garbage where bf16/fp16 on the
+            # same layouts matched fp64 torch; the interpreter's fp32 is exact.
             return "fp32 on CUDA is not supported (bf16/fp16 only)"
     return None
 

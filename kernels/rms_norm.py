@@ -92,7 +92,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if T == 0:
         return out, s
     block = triton.next_power_of_2(H)
-    # ~8 to 16 elements per thread: H200, 4096-wide rows at batch 64 are launch-bound either way.
+    # ~8 to 16 elements per thread: 4096-wide rows at batch 64 are launch-bound either way.
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     r = residual if residual is not None else x
     # A programmatic dependent of the GEMM before it: its launch and the block scheduling overlap that

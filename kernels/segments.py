@@ -152,8 +152,8 @@ def sorted_segments_device(row_slots: torch.Tensor, num_slots: int, chunk: int) 
 
 
 # Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,
-# so views packed back to back would compile a kernel once per (segment count mod 4) pattern, and on
-# the H200 those first-seen compiles landed inside requests (docs/benchmarks.md).
+# so views packed back to back would compile a kernel once per (segment count mod 4) pattern, and
+# those first-seen compiles would land inside requests.
 _ALIGN = 4  # int32 elements
 
 

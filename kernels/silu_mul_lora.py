@@ -18,8 +18,7 @@ Two bodies, picked by the longest segment (sorted_segments_device's layout alway
   kernel of the step writes.
 - multi-token segments (prefill): BLOCK_M positions of one segment (or BLOCK_M listed base rows) a
   program, walking its columns in BLOCK_N steps, the delta on the tensor cores (lora_expand's tile
-  body). H200, 8192 tokens: LoRA time (shrink included) 2.8-4.5 % of the cuBLAS GEMM against 8.4-10.5 %
-  for lora_gemm + silu_mul (docs/benchmarks.md, round 7).
+  body): about half the LoRA time of lora_gemm + silu_mul (docs/performance.md).
 Every row of gate_up must be in a segment or a listed base row. h: lora_shrink's partials=True planes
 [P, T, 2, R].
 """
@@ -264,12 +263,7 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
 
 # The tile body's tile: TILE_M rows (16 for segments of <= 16 tokens), TILE_N columns of gate and of
 # up a step, each program walking enough steps that the grid is about TILE_WAVES programs an SM,
-# TILE_STAGES deep. H200, gate_up_proj, 512-8192 tokens (benchmarks/probe_lora_gemm_gpu.py
-# --activation, docs/benchmarks.md round 7): 32 x 64 in 3 stages best or within ~1 point of the best
-# at 4096-8192 tokens (8192: 2.8 / 3.3 % of the GEMM against 4.4-7.1 % for 32 x 128 in 2 stages, 16 x
-# 64, 16-row tiles, 4 or 16 waves, 8 warps; 16-row tiles in 3 stages 3.8-4.5); 256-column steps and 1
-# stage lost everywhere. Engine prefill, one process, 5 runs round robin: 0.957 of base against 0.950
-# for 32 x 128 in 2 stages and 0.956 for 16 x 64 in 3.
+# TILE_STAGES deep: the best measured for gate_up_proj at 4096-8192 tokens, kernel and engine alike.
 TILE_M, TILE_N, TILE_WAVES, TILE_STAGES = 32, 64, 8, 3
 
 

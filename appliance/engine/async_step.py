@@ -5,8 +5,7 @@ launched, its tokens are sampled on the device and copied to pinned host memory 
 the engine returns to the host work of the next step (scheduling, staging, launching it) before it
 reads them. The next step's rows take their input tokens from the device (StaticDecode.publish), so
 the GPU runs step N + 1 while the host detokenises, checks stops and streams step N's tokens. Without
-it the GPU waits for the host between every two steps (1.5 to 3.3 ms of an 8 to 10 ms step on an H200
-at batch 64: docs/benchmarks.md).
+it the GPU waits for the host between every two steps, a sizeable part of a graphed decode step.
 
 The cost: a sequence that ends at step N on a stop token or string has already been given a row of
 step N + 1, whose token is dropped. One that ends by length is known to end (`Sequence.finishing`) and

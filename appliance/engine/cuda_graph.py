@@ -22,8 +22,8 @@ so with async scheduling (engine/async_step.py) a step can decode on tokens the 
   that replaced those tensors instead of copying into them would invalidate the graphs).
 
 With LoRA on, each size is captured twice: with the LoRA launches, and without them for steps whose
-rows are all base (the launches would exit at once, but 4 x 2 per layer still cost ~0.45 ms per
-step on the 8B shape; docs/benchmarks.md). The two share one memory pool and never run at once.
+rows are all base (the launches would exit at once, but 4 x 2 empty launches per layer still cost
+a measurable share of the step). The two share one memory pool and never run at once.
 
 Padding rows write their K/V into a block reserved for them (ModelRunner.pad_block) and have context
 length 0 (attention output 0). With `capture=False` (CPU, tests) the same static-buffer step runs
@@ -79,16 +79,8 @@ class DecodeBuffers:
 
 # Backends csgmv and auto on CUDA (LoRAConfig.sorted_decode): graph sizes with at least this many rows per
 # LoRA slot (lora.max_loras_per_batch) sort their rows by slot inside the graph; smaller ones keep one
-# segment per row (the fused kernel, which wins when most rows have their own adapter). H200, Llama-3.1-8B
-# projections, one-token rows on D adapters (docs/benchmarks.md, round 8 table): 256 rows on 16 adapters,
-# slot-sorted chunks of 16 against one segment per row, qkv 17.0 / 28.4 µs, o 10.7 / 17.7, gate_up 20.6 /
-# 66.8, down 13.1 / 27.8; on 64 adapters (4 rows each) 24.8 / 31.0, 16.4 / 18.6, 46.5 / 72.8, 26.2 / 30.8;
-# on 256 (1 each) the fused kernel wins (qkv 48-52 µs against 61 for shrink + expand, round 6). Engine, 8B
-# shape, batch 256 on 32 adapters: 15.22 ms a decode step against 16.69 with one segment per row. 4 is a
-# bound read off those kernel rows; round 9 measured the engine at it: batch 128 on 32 adapters (4 rows a
-# slot), LoRA 2.70 against 2.78 ms a step (sorted chunks, base rows outside them, against one segment per
-# row), then 2.15 with the base rows in slot -1 chunks (gate_up's expand in the activation) and the shrink
-# aside; at 2 rows a slot (batch 64 on 32 adapters) one segment per row still won, 1.84 against 1.93 ms.
+# segment per row (the fused kernel, which wins when most rows have their own adapter). Measured: sorted
+# chunks win from 4 rows a slot, one segment per row still wins at 2.
 SORTED_MIN_ROWS_PER_SLOT = 4
 
 

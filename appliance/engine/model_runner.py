@@ -213,10 +213,9 @@ class ModelRunner:
 
     def decode_splits(self, batch: int, len_bound: int) -> int:
         """Split-K parts of the Triton decode kernel: 1 unless batch x KV heads programs fill at most a
-        quarter of the SMs (H200, 8 KV heads, batch 8, 1k context: the combine made it 41 µs against 28
-        unsplit), else parts of 512 tokens of the length bound (at most 64). Parts past a context exit at
-        once, so a short context in a graph sized for max_model_len only pays the combine (H200: batch 1,
-        4k context, 39 µs per layer against 98 µs unsplit; docs/benchmarks.md). Host ints only."""
+        quarter of the SMs (with more, the combine costs more than the split gains), else parts of 512
+        tokens of the length bound (at most 64). Parts past a context exit at once, so a short context
+        in a graph sized for max_model_len only pays the combine. Host ints only."""
         programs = batch * self.model.args.num_kv_heads  # this rank's KV heads
         if self._sms == 0 or programs == 0 or 4 * programs > self._sms:
             return 1  # cpu, a step without decodes, or enough programs already

@@ -3,8 +3,8 @@
 Triton compiles a kernel the first time it sees a new combination of compile-time constants (tile
 sizes picked from the step's layout: a LoRA segment's length bucket, one-token GEMV bodies or
 tensor-core tiles, a K split or not, write mode under lora_linear, planes of partial sums, attention
-split or not). On an H200 each compile takes seconds, and the online bench's TTFT was dominated by
-them (docs/benchmarks.md). The decode CUDA graphs compile their own sizes when they are captured;
+split or not). On a GPU each compile takes seconds, which a request would pay in its TTFT. The
+decode CUDA graphs compile their own sizes when they are captured;
 what remains are the eager steps: prefill chunks, mixed prefill + decode steps, and decode-only steps
 when graphs are off. This module plans a bounded set of such steps (pure Python, from the engine's
 limits) and runs each once through the normal forward on synthetic inputs:

@@ -105,7 +105,7 @@ class LoRAManager:
                                            cfg.sorted_decode(device))
         self.slot_ranks = [0] * cfg.max_loras_per_batch
         aside = cfg.decode_side_stream
-        if aside is None:  # where it was measured to pay: one CUDA device (docs/benchmarks.md)
+        if aside is None:  # where it was measured to pay: one CUDA device
             aside = device.type == "cuda" and tp is None
         self.ctx.prefill_gemm = None if cfg.prefill_gemm == "auto" else cfg.prefill_gemm
         if cfg.prefill_gemm == "triton" and self.backend != "torch":

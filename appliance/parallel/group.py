@@ -9,8 +9,8 @@ Every control message is one broadcast of a fixed buffer of `inline_ints` int64s
 fields, fields..., payload]. Kind OBJECT is followed by one object (torch's broadcast_object_list:
 pickled, two more broadcasts); kind DECODE, the message of every decode token, carries a static decode
 step's staged int tensors in the same buffer (engine/cuda_graph.py), or in broadcasts of their own
-when they do not fit (long block tables). On 2 x H200 each gloo broadcast cost rank 0 about 0.35 ms
-whatever its size (docs/benchmarks.md): a decode step is one broadcast, not one per tensor.
+when they do not fit (long block tables). A gloo broadcast costs about the same whatever its size, so
+a decode step is one broadcast, not one per tensor.
 """
 
 from __future__ import annotations

@@ -48,9 +48,8 @@ def run_worker(cfg: ApplianceConfig, rank: int) -> None:
     log.info("rank %d ready on %s", rank, device)
     follow(group, runner, adapters)
     if device.type == "cuda":
-        # On 2 x H200 (NCCL) the workers never got past here: each was killed after the launcher's 30 s
-        # stop wait (docs/benchmarks.md). The process ends anyway: leave at once and let the OS free
-        # its GPU memory and sockets. Not yet re-measured on GPUs.
+        # With NCCL the workers hung in teardown until the launcher's stop wait killed them. The process
+        # ends anyway: leave at once and let the OS free its GPU memory and sockets.
         logging.shutdown()
         os._exit(0)
     group.quiesce()  # rank 0 and every worker tear down together (TPGroup.quiesce)
