@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -64,23 +65,30 @@ def pdl_available(device: torch.device) -> bool:
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# The kernels whose variants depend on a step's layout (tile buckets, bodies, splits): (module, function).
+# Looked up among the modules already imported, not imported here (they import this module): a kernel
+# whose module was never imported has compiled nothing.
+_LAYOUT_KERNELS = (
+    ("kernels.lora_shrink", "_lora_shrink_kernel"), ("kernels.lora_expand", "_lora_expand_kernel"),
+    ("kernels.lora_expand", "_lora_expand_gemv_kernel"), ("kernels.lora_apply", "_lora_fused_gemv_kernel"),
+    ("kernels.lora_apply", "_lora_fused_tma_kernel"), ("kernels.lora_gemm", "_lora_gemm_kernel"),
+    ("kernels.silu_mul_lora", "_silu_mul_lora_kernel"), ("kernels.silu_mul_lora", "_silu_mul_lora_tile_kernel"),
+    ("kernels.paged_attention", "_paged_decode_kernel"),
+)
+
+
 def compiled_keys() -> Optional[set[str]]:
     """"kernel name @ device: specialization key" of every variant of the appliance's Triton kernels this
     process has compiled so far; None under the interpreter (nothing is compiled) or on a triton whose
     JIT keeps its cache elsewhere. A phase that compiled something can say which variant a warm-up missed."""
     if interpreter_active():
         return None
-    from kernels.lora_apply import _lora_fused_gemv_kernel, _lora_fused_tma_kernel
-    from kernels.lora_expand import _lora_expand_gemv_kernel, _lora_expand_kernel
-    from kernels.lora_gemm import _lora_gemm_kernel
-    from kernels.lora_shrink import _lora_shrink_kernel
-    from kernels.paged_attention import _paged_decode_kernel
-    from kernels.silu_mul_lora import _silu_mul_lora_kernel, _silu_mul_lora_tile_kernel
-
     out: set[str] = set()
-    for fn in (_lora_shrink_kernel, _lora_expand_kernel, _lora_expand_gemv_kernel, _lora_fused_gemv_kernel,
-               _lora_fused_tma_kernel, _lora_gemm_kernel, _silu_mul_lora_kernel, _silu_mul_lora_tile_kernel,
-               _paged_decode_kernel):
+    for module_name, fn_name in _LAYOUT_KERNELS:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        fn = getattr(module, fn_name)
         caches = getattr(fn, "device_caches", None)  # triton >= 3.3: device -> (kernel cache, ...)
         if caches is None:
             return None
