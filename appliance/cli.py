@@ -5,8 +5,8 @@
     appliance model prepare [--config-dir DIR] [--force] [overrides...]
     appliance config show [--config-dir DIR] [overrides...]
     appliance validate [--config-dir DIR] [overrides...]
-    appliance plan [--config-dir DIR] [--url URL] [--detailed-exitcode] [--no-prune] [overrides...]
-    appliance apply [--config-dir DIR] [--url URL] [--auto-approve] [--dry-run] [--no-prune] [overrides...]
+    appliance plan [--config-dir DIR] [--url URL] [--detailed-exitcode] [--prune MODE] [overrides...]
+    appliance apply [--config-dir DIR] [--url URL] [--auto-approve] [--dry-run] [--prune MODE] [overrides...]
     appliance status [--config-dir DIR] [--url URL] [overrides...]
     appliance demo train-adapters [--out DIR] [--steps N] ...
     appliance bench offline|online|all [--config-dir DIR] [bench options] [overrides...]
@@ -21,7 +21,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from appliance.config.schema import ApplianceConfig, ConfigError
+from appliance.config.schema import PRUNE_MODES, ApplianceConfig, ConfigError
 from appliance.models.prepare import ModelPrepareError  # cheap: torch is imported only to convert
 
 
@@ -167,8 +167,10 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 def _remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="server URL (default: http://server.host:server.port)")
-    p.add_argument("--no-prune", action="store_true",
-                   help="keep live adapters that are not in the config (default: unload them)")
+    p.add_argument("--prune", choices=PRUNE_MODES, default=None,
+                   help="live adapters the config does not list: owned = unload those the config declared, "
+                        "keep admin-API loads; all = unload both; none = keep both (default: reconcile.prune)")
+    p.add_argument("--no-prune", action="store_true", help="the same as --prune none")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -294,7 +296,7 @@ def _remote_plan(args: argparse.Namespace):
         return None
     restart = restart_diff(status["settings"], restart_settings(cfg)) if status else []
     desired, broken = desired_state(cfg)
-    prune = cfg.reconcile.prune and not args.no_prune
+    prune = "none" if args.no_prune else (args.prune or cfg.reconcile.prune)
     return client, plan(desired, live, prune=prune, broken=broken, restart=restart)
 
 

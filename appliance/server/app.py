@@ -129,7 +129,7 @@ class _Api:
         self.cfg = cfg
         self.auth = ApiKeyAuth(cfg.server.api_keys)
         self.created = int(time.time())
-        ops = AdapterAdmin(engine)
+        ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
         self.state = ServerState(Reconciler(cfg, ops, source))
         self.admin = AdminApi(ops, cfg, self._read_json)
         self.admin.reconciler = self.state.reconciler
