@@ -81,7 +81,7 @@ class ServerApi:
     """The non-load calls; `api_key` for inference routes (and /metrics), `admin_key` for admin ones."""
 
     def __init__(self, url: str, api_key: Optional[str], admin_key: Optional[str]) -> None:
-        httpx = httpx_module()
+        self.httpx = httpx = httpx_module()
         self.url = url.rstrip("/")
         self.api_key, self.admin_key = api_key, admin_key
         self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=30.0))
@@ -90,7 +90,10 @@ class ServerApi:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _get(self, path: str) -> Any:
-        r = self.http.get(self.url + path, headers=self._headers(self.api_key))
+        try:
+            r = self.http.get(self.url + path, headers=self._headers(self.api_key))
+        except self.httpx.TransportError as e:
+            raise ConfigError(f"cannot reach the server at {self.url}: {e!r}") from None
         if r.status_code != 200:
             raise ConfigError(f"GET {self.url}{path} answered {r.status_code}: {r.text[:300]}")
         return r
