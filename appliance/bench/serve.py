@@ -20,6 +20,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -115,6 +116,11 @@ class ServeBench:
             extra += ["lora.enabled=true", f"lora.adapter_roots=[{roots}]",
                       f"lora.max_loaded_loras={max(c.max_loaded_loras, len(self.adapter_dirs))}",
                       f"lora.max_lora_rank={max(c.max_lora_rank, self.opts.rank)}"]
+        # A closed loop at exactly server.max_concurrent_requests can race it (a client's next request
+        # may arrive before the server has counted its last one out) and measure spurious 429s.
+        limit, top = self.cfg.server.max_concurrent_requests, max(self.opts.concurrency, default=0)
+        if self.opts.url is None and limit and limit < 2 * top:
+            extra.append(f"server.max_concurrent_requests={2 * top}")
         return [*self.prepend, *self.user, *extra]
 
     def _workload(self, route: str, tok: Any, max_model_len: int, names: list[str]) -> tuple[dict, dict]:
@@ -236,9 +242,10 @@ class ServeBench:
         return [*(("closed", c) for c in self.opts.concurrency), *(("poisson", r) for r in self.opts.rate)]
 
     def _drive(self, make: Callable[[], Driver], specs: list[RequestSpec], warm: list[RequestSpec], load: str,
-               x: float, desc: str, measuring: Optional[Callable[[], None]] = None) -> tuple[list[Result], float]:
+               x: float, desc: str, measuring: Optional[Callable[[], None]] = None) -> tuple[list[Result], float, float]:
         """The warm-up wave (not measured), `measuring()`, then the measured requests, in one event loop;
-        `make` builds the driver inside it (an HTTP client belongs to the loop it first runs in)."""
+        `make` builds the driver inside it (an HTTP client belongs to the loop it first runs in).
+        Returns the results, the wall time and this process's CPU time over the measured requests."""
         from tqdm import tqdm
 
         o = self.opts
@@ -246,15 +253,18 @@ class ServeBench:
         arrivals = poisson_arrivals(len(specs), x, o.seed + 5) if load == "poisson" else []
         bar = tqdm(total=len(specs), desc=desc, disable=not o.progress, leave=False)
 
-        async def both() -> tuple[list[Result], float]:
+        async def both() -> tuple[list[Result], float, float]:
             send = make()
             try:
                 await closed_loop(send, warm[:self._warmup_count(wave)], wave)
                 if measuring is not None:
                     measuring()  # nothing in flight: a blocking call is fine here
+                cpu0 = time.process_time()
                 if load == "closed":
-                    return await closed_loop(send, specs, int(x), lambda: bar.update(1))
-                return await open_loop(send, specs, arrivals, lambda: bar.update(1))
+                    results, wall = await closed_loop(send, specs, int(x), lambda: bar.update(1))
+                else:
+                    results, wall = await open_loop(send, specs, arrivals, lambda: bar.update(1))
+                return results, wall, time.process_time() - cpu0
             finally:
                 await send.aclose()
 
@@ -275,12 +285,14 @@ class ServeBench:
             for load, x in self._points():
                 label = f"{mix} {load} {x:g}"
                 before: dict[str, float] = {}
-                results, wall = self._drive(make, specs[mix], warm[mix], load, x, f"http {label}",
-                                            lambda: before.update(counter_samples(api.metrics())))
+                results, wall, cpu = self._drive(make, specs[mix], warm[mix], load, x, f"http {label}",
+                                                 lambda: before.update(counter_samples(api.metrics())))
                 deltas = counter_deltas(before, counter_samples(api.metrics()))
                 row = {"mix": mix, "load": load, "concurrency": int(x) if load == "closed" else None,
                        "rate_rps": x if load == "poisson" else None,
                        **summarize(results, wall, [s.output_len for s in specs[mix]]),
+                       # Near 1: the client (one Python thread) may be what limits the row, not the server.
+                       "client_cpu_util": round(cpu / wall, 3),
                        "server": server_summary(deltas), "metrics_delta": deltas}
                 self.res["rows"].append(row)
                 report.write_json(self.res, self.out / "serve.json")
@@ -298,7 +310,7 @@ class ServeBench:
                 if row["load"] != "closed":
                     continue
                 c, mix = row["concurrency"], row["mix"]
-                results, wall = self._drive(lambda: drv, specs[mix], warm[mix], "closed", c, f"in-process {mix} {c}")
+                results, wall, _ = self._drive(lambda: drv, specs[mix], warm[mix], "closed", c, f"in-process {mix} {c}")
                 s = summarize(results, wall, [x.output_len for x in specs[mix]])
                 row["in_process"] = {k: s[k] for k in ("requests", "ok", "failures", "wall_s", "req_s", "out_tok_s",
                                                        "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")}

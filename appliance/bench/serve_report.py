@@ -11,7 +11,7 @@ from appliance.bench.report import table
 
 COLUMNS = ["mix", "load", "requests", "ok", "failures", "req_s", "out_tok_s", "in_process_tok_s",
            "http_vs_in_process", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "tpot_p50", "e2e_p99",
-           "slot_evictions", "preemptions"]
+           "slot_evictions", "preemptions", "client_cpu_util"]
 
 
 def _flat(r: dict) -> dict:
