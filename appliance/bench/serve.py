@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import platform
+import re
 import secrets
 import shutil
 import sys
@@ -35,7 +36,7 @@ from appliance.bench.serve_stats import counter_deltas, counter_samples, server_
 from appliance.bench.workload import (poisson_arrivals, prompts_of_lengths, sample_lengths, uniform_choices,
                                       zipf_choices)
 from appliance.config.compose import compose_config
-from appliance.config.schema import ApplianceConfig, ConfigError
+from appliance.config.schema import ConfigError
 
 # Chat prompts grow by the template's tokens: leave this much of the context for them.
 CHAT_TEMPLATE_ROOM = 64
@@ -70,7 +71,8 @@ class ServeBench:
                                     "rows": [], "plots": [], "errors": {}}
 
     def _meta(self, command: str) -> dict:
-        return {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return {"command": masked([command])[0], "date": now,
                 "python": platform.python_version(), "host": platform.node(), "model": self.cfg.model.name,
                 "model_init": self.cfg.model.init, "options": asdict(self.opts)}
 
@@ -126,7 +128,7 @@ class ServeBench:
     def _workload(self, route: str, tok: Any, max_model_len: int, names: list[str]) -> tuple[dict, dict]:
         """(specs per mix, warm-up specs per mix): the same prompts and lengths for every mix."""
         o = self.opts
-        vocab = tok.vocab_size if tok is not None else self.cfg_vocab()
+        vocab = tok.vocab_size if tok is not None else self._vocab()
         n, w = o.num_requests, self._max_warmup()
         room = max_model_len - 1 - (CHAT_TEMPLATE_ROOM if route == "chat" else 0)
         out = sample_lengths(n + w, o.output_len, o.output_dist, o.seed + 1, o.range_ratio, cap=max(1, room // 2))
@@ -140,14 +142,16 @@ class ServeBench:
                 return [None] * k
             if mix == "one":
                 return [names[0]] * k
-            pick = uniform_choices(k, len(names), seed) if mix == "uniform" else zipf_choices(k, len(names), o.zipf, seed)
+            pick = (uniform_choices(k, len(names), seed) if mix == "uniform"
+                    else zipf_choices(k, len(names), o.zipf, seed))
             return [names[i] for i in pick]
 
         specs, warm = {}, {}
         for mix in o.mixes:
             a = assign(mix, n + w, o.seed + 4)
             specs[mix] = [RequestSpec(prompts[i], texts[i], out[i], a[i]) for i in range(n)]
-            warm[mix] = [RequestSpec(prompts[i], texts[i], min(out[i], WARMUP_OUTPUT_LEN), a[i]) for i in range(n, n + w)]
+            warm[mix] = [RequestSpec(prompts[i], texts[i], min(out[i], WARMUP_OUTPUT_LEN), a[i])
+                         for i in range(n, n + w)]
         self.res["workload"] = {
             "api": route, "num_requests": n, "seed": o.seed, "mixes": o.mixes, "zipf_s": o.zipf,
             "prompt_len": {"dist": o.prompt_dist, "mean": o.prompt_len, "min": min(plen[:n]), "max": max(plen[:n])},
@@ -155,7 +159,7 @@ class ServeBench:
             "range_ratio": o.range_ratio, "ignore_eos": True, "temperature": 0.0}
         return specs, warm
 
-    def cfg_vocab(self) -> int:
+    def _vocab(self) -> int:
         from appliance.models.weights import read_hf_config
 
         return int(read_hf_config(Path(self.cfg.model.path).expanduser())["vocab_size"])
@@ -170,18 +174,32 @@ class ServeBench:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> int:
+        try:
+            self._run()
+        finally:
+            if self.adapter_root is not None and self.opts.adapter_dir is None:
+                shutil.rmtree(self.adapter_root, ignore_errors=True)
+        self.res["plots"] = plots(self.res, self.out)
+        report.write_json(self.res, self.out / "serve.json")
+        print(render(self.res))
+        for p in self.res["plots"]:
+            print(p)
+        print(f"JSON: {self.out / 'serve.json'}")
+        return 1 if any(r["failures"] for r in self.res["rows"]) else 0
+
+    def _run(self) -> None:
         o = self.opts
         tok = self._tokenizer()
         route = self._route(tok)
+        if o.adapters:
+            self.adapter_dirs = self._synthetic_adapters()
+        overrides = self._server_overrides()
+        self.cfg = compose_config(self.config_dir, overrides)  # checks the config the server gets
+        api_key = self.cfg.server.api_keys[0] if self.cfg.server.api_keys else self.keys.api_key
+        admin_key = self.cfg.server.admin_key or self.keys.admin_key
         server: Optional[ServerProcess] = None
         api: Optional[ServerApi] = None
         try:
-            if o.adapters:
-                self.adapter_dirs = self._synthetic_adapters()
-            overrides = self._server_overrides()
-            self.cfg = compose_config(self.config_dir, overrides)  # checks the config the server gets
-            api_key = self.cfg.server.api_keys[0] if self.cfg.server.api_keys else self.keys.api_key
-            admin_key = self.cfg.server.admin_key or self.keys.admin_key
             url = o.url
             if url is None:
                 env: dict[str, str] = {}
@@ -192,17 +210,18 @@ class ServeBench:
                     overrides = [*overrides, "server.admin_key=${oc.env:" + ADMIN_KEY_ENV + "}"]
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
-                server = ServerProcess(self.config_dir, [*overrides, "server.host=127.0.0.1", f"server.port={port}"],
-                                       env, self.out / "server.log")
+                server = ServerProcess(self.config_dir, [*overrides, "server.host=127.0.0.1",
+                                                         f"server.port={port}"], env, self.out / "server.log")
                 print(f"[bench serve] starting the server on {url} (log: {server.log_path})", file=sys.stderr)
                 server.wait_healthy(url, o.server_timeout_s)
             api = ServerApi(url, api_key, admin_key)
             card = api.base_card()
             names = self._load_adapters(api)
             self.res["server"] = {"url": url, "started": server is not None, "base_model": card["id"],
-                                  "max_model_len": card.get("max_model_len"), "overrides": overrides,
+                                  "max_model_len": card.get("max_model_len"), "overrides": masked(overrides),
                                   "log": str(server.log_path) if server else None}
-            specs, warm = self._workload(route, tok, card.get("max_model_len") or self.cfg.model.max_model_len, names)
+            specs, warm = self._workload(route, tok, card.get("max_model_len") or self.cfg.model.max_model_len,
+                                         names)
             self._http_rows(api, route, card["id"], specs, warm, url, api_key)
         finally:
             if api is not None:
@@ -212,16 +231,6 @@ class ServeBench:
             report.write_json(self.res, self.out / "serve.json")
         if o.in_process and o.concurrency:
             self._in_process(route, specs, warm)
-        if self.adapter_root is not None and o.adapter_dir is None:
-            shutil.rmtree(self.adapter_root, ignore_errors=True)
-        self.res["plots"] = plots(self.res, self.out)
-        report.write_json(self.res, self.out / "serve.json")
-        print(render(self.res))
-        for p in self.res["plots"]:
-            print(p)
-        print(f"JSON: {self.out / 'serve.json'}")
-        failed = any(r["failures"] for r in self.res["rows"]) or self.res["errors"]
-        return 1 if failed else 0
 
     def _load_adapters(self, api: ServerApi) -> list[str]:
         if self.opts.config_adapters:
@@ -242,7 +251,8 @@ class ServeBench:
         return [*(("closed", c) for c in self.opts.concurrency), *(("poisson", r) for r in self.opts.rate)]
 
     def _drive(self, make: Callable[[], Driver], specs: list[RequestSpec], warm: list[RequestSpec], load: str,
-               x: float, desc: str, measuring: Optional[Callable[[], None]] = None) -> tuple[list[Result], float, float]:
+               x: float, desc: str,
+               measuring: Optional[Callable[[], None]] = None) -> tuple[list[Result], float, float]:
         """The warm-up wave (not measured), `measuring()`, then the measured requests, in one event loop;
         `make` builds the driver inside it (an HTTP client belongs to the loop it first runs in).
         Returns the results, the wall time and this process's CPU time over the measured requests."""
@@ -318,6 +328,12 @@ class ServeBench:
                 report.write_json(self.res, self.out / "serve.json")
         finally:
             drv.close()
+
+
+def masked(overrides: Sequence[str]) -> list[str]:
+    """`overrides` with literal key values replaced by *** (an interpolation such as ${oc.env:...} stays):
+    what the report may show of server.api_keys / server.admin_key."""
+    return [re.sub(r"(server\.(?:api_keys|admin_key)=)(?!\$\{)\S+", r"\1***", o) for o in overrides]
 
 
 def run_serve_bench(config_dir: Optional[str], overrides: Sequence[str], opts: ServeOptions, keys: Keys,

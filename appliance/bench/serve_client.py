@@ -3,9 +3,11 @@ two load shapes (closed loop at a concurrency, Poisson arrivals).
 
 OpenAI routes go through the official `openai` client (AsyncOpenAI), /generate through the HTTP client
 library openai brings (httpx2, or httpx for openai < 3). Every request is greedy with `ignore_eos` (an
-extension field the server reads on every route), so each produces exactly its output length. Timing is the client's: TTFT from sending to the
-first token-bearing event, ITL between token-bearing events (an event with k tokens counts k gaps of
-1/k of its delay), e2e to the stream's end.
+extension field the server reads on every route), so each produces exactly its output length.
+
+Timing is the client's: TTFT from sending to the first token-bearing event, ITL between token-bearing
+events (an event with k tokens counts k gaps of 1/k of its delay; OpenAI chunks count one token each,
+the usage chunk gives the total), e2e to the stream's end.
 """
 
 from __future__ import annotations

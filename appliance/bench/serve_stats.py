@@ -103,8 +103,7 @@ def server_summary(deltas: dict[str, float]) -> dict:
         "cold_reads": total("appliance_lora_loads_total", tier="cpu"),
         "load_errors": total("appliance_lora_loads_total", result="error"),
         "slot_waits": slot_waits,
-        "slot_wait_mean_ms": (round(1e3 * total("appliance_lora_slot_wait_seconds_sum") / slot_waits, 3)
-                              if slot_waits else None),
+        "slot_wait_mean_ms": _mean_ms(total("appliance_lora_slot_wait_seconds_sum"), slot_waits),
         "queue_time_mean_ms": _mean_ms(total("appliance_request_queue_time_seconds_sum"),
                                        total("appliance_request_queue_time_seconds_count")),
     }

@@ -164,6 +164,16 @@ def test_options_defaults_and_checks() -> None:
             ServeOptions(**bad).check()
 
 
+def test_keys_masked_in_the_report() -> None:
+    from appliance.bench.serve import masked
+
+    env_key = "server.admin_key=${oc.env:APPLIANCE_ADMIN_KEY}"
+    assert masked(["model=x", "server.admin_key=s3cret", "server.api_keys=[a,b]", env_key,
+                   "appliance bench serve server.admin_key=k x=1"]) == [
+        "model=x", "server.admin_key=***", "server.api_keys=***", env_key,
+        "appliance bench serve server.admin_key=*** x=1"]
+
+
 def test_bad_options_exit_1(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "serve", "--mix", "uniform", "model.device=cpu"]) == 1
     assert "adapter mixes need adapters" in capsys.readouterr().err
