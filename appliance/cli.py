@@ -191,7 +191,8 @@ def _bench_serve_parser() -> argparse.ArgumentParser:
     a("--url", default=None, help="an existing server (default: start one from the config on a free port)")
     a("--api", choices=APIS, default=d.api, help="auto: chat with a chat template, completions with a "
                                                   "tokenizer, else generate (token ids)")
-    a("--concurrency", type=int_list, default=d.concurrency, help="closed-loop load points, e.g. 8,64,256")
+    a("--concurrency", type=int_list, default=None,
+      help=f"closed-loop load points, e.g. 8,64,256 (default {','.join(map(str, d.concurrency))}, none with --rate)")
     a("--rate", type=float_list, default=d.rate, help="Poisson load points in requests/s, e.g. 4,16")
     a("--num-requests", type=int, default=d.num_requests, help="measured requests per row")
     a("--warmup-requests", type=int, default=None,
@@ -395,6 +396,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from appliance.bench.serve import Keys, run_serve_bench
     from appliance.bench.serve_options import ADMIN_KEY_ENV, API_KEY_ENV, ServeOptions
 
+    if args.concurrency is None:  # only the Poisson rows when only rates are given
+        args.concurrency = [] if args.rate else ServeOptions().concurrency
     fields = {f.name for f in dataclasses.fields(ServeOptions)}
     opts = ServeOptions(**{k: v for k, v in vars(args).items() if k in fields})
     # The entry point reads the environment (library code does not); keys never go on a command line.

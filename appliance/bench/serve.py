@@ -104,7 +104,7 @@ class ServeBench:
         o = self.opts
         hf = read_hf_config(Path(self.cfg.model.path).expanduser())
         dtype = torch.float32 if self.cfg.model.dtype == "float32" else torch.bfloat16
-        self.adapter_root = Path(o.adapter_dir or tempfile.mkdtemp(prefix="appliance-bench-serve-"))
+        self.adapter_root = Path(o.adapter_dir or tempfile.mkdtemp(prefix="appliance-bench-serve-")).resolve()
         return make_adapters(self.adapter_root, ModelArgs.from_hf_config(hf), o.rank, o.adapters, o.targets,
                              float(hf.get("initializer_range", 0.02)), dtype, torch.device("cpu"),
                              self.cfg.model.name, o.progress)

@@ -152,6 +152,7 @@ def test_options_parse_without_torch() -> None:
 def test_options_defaults_and_checks() -> None:
     args = _bench_serve_parser().parse_args(["--adapters", "32", "--mix", "base,uniform,one", "model=llama3-8b-shape"])
     assert args.adapters == 32 and args.overrides == ["model=llama3-8b-shape"] and args.compare_in_process is None
+    assert args.concurrency is None and args.rate == []  # cli.py: [8] then, or [] when --rate is given
     o = ServeOptions()
     o.check()
     assert o.in_process and not ServeOptions(url="http://127.0.0.1:1").in_process
