@@ -8,7 +8,7 @@ The server is started from the same Hydra config and overrides `appliance serve`
 on a free 127.0.0.1 port, stopped after), or is an existing one (`--url`). Synthetic adapters
 (adapters.py) are loaded through the admin API, so the server is started with their directory in
 lora.adapter_roots, room for them in lora.max_loaded_loras and rank in lora.max_lora_rank; hot reload
-and the periodic resync are off (a resync with reconcile.prune would unload them mid-run).
+and the periodic resync are off (with reconcile.prune: all a resync would unload them mid-run).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ServeBench:
         import_openai()  # fail before a server starts, with the install hint
         self.opts, self.config_dir, self.keys = opts, config_dir, keys
         self.out = Path(opts.out)
-        # A benchmark keeps the adapter set still: no hot reload, no resync (prune would unload ours); a
+        # A benchmark keeps the adapter set still: no hot reload, no resync (prune=all would unload ours); a
         # synthetic set replaces the config's inventory. The user's overrides come after and win.
         self.prepend = ["reconcile.watch=false", "reconcile.resync_s=0"]
         if not opts.config_adapters:
@@ -118,7 +118,7 @@ class ServeBench:
             extra += ["lora.enabled=true", f"lora.adapter_roots=[{roots}]",
                       f"lora.max_loaded_loras={max(c.max_loaded_loras, len(self.adapter_dirs))}",
                       f"lora.max_lora_rank={max(c.max_lora_rank, self.opts.rank)}"]
-        # A closed loop at exactly server.max_concurrent_requests can race it (a client's next request
+        # A closed loop at exactly server.max_concurrent_requests might race it (a client's next request
         # may arrive before the server has counted its last one out) and measure spurious 429s.
         limit, top = self.cfg.server.max_concurrent_requests, max(self.opts.concurrency, default=0)
         if self.opts.url is None and limit and limit < 2 * top:
