@@ -64,8 +64,11 @@ def plots(res: dict, out_dir: Path) -> list[str]:
             ys = [y for y in ys if y[1] is not None]
             if ys:
                 lat.plot(*zip(*ys), ls, color=line.get_color(), label=f"{mix} TTFT {q}")
+    ticks = sorted({r["concurrency"] for r in rows})
     for ax, ylabel in ((tp, "output tokens / s"), (lat, "time to first token (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("concurrent requests (closed loop)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
