@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from appliance.bench import report
 from appliance.bench.serve_client import (Driver, GenerateDriver, OpenAIDriver, RequestSpec, Result, closed_loop,
-                                          http_client, import_openai, open_loop)
+                                          http_client, httpx_module, import_openai, open_loop)
 from appliance.bench.serve_options import ADMIN_KEY_ENV, ServeOptions
 from appliance.bench.serve_process import ServerApi, ServerProcess, free_port
 from appliance.bench.serve_report import plots, render
@@ -55,7 +55,9 @@ class ServeBench:
     def __init__(self, config_dir: Optional[str], overrides: Sequence[str], opts: ServeOptions, keys: Keys,
                  command: str) -> None:
         opts.check()
-        import_openai()  # fail before a server starts, with the install hint
+        # Fail before a server starts, with the install hint: chat/completions need the openai
+        # client, /generate only its HTTP library.
+        import_openai() if opts.api in ("chat", "completions", "auto") else httpx_module()
         self.opts, self.config_dir, self.keys = opts, config_dir, keys
         self.out = Path(opts.out)
         # A benchmark keeps the adapter set still: no hot reload, no resync (prune=all would unload ours); a

@@ -91,16 +91,20 @@ def import_openai() -> Any:
 
 
 def httpx_module() -> Any:
-    """The HTTP client library the openai client brings: httpx2 (openai >= 3) or httpx (before)."""
-    import_openai()
+    """The HTTP client library the openai client brings: httpx2 (openai >= 3) or httpx (before). The
+    /generate rows need only this, so a host with httpx and no openai can still run them."""
     try:
         import httpx2
 
         return httpx2
     except ImportError:
+        pass
+    try:
         import httpx
 
         return httpx
+    except ImportError:
+        raise ConfigError(f"bench serve needs httpx (the openai client brings it): {INSTALL_HINT}") from None
 
 
 def http_client(timeout_s: float) -> Any:
