@@ -32,11 +32,11 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT writes ~1 KB; a rank_pattern naming every module of a 100-layer model is ~60 KB.
 MAX_CONFIG_BYTES = 1 << 20
-MAX_HEADER_BYTES = 16 << 20  # the safetensors JSON header (the format's own limit is 100 MB)
+MAX_HEADER_BYTES = 4 << 20  # the safetensors JSON header: ~150 bytes a tensor (the format allows 100 MB)
 MAX_JSON_DEPTH = 32  # PEFT configs nest 3 deep; deeper is refused before json parses it (no RecursionError)
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
                 "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)  # a JSON string: linear, no nested quantifier
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string (the unrolled loop: linear)
 _BRACKETS = str.maketrans({c: None for c in map(chr, range(128)) if c not in "[]{}"})
 
 T = TypeVar("T")
@@ -110,6 +110,8 @@ def read_adapter_files(path: str | os.PathLike, roots: Sequence[str],
             weights, checked = _read_safetensors(w_fd, wpath, lambda header: check(config, header, wpath))
         finally:
             os.close(w_fd)
+    except OSError as e:  # fstat, listdir: what the helpers do not name themselves
+        raise AdapterError(f"{real}: cannot read: {e}") from e
     finally:
         os.close(dir_fd)
     return AdapterFiles(real, cfg_bytes, config, weights), checked
@@ -123,7 +125,8 @@ def load_json(raw: bytes, where: Path) -> Any:
     except UnicodeDecodeError as e:
         raise AdapterError(f"{where}: not valid JSON: {e}") from e
     depth = 0
-    for c in _STRING.sub("", text).translate(_BRACKETS):
+    opened = text.count("[") + text.count("{")
+    for c in _STRING.sub("", text).translate(_BRACKETS) if opened > MAX_JSON_DEPTH else "":
         depth += 1 if c in "[{" else -1
         if depth > MAX_JSON_DEPTH:
             raise AdapterError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; refused")
@@ -212,7 +215,7 @@ def _open_in_dir(dir_fd: int, real_dir: Path, name: str, roots: Sequence[str]) -
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise AdapterError(f"{real_dir / name}: not a regular file")
+        raise AdapterError(f"{real_dir}: no {name} (what has that name is not a regular file)")
     return fd
 
 
