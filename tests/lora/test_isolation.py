@@ -4,7 +4,7 @@ A NaN adapter pinned in a slot and never requested, or NaN left in an empty (ran
 base rows (slot -1) and the rows of every other adapter bit-identical to a run where those slots hold
 zeros. Swept over the backends (torch: the gathered decode path and the grouped prefill path; triton
 and csgmv in Triton's interpreter on CPU: lora_apply, lora_linear, the decode side-stream order, the
-slot-sorted static decode layout, gate_up's deferred expand through silu_mul_lora), then once through
+slot-sorted static decode layout, gate_up's deferred expand through silu_mul_lora, lora_gemm), then once through
 the engine with the tiny Llama (the attack as it was run: greedy text of a base request batched with
 two adapter requests while a NaN adapter sits pinned in slot 0).
 """
@@ -65,8 +65,9 @@ def run(backend: str, layout: str, mode: str, poison: bool) -> torch.Tensor:
     seg_lens, seg_slots = LAYOUTS[layout]
     two = mode == "deferred"
     lin, ctx = wrapper(backend, ("gate_proj", "up_proj") if two else ("q_proj", "k_proj", "v_proj"),
-                       [16, 16] if two else [24, 8, 8], poison)
+                       [16, 16] if two else [32, 16, 16], poison)
     ctx.decode_aside = mode in ("aside", "sorted")
+    ctx.prefill_gemm = "triton" if mode == "gemm" else None  # lora_gemm: the delta in the GEMM's epilogue
     if mode in ("aside", "deferred"):
         lin._fuses = lambda *args: False  # on CPU lora_apply always fuses: force the split order
     ctx.info = info_for(backend, seg_lens, seg_slots, mode == "sorted")
@@ -80,7 +81,7 @@ def run(backend: str, layout: str, mode: str, poison: bool) -> torch.Tensor:
         return lin(x).cpu()
 
 
-CASES = [("torch", "plain")] + [(b, m) for b in ("triton", "csgmv") for m in ("plain", "aside", "deferred")] + [
+CASES = [("torch", "plain")] + [(b, m) for b in ("triton", "csgmv") for m in ("plain", "aside", "deferred", "gemm")] + [
     ("csgmv", "sorted")]
 
 
@@ -89,6 +90,14 @@ CASES = [("torch", "plain")] + [(b, m) for b in ("triton", "csgmv") for m in ("p
 def test_nan_in_other_slots_leaves_every_other_row_bit_identical(backend: str, mode: str, layout: str) -> None:
     if mode == "sorted" and layout != "decode":
         pytest.skip("the slot-sorted layout is the static decode batch's (one token per row)")
+    if mode == "gemm":
+        from kernels.lora_gemm import platform_reason
+
+        if layout != "prefill":
+            pytest.skip("lora_gemm runs prefill-shaped steps only")
+        why = platform_reason(DEV, torch.float32)
+        if why is not None:
+            pytest.skip(why)
     clean = run(backend, layout, mode, poison=False)
     dirty = run(backend, layout, mode, poison=True)
     assert clean.isfinite().all()

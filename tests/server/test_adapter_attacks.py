@@ -19,12 +19,11 @@ import requests
 from safetensors.torch import load_file, save_file
 
 from tests.lora.test_adapter_hardening import on_first_open, wrong_shape_copy  # noqa: F401 - fixture
-from tests.lora.test_lora_engine import NEW, make_adapter, peft_greedy
+from tests.lora.test_lora_engine import make_adapter, peft_greedy
 from tests.server.conftest import ServerThread, start_server
+from tests.server.test_faults import GREEDY, PROMPT
 
-PROMPT = [1, 504, 3458, 282, 4649, 314]
 ADMIN = {"Authorization": "Bearer attacks"}
-GREEDY = {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
