@@ -127,7 +127,7 @@ def load_json(raw: bytes, where: Path) -> Any:
     depth = 0
     opened = text.count("[") + text.count("{")
     for c in _STRING.sub("", text).translate(_BRACKETS) if opened > MAX_JSON_DEPTH else "":
-        depth += 1 if c in "[{" else -1
+        depth += 1 if c in "[{" else -1 if c in "]}" else 0  # (non-ASCII outside strings: invalid anyway)
         if depth > MAX_JSON_DEPTH:
             raise AdapterError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; refused")
     try:
