@@ -211,8 +211,8 @@ class Bench:
                     n = max(o.batch, d)
                     prompts = random_prompts(n, o.prompt_len, vocab, o.seed + 1)
                     keys = [None] * n if d == 0 else [names[r][i % d] for i in range(n)]
-                    # Same layout, 2 tokens, not timed: the LoRA kernels compile per batch layout, and on
-                    # the H200 a first compile inside a timed run cost it up to 2x (docs/benchmarks.md).
+                    # Same layout, 2 tokens, not timed: the LoRA kernels compile per batch layout, and a
+                    # first compile inside a timed run would be timed with it.
                     run_requests(eng, prompts, keys, 2)
                     run = run_requests(eng, prompts, keys, o.new_tokens, desc=f"offline r{r} D{d}",
                                        progress=o.progress)

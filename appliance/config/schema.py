@@ -244,8 +244,8 @@ class LoRAConfig:
     # (kernels/lora_linear.py). cublas: the delta written into y, then cuBLAS accumulates the GEMM into
     # it. triton: one Triton GEMM (kernels/lora_gemm.py) that computes h in extra work of its grid and
     # adds the delta in its epilogue (needs sm90+ on CUDA). auto: triton on sm90+ for steps of
-    # 4096-8192 tokens (to 16384 for outputs at most 4096 wide: o_proj, down_proj), where it was
-    # measured faster (docs/benchmarks.md), else cublas.
+    # 4096-8192 tokens (to 16384 for outputs at most 4096 wide: o_proj, down_proj), where it measured
+    # faster (docs/performance.md), else cublas.
     prefill_gemm: str = "auto"
     # Debug only: every cold read (disk -> CPU tier) sleeps this long first, as a slow disk would, to
     # exercise overlap loading end to end. 0 = off; never set it on a server that serves users.
@@ -266,10 +266,9 @@ class LoRAConfig:
     def sorted_decode(self, device: "torch.device") -> bool:
         """Whether the decode CUDA graphs may sort their rows by slot into csgmv's chunks (at sizes with
         enough rows per slot, appliance/engine/cuda_graph.py): backend csgmv, and auto on CUDA. There
-        one-token segments re-read an adapter once per row that uses it; sorted, once per chunk (H200,
-        8B shape, batch 256 on 32 adapters: LoRA 2.1 against 4.2 ms of a ~12.4 ms base step,
-        docs/benchmarks.md round 9), while prefill keeps triton's per-request segments (csgmv's chunks
-        were behind at 16384 tokens). triton as given keeps one-token segments in the graphs."""
+        one-token segments re-read an adapter once per row that uses it; sorted, once per chunk
+        (docs/performance.md). Prefill keeps triton's per-request segments; triton as given keeps
+        one-token segments in the graphs."""
         return self.backend == "csgmv" or (self.backend == "auto" and device.type == "cuda")
 
     def resolved_targets(self) -> tuple[str, ...]:
