@@ -18,6 +18,7 @@ from typing import Sequence
 from omegaconf import OmegaConf
 
 from appliance.config.schema import ApplianceConfig, ConfigError, register_configs
+from appliance.lora.names import adapter_key
 
 # configs/ at the repository root; an installed wheel carries no configs, so --config-dir is then needed.
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -86,7 +87,9 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     try:
         obj.check()
     except ConfigError as e:
-        name = str(e).split(".")[1].split(":")[0] if str(e).startswith("adapters.") else ""
+        msg = str(e)
+        name = next((n for n in composed.adapter_files if msg.startswith((adapter_key(n) + ".", adapter_key(n) + ":"))),
+                    "")
         raise ConfigError(f"{composed.where(name)}{e}") from None
     return composed
 
@@ -100,7 +103,7 @@ def _adapter_files(cdir: Path, config_paths: list[str]) -> dict[str, str]:
         names = raw.keys() if cp.startswith("adapters/") else (raw.get("adapters") or {}).keys()
         for name in names:
             if name in out:
-                raise ConfigError(f"adapters.{name}: defined in both {out[name]} and {rel}; an adapter name "
+                raise ConfigError(f"{adapter_key(str(name))}: defined in both {out[name]} and {rel}; an adapter name "
                                   "must be unique across the selected adapters files")
             out[str(name)] = rel
     return out

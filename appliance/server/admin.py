@@ -36,9 +36,10 @@ from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import EngineError, EngineStoppedError
 from appliance.lora.adapter import AdapterError
 from appliance.lora.manager import LoRAManager
+from appliance.lora.names import name_problem, shown
 from appliance.lora.registry import AdapterEntry, LoRAStateError
 from appliance.server.auth import AdminAuth
-from appliance.server.errors import ApiError, bad_request
+from appliance.server.errors import ApiError, bad_request, unknown_fields
 from appliance.server.protocol import opt_bool
 
 if TYPE_CHECKING:
@@ -68,6 +69,10 @@ class AdapterAdmin:
 
     async def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False) -> dict[str, Any]:
         lora = self.enabled()
+        problem = name_problem(name)  # before any file is read; the registry applies the same rule
+        if problem is not None:
+            raise ApiError(400, f"invalid adapter name {shown(name)}: {problem}", param="lora_name",
+                           code="invalid_lora_request")
         # With overlap loading the files are read and checked on a worker thread while the batch runs;
         # only the commit (names, pin, registry) takes the engine thread. Without, all of it runs there.
         prepared = await asyncio.to_thread(lora.prepare, path) if lora.reader is not None else None
@@ -241,7 +246,7 @@ async def run_on_engine(engine: AsyncEngine, fn: Callable[[], T]) -> T:
 def _check_keys(body: dict, known: set[str], route: str) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
-        raise bad_request(f"Unknown field(s) {unknown}; {route} takes {sorted(known)}.", unknown[0])
+        raise unknown_fields(unknown, known, route)
 
 
 def _required_str(body: dict, key: str) -> str:

@@ -33,6 +33,7 @@ from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineStoppedError, QueueFullError,
                                       RequestError, RequestOutput)
 from appliance.engine.tokenizer import Tokenizer
+from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError
 from appliance.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
@@ -43,7 +44,7 @@ from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
 from appliance.server.limits import ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
-from appliance.server.protocol import Choice, ParsedRequest
+from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
 from appliance.server.scrape import ScrapeApi
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class _Api:
         self.tokenizer: Tokenizer = engine.tokenizer
         self.cfg = cfg
         self.auth = ApiKeyAuth(cfg.server.api_keys)
+        self.limits = RequestLimits(self.tokenizer, engine.max_model_len, cfg.server.max_stop_strings,
+                                    cfg.server.max_stop_chars, cfg.server.max_prompts_per_request)
         self.created = int(time.time())
         ops = AdapterAdmin(engine)
         self.state = ServerState(Reconciler(cfg, ops, source))
@@ -167,7 +170,7 @@ class _Api:
         found: dict[str, Optional[str] | LoRAStateError] = {}
         lora = self.engine.engine.lora
         if asked and lora is None:
-            raise ApiError(404, f"The model '{asked[0]}' does not exist: this server serves only "
+            raise ApiError(404, f"The model {shown(asked[0])} does not exist: this server serves only "
                                 f"'{base}' (LoRA adapters are off: lora.enabled is false).",
                            param=param, code="model_not_found")
         if asked:
@@ -186,7 +189,7 @@ class _Api:
             key = found.get(n) if n is not None else None
             if isinstance(key, LoRAStateError):
                 where = param if param == "model" or len(names) == 1 else f"{param}[{i}]"
-                raise ApiError(404, f"The model '{n}' does not exist: {key.message}", param=where,
+                raise ApiError(404, f"The model {shown(n)} does not exist: {key.message}", param=where,
                                code="model_not_found")
             keys.append(key)
         return keys
@@ -263,19 +266,19 @@ class _Api:
         return _sse_stream(group, [], item, None)
 
     # ------------------------------------------------------------------------------ plumbing
-    async def _parse(self, request: Request, parse: Callable[[dict, Tokenizer, int], ParsedRequest],
+    async def _parse(self, request: Request, parse: Callable[[dict, RequestLimits], ParsedRequest],
                      deadline: Deadline) -> tuple[ParsedRequest, str]:
         """Parse the body and resolve its model / adapters; returns the request and the `model` to
         answer with (the base model's name, or the adapter as the client named it)."""
         self.auth.check(request)
         if self.state.draining:
             raise ApiError(503, "The server is shutting down.", code="draining")
-        req = parse(await deadline.read(self._read_json(request)), self.tokenizer, self.engine.max_model_len)
+        req = parse(await deadline.read(self._read_json(request)), self.limits)
         base = self.cfg.model.name
         if req.lora_paths is not None:  # /generate: one adapter per input
             if req.model is not None and req.model != base:
                 raise bad_request(f"Send the adapter either as 'model' or as 'lora_path', not both "
-                                  f"('model' is {req.model!r}).", "lora_path")
+                                  f"('model' is {shown(req.model)}).", "lora_path")
             distinct = {n for n in req.lora_paths if n is not None and n != base}
             limit = self.cfg.server.max_adapters_per_request
             if len(distinct) > limit:
