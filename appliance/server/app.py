@@ -42,7 +42,7 @@ from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
-from appliance.server.limits import ConcurrencyLimit, Deadline, too_many
+from appliance.server.limits import BodyLimits, ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
 from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
 from appliance.server.scrape import ScrapeApi
@@ -71,7 +71,7 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
     config dir and overrides `cfg` was composed from, which hot reload composes again."""
     api = _Api(engine, cfg, source)
     # One limit shared by every inference route (server.max_concurrent_requests).
-    limit = ConcurrencyLimit(cfg.server.max_concurrent_requests)
+    limit = ConcurrencyLimit(cfg.server.max_concurrent_requests, api.body)
     metrics = _metrics(engine, cfg)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -129,6 +129,8 @@ class _Api:
         self.tokenizer: Tokenizer = engine.tokenizer
         self.cfg = cfg
         self.auth = ApiKeyAuth(cfg.server.api_keys)
+        self.body = BodyLimits(cfg.server.max_request_body_bytes, cfg.server.body_timeout_s,
+                               cfg.server.request_timeout_s)
         self.limits = RequestLimits(self.tokenizer, engine.max_model_len, cfg.server.max_stop_strings,
                                     cfg.server.max_stop_chars, cfg.server.max_prompts_per_request)
         self.created = int(time.time())
@@ -197,7 +199,7 @@ class _Api:
     # ------------------------------------------------------------------------------ OpenAI routes
     async def completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
-        req, model = await self._parse(request, protocol.parse_completion, deadline)
+        req, model = await self._parse(request, protocol.parse_completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         if req.stream:
@@ -207,7 +209,7 @@ class _Api:
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
-        req, model = await self._parse(request, protocol.parse_chat, deadline)
+        req, model = await self._parse(request, protocol.parse_chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         if req.stream:
@@ -247,7 +249,7 @@ class _Api:
     async def generate(self, request: Request) -> Response:
         """SGLang-style /generate. Streams carry cumulative `text` / `output_ids` per `index`."""
         deadline = Deadline(self.cfg.server.request_timeout_s)
-        req, _ = await self._parse(request, protocol.parse_generate, deadline)
+        req, _ = await self._parse(request, protocol.parse_generate)
         group = await self._start(request, req, f"gen-{uuid.uuid4().hex}", deadline)
         if req.stream:
             return _SSEResponse(self._generate_stream(group))
@@ -266,14 +268,14 @@ class _Api:
         return _sse_stream(group, [], item, None)
 
     # ------------------------------------------------------------------------------ plumbing
-    async def _parse(self, request: Request, parse: Callable[[dict, RequestLimits], ParsedRequest],
-                     deadline: Deadline) -> tuple[ParsedRequest, str]:
+    async def _parse(self, request: Request,
+                     parse: Callable[[dict, RequestLimits], ParsedRequest]) -> tuple[ParsedRequest, str]:
         """Parse the body and resolve its model / adapters; returns the request and the `model` to
         answer with (the base model's name, or the adapter as the client named it)."""
         self.auth.check(request)
         if self.state.draining:
             raise ApiError(503, "The server is shutting down.", code="draining")
-        req = parse(await deadline.read(self._read_json(request)), self.limits)
+        req = parse(await self._read_json(request), self.limits)
         base = self.cfg.model.name
         if req.lora_paths is not None:  # /generate: one adapter per input
             if req.model is not None and req.model != base:
@@ -298,25 +300,12 @@ class _Api:
         return protocol.parse_json_object(await self._read_body(request))
 
     async def _read_body(self, request: Request) -> bytes:
-        limit = self.cfg.server.max_request_body_bytes
-        too_large = ApiError(413, f"The request body is larger than {limit} bytes "
-                                  "(server.max_request_body_bytes).", code="request_too_large")
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise bad_request(f"Invalid Content-Length header: {declared!r}.")
-            if int(declared) > limit:
-                raise too_large
-        chunks, size = [], 0
+        """The body (already read by the concurrency limit on the inference routes, which replays it):
+        413 past server.max_request_body_bytes, 408 past server.body_timeout_s."""
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
+            return await self.body.read(request.receive, request.headers.get("content-length"))
         except ClientDisconnect:
             raise _ClientGone() from None
-        return b"".join(chunks)
 
     async def _start(self, request: Request, req: ParsedRequest, rid: str, deadline: Deadline) -> RequestGroup:
         """Submit the request's jobs; return once each has its first update.
@@ -324,7 +313,7 @@ class _Api:
         Adapters travel by the name the client used: the engine resolves it again when it takes the
         request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
-        group = RequestGroup(self.engine, req.jobs, rid, deadline)
+        group = RequestGroup(self.engine, req.jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
         try:
             await _unless_disconnected(request, group.start())
         except EngineError as e:

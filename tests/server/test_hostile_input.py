@@ -171,3 +171,97 @@ def test_metric_labels_come_only_from_registered_names(srv: ServerThread) -> Non
     labels = {line.split('adapter="')[1].split('"')[0] for line in text.splitlines() if 'adapter="' in line}
     assert labels <= {"base", "other", "a1"}, labels
     assert "fake_metric" not in text and "\x1b" not in text and "\u202e" not in text
+
+
+# ---------------------------------------------------------------------------------- 4. fair limits
+
+@pytest.mark.parametrize("stop, ok", [
+    (["s"] * 17, False), (["s" * 1025], False), (["s" * 512, "t" * 513], False),  # count, length, total
+    (["s" * 64] * 16, True),  # at both bounds
+])
+def test_stop_strings_are_bounded(srv: ServerThread, stop: list[str], ok: bool) -> None:
+    for path, body, param in [("/v1/completions", {**COMPLETION, "stop": stop}, "stop"),
+                              ("/generate", {**GENERATE, "sampling_params": {"stop": stop}}, "sampling_params.stop")]:
+        r = requests.post(srv.url + path, json=body, timeout=60)
+        if ok:
+            assert r.status_code == 200, r.text
+        else:
+            assert r.status_code == 400, r.text
+            err = error(r)
+            assert err["param"] == param and "server.max_stop_" in err["message"], err
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/generate", {"text": ["a"] * 9, "sampling_params": {"max_new_tokens": 1}}, "text"),
+    ("/generate", {"input_ids": [[1, 2]] * 9, "sampling_params": {"max_new_tokens": 1}}, "input_ids"),
+    ("/v1/completions", {**COMPLETION, "prompt": ["a"] * 9}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [[1, 2]] * 9}, "prompt"),
+])
+def test_prompts_per_request_are_bounded(srv: ServerThread, path: str, body: dict, param: str) -> None:
+    r = requests.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = error(r)
+    assert err["param"] == param and "server.max_prompts_per_request" in err["message"], err
+
+
+def test_a_large_batch_is_admitted_in_pieces(srv: ServerThread) -> None:
+    """server.prompts_in_flight_per_request=2: a batch of 8 has 2 prompts in the engine at a time, so a
+    request sent after it enters the engine's FIFO queue before the batch's third prompt."""
+    from tests.server.engine_hold import engine_held
+    from tests.server.test_limits import wait_until
+
+    batch = {"input_ids": [[1, 504, 3458]] * 8, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    out: dict[str, requests.Response] = {}
+
+    def call(key: str, path: str, body: dict) -> None:
+        out[key] = requests.post(srv.url + path, json=body, timeout=120)
+
+    import threading
+
+    with engine_held(srv.engine):
+        a = threading.Thread(target=call, args=("batch", "/generate", batch), daemon=True)
+        a.start()
+        wait_until(lambda: srv.engine.num_in_flight == 2)
+        time.sleep(0.3)  # were the batch admitted whole, the rest would arrive now
+        assert srv.engine.num_in_flight == 2
+        b = threading.Thread(target=call, args=("single", "/v1/completions", COMPLETION), daemon=True)
+        b.start()
+        wait_until(lambda: srv.engine.num_in_flight == 3)
+    a.join(120)
+    b.join(120)
+    assert out["single"].status_code == 200, out["single"].text
+    assert out["batch"].status_code == 200 and len(out["batch"].json()) == 8
+    assert all(item["meta_info"]["completion_tokens"] == 3 for item in out["batch"].json())
+    assert srv.wait_idle()
+
+
+def test_unfinished_bodies_hold_no_slot(srv: ServerThread) -> None:
+    """More never-ending chunked bodies than server.max_concurrent_requests (4): a complete request
+    still gets a slot, and each unfinished one is answered 408 after server.body_timeout_s (2 s)."""
+    limit = srv.server.config.app.state.limit
+    socks = []
+    for _ in range(6):
+        s = socket.create_connection(("127.0.0.1", srv.server.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n")
+        socks.append(s)
+    from tests.server.test_limits import wait_until
+
+    time.sleep(1.0)  # uvicorn has accepted them and called the app, which waits for their bodies
+    t0 = time.monotonic()
+    r = requests.post(srv.url + "/v1/completions", json=COMPLETION, timeout=60)
+    assert r.status_code == 200, r.text
+    for s in socks:
+        data = b""
+        while not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        s.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert "server.body_timeout_s" in json.loads(body)["error"]["message"]
+    assert time.monotonic() - t0 < 20
+    wait_until(lambda: limit.reading == 0 and limit.active == 0)
