@@ -11,12 +11,13 @@ import hashlib
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from omegaconf import OmegaConf
 
+from appliance.config.env import NO_ENV, EnvOrigins
 from appliance.config.schema import ApplianceConfig, ConfigError, register_configs
 from appliance.lora.names import adapter_key
 
@@ -31,6 +32,8 @@ class Composed:
     cfg: ApplianceConfig
     # Adapter name -> the file that defines it (relative to the config dir), for error messages.
     adapter_files: dict[str, str]
+    # Which values came from ${oc.env:...}: shown as <from env VAR>, never echoed (config/env.py).
+    env: EnvOrigins = field(default_factory=EnvOrigins)
 
     def where(self, name: str) -> str:
         """`<file>: ` for an adapter defined in a file, else '' (it came from an override)."""
@@ -62,6 +65,7 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     if not (cdir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"{cdir / (config_name + '.yaml')}: config file not found")
     register_configs()
+    env = NO_ENV
     with _HYDRA_LOCK:
         GlobalHydra.instance().clear()
         try:
@@ -69,11 +73,13 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
                 cfg = compose(config_name=config_name, overrides=list(overrides))
                 defaults = GlobalHydra.instance().config_loader().compute_defaults_list(
                     config_name, list(overrides), RunMode.RUN).defaults
+            env = EnvOrigins.of(cfg)
             _reject_unknown_keys(cfg, ApplianceConfig, "")
             obj = OmegaConf.to_object(cfg)  # resolves ${oc.env:...} and builds the dataclasses
         except (HydraException, OmegaConfBaseException, YAMLError) as e:
-            # A YAML syntax error comes unwrapped; its message names the file, line and column.
-            raise ConfigError(f"{cdir}: {_one_line(e)}") from None
+            # A YAML syntax error comes unwrapped; its message names the file, line and column. A value
+            # from the environment that does not fit its type is not repeated.
+            raise ConfigError(env.redact(f"{cdir}: {_one_line(e)}")) from None
         finally:
             GlobalHydra.instance().clear()
     if not isinstance(obj, ApplianceConfig):
@@ -83,14 +89,14 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     files = [d.config_path for d in defaults
              if d.package == "adapters" and d.config_path and d.config_path.startswith("adapters/")]
     files.append(config_name)  # the root file may list adapters too (`_self_`)
-    composed = Composed(obj, _adapter_files(cdir, files))
+    composed = Composed(obj, _adapter_files(cdir, files), env)
     try:
         obj.check()
     except ConfigError as e:
         msg = str(e)
         name = next((n for n in composed.adapter_files if msg.startswith((adapter_key(n) + ".", adapter_key(n) + ":"))),
                     "")
-        raise ConfigError(f"{composed.where(name)}{e}") from None
+        raise ConfigError(env.redact(f"{composed.where(name)}{e}")) from None
     return composed
 
 

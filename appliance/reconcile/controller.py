@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from appliance.config.compose import config_hash
+from appliance.config.compose import compose_tree, config_hash
+from appliance.config.env import NO_ENV, EnvOrigins
 from appliance.config.restart import SettingChange, mask_override, restart_diff, restart_settings
 from appliance.config.schema import ApplianceConfig
 from appliance.reconcile.apply import ActionResult, AdapterOps, execute
@@ -81,6 +82,10 @@ class Reconciler:
         self.hash = config_hash(running)
         self.prune = running.reconcile.prune
         self.restart: list[SettingChange] = []
+        # Values from ${oc.env:...} of the running config and the last composed one: never shown
+        # (/v1/status, logs). The source composed again: `running` is already resolved.
+        self.env_running = compose_tree(source.config_dir, source.overrides).env if source else NO_ENV
+        self.env = self.env_running
         now = time.time()
         self.conditions = {
             "ConfigValid": Condition("ConfigValid", True, "Started", "the config the server started with", now),
@@ -99,7 +104,9 @@ class Reconciler:
             try:
                 record = await self._reconcile(trigger, started)
             except Exception as e:  # noqa: BLE001 - a bug or an unreadable file: report it, keep serving
-                log.exception("reconcile (%s) raised", trigger)
+                # The message redacted; the traceback (whose frames may hold values) only at debug level.
+                log.error("reconcile (%s) raised %s", trigger, self.env.redact(f"{type(e).__name__}: {e}"))
+                log.debug("reconcile (%s) traceback", trigger, exc_info=True)
                 self._set("Reconciled", False, "Error", f"{type(e).__name__}: {e}")
                 record = ReconcileRecord(trigger, "failed", started, 0.0, problems=[f"{type(e).__name__}: {e}"])
             record.duration_s = time.monotonic() - t0
@@ -110,7 +117,7 @@ class Reconciler:
         return record
 
     def status(self) -> dict[str, Any]:
-        return {
+        return self.env.redact_all({
             "object": "status",
             "config": {"dir": str(self.source.config_dir) if self.source else None,
                        "overrides": [mask_override(o) for o in self.source.overrides] if self.source else [],
@@ -120,20 +127,23 @@ class Reconciler:
             "conditions": [c.view() for c in self.conditions.values()],
             "last_reconcile": self.last.view(),
             "restart_required": [c.render() for c in self.restart],
-            "settings": restart_settings(self.running),
-        }
+            "settings": restart_settings(self.running, env=self.env_running),
+        })
 
     # ------------------------------------------------------------------ one pass
     async def _reconcile(self, trigger: str, started: float) -> ReconcileRecord:
         if self.source is None:
             return ReconcileRecord(trigger, "unchanged", started, 0.0,
                                    problems=["no config dir: the server was started from a config object"])
-        from appliance.config.validate import validate
+        from appliance.config.validate import validate_tree
 
-        cfg, problems = await asyncio.to_thread(validate, self.source.config_dir, list(self.source.overrides))
-        if problems or cfg is None:
+        composed, problems = await asyncio.to_thread(validate_tree, self.source.config_dir,
+                                                     list(self.source.overrides))
+        if problems or composed is None:
             self._set("ConfigValid", False, "Invalid", "; ".join(problems))
             return ReconcileRecord(trigger, "invalid", started, 0.0, problems=problems)
+        cfg = composed.cfg
+        self.env = self.env_running.merged(composed.env)
         new_hash = config_hash(cfg)
         unchanged = new_hash == self.hash
         if not unchanged:
@@ -144,7 +154,7 @@ class Reconciler:
             return ReconcileRecord(trigger, "unchanged", started, 0.0)
         self.prune = cfg.reconcile.prune
         self.restart = restart_diff(restart_settings(self.running, in_process=True),
-                                    restart_settings(cfg, in_process=True))
+                                    restart_settings(cfg, in_process=True), self.env)
         desired, broken = await asyncio.to_thread(desired_state, cfg, self.running)
         live = live_adapters(await self.ops.snapshot())
         p = plan(desired, live, prune=self.prune, broken=broken, restart=self.restart)
@@ -169,16 +179,17 @@ class Reconciler:
         c.status, c.reason, c.message = status, reason, message
 
     def _log(self, r: ReconcileRecord) -> None:
+        redact = self.env.redact  # values from the environment never reach a log line
         if r.result == "invalid":
             for p in r.problems:
-                log.error("config rejected, previous state keeps serving: %s", p)
+                log.error("config rejected, previous state keeps serving: %s", redact(p))
             return
         for res in r.results:
-            (log.info if res.ok else log.error)("reconcile (%s): %s", r.trigger, res.render())
+            (log.info if res.ok else log.error)("reconcile (%s): %s", r.trigger, redact(res.render()))
         for c in self.restart if r.result != "unchanged" else ():
             log.warning("config change not applied: %s", c.render())
         if r.result == "failed":
-            log.error("reconcile (%s) failed: %s", r.trigger, "; ".join(r.problems))
+            log.error("reconcile (%s) failed: %s", r.trigger, redact("; ".join(r.problems)))
 
 
 def _iso(ts: float) -> str:

@@ -83,8 +83,15 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
         *(ScrapeApi(engine, metrics, api.auth, cfg.metrics.require_key).routes() if metrics else []),
     ]
     routes.append(Route("/openapi.json", openapi_route(routes, cfg), methods=["GET"]))
+    reconciler = api.state.reconciler
+
+    async def api_error(request: Request, e: Exception) -> Response:
+        assert isinstance(e, ApiError)
+        e.message = reconciler.env.redact(e.message)  # values from ${oc.env:...} never leave (config/env.py)
+        return e.response()
+
     app = Starlette(routes=routes, exception_handlers={
-        ApiError: _api_error,
+        ApiError: api_error,
         HTTPException: _http_error,
         _ClientGone: _client_gone,
         Exception: _internal_error,
@@ -430,11 +437,6 @@ def _to_api_error(e: ApiError | EngineError) -> ApiError:
 
 
 # ---------------------------------------------------------------------------------- exception handlers
-
-async def _api_error(request: Request, e: Exception) -> Response:
-    assert isinstance(e, ApiError)
-    return e.response()
-
 
 async def _http_error(request: Request, e: Exception) -> Response:
     """Starlette's own 404 (no route) and 405 (wrong method), in the OpenAI shape."""
