@@ -18,6 +18,7 @@ from typing import Sequence
 from omegaconf import OmegaConf
 
 from appliance.config.env import NO_ENV, EnvOrigins
+from appliance.config.file_limits import check_config_files
 from appliance.config.schema import ApplianceConfig, ConfigError, register_configs
 from appliance.lora.names import adapter_key
 
@@ -64,6 +65,7 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     cdir = resolve_config_dir(config_dir)
     if not (cdir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"{cdir / (config_name + '.yaml')}: config file not found")
+    check_config_files(cdir)  # size and (alias-expanded) node count, before anything is parsed
     register_configs()
     env = NO_ENV
     with _HYDRA_LOCK:

@@ -2,8 +2,9 @@
 
 One reconcile = compose + validate the tree, stop if its hash is unchanged (file events only), report
 restart-only differences, plan desired against live, execute the plan through the same admin
-operations the HTTP routes use. One reconcile runs at a time, and admin API calls wait for it: both
-hold `ops.lock` (so a plan is never computed from a live state that changes under it).
+operations the HTTP routes use. One reconcile runs at a time, and admin API calls wait for its plan
+and apply: both hold `ops.lock` (so a plan is never computed from a live state that changes under it).
+Composing the YAML runs before that lock (a slow or hostile file never holds up the admin API).
 
 An invalid config changes nothing: the previous adapters keep serving, ConfigValid turns False with
 every problem (file and key), and the next valid save is picked up. Status follows Kubernetes-style
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from appliance.config.compose import compose_tree, config_hash
+from appliance.config.compose import Composed, compose_tree, config_hash
 from appliance.config.env import NO_ENV, EnvOrigins
 from appliance.config.restart import SettingChange, mask_override, restart_diff, restart_settings
 from appliance.config.schema import ApplianceConfig
@@ -86,6 +87,7 @@ class Reconciler:
         # (/v1/status, logs). The source composed again: `running` is already resolved.
         self.env_running = compose_tree(source.config_dir, source.overrides).env if source else NO_ENV
         self.env = self.env_running
+        self._compose_lock = asyncio.Lock()  # composes in order, outside ops.lock (see reconcile)
         now = time.time()
         self.conditions = {
             "ConfigValid": Condition("ConfigValid", True, "Started", "the config the server started with", now),
@@ -98,19 +100,34 @@ class Reconciler:
     # ------------------------------------------------------------------ entry points
     async def reconcile(self, trigger: str) -> ReconcileRecord:
         """Converge to the config dir now. `watch` stops early when the composed tree is unchanged
-        and the last reconcile succeeded; `resync` and `manual` always plan (drift, changed weights)."""
-        async with self.ops.lock:
-            t0, started = time.monotonic(), time.time()
+        and the last reconcile succeeded; `resync` and `manual` always plan (drift, changed weights).
+
+        Composing (reading and parsing the YAML, checking the adapters' headers) runs before the admin
+        lock is taken, so a slow or hostile file never holds up admin calls. Composes run one at a
+        time, and each takes the admin lock before the next starts: passes apply in the order they
+        read the dir.
+        """
+        t0, started = time.monotonic(), time.time()
+        async with self._compose_lock:
             try:
-                record = await self._reconcile(trigger, started)
-            except Exception as e:  # noqa: BLE001 - a bug or an unreadable file: report it, keep serving
-                # The message redacted; the traceback (whose frames may hold values) only at debug level.
-                log.error("reconcile (%s) raised %s", trigger, self.env.redact(f"{type(e).__name__}: {e}"))
-                log.debug("reconcile (%s) traceback", trigger, exc_info=True)
-                self._set("Reconciled", False, "Error", f"{type(e).__name__}: {e}")
-                record = ReconcileRecord(trigger, "failed", started, 0.0, problems=[f"{type(e).__name__}: {e}"])
-            record.duration_s = time.monotonic() - t0
-            self.last = record
+                composed: Any = await self._compose()
+            except Exception as e:  # noqa: BLE001 - reported below, under the lock, like any failure
+                composed = e
+            await self.ops.lock.acquire()
+        try:
+            if isinstance(composed, Exception):
+                raise composed
+            record = await self._reconcile(trigger, started, composed)
+        except Exception as e:  # noqa: BLE001 - a bug or an unreadable file: report it, keep serving
+            # The message redacted; the traceback (whose frames may hold values) only at debug level.
+            log.error("reconcile (%s) raised %s", trigger, self.env.redact(f"{type(e).__name__}: {e}"))
+            log.debug("reconcile (%s) traceback", trigger, exc_info=True)
+            self._set("Reconciled", False, "Error", f"{type(e).__name__}: {e}")
+            record = ReconcileRecord(trigger, "failed", started, 0.0, problems=[f"{type(e).__name__}: {e}"])
+        finally:
+            self.ops.lock.release()
+        record.duration_s = time.monotonic() - t0
+        self.last = record
         self._log(record)
         for fn in self.listeners:
             fn(record)
@@ -131,14 +148,20 @@ class Reconciler:
         })
 
     # ------------------------------------------------------------------ one pass
-    async def _reconcile(self, trigger: str, started: float) -> ReconcileRecord:
+    async def _compose(self) -> Optional[tuple[Optional[Composed], list[str]]]:
+        """The config dir composed and validated (None without a config dir), in a worker thread."""
         if self.source is None:
-            return ReconcileRecord(trigger, "unchanged", started, 0.0,
-                                   problems=["no config dir: the server was started from a config object"])
+            return None
         from appliance.config.validate import validate_tree
 
-        composed, problems = await asyncio.to_thread(validate_tree, self.source.config_dir,
-                                                     list(self.source.overrides))
+        return await asyncio.to_thread(validate_tree, self.source.config_dir, list(self.source.overrides))
+
+    async def _reconcile(self, trigger: str, started: float,
+                         validated: Optional[tuple[Optional[Composed], list[str]]]) -> ReconcileRecord:
+        if validated is None:
+            return ReconcileRecord(trigger, "unchanged", started, 0.0,
+                                   problems=["no config dir: the server was started from a config object"])
+        composed, problems = validated
         if problems or composed is None:
             self._set("ConfigValid", False, "Invalid", "; ".join(problems))
             return ReconcileRecord(trigger, "invalid", started, 0.0, problems=problems)
