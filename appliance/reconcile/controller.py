@@ -88,6 +88,8 @@ class Reconciler:
         self.env_running = compose_tree(source.config_dir, source.overrides).env if source else NO_ENV
         self.env = self.env_running
         self._compose_lock = asyncio.Lock()  # composes in order, outside ops.lock (see reconcile)
+        # The config dir watcher (reconcile/watch.py): off | watching | waiting (dir gone) | stopped.
+        self.watcher: dict[str, Any] = {"state": "off", "message": "", "since": _iso(time.time())}
         now = time.time()
         self.conditions = {
             "ConfigValid": Condition("ConfigValid", True, "Started", "the config the server started with", now),
@@ -139,7 +141,7 @@ class Reconciler:
             "config": {"dir": str(self.source.config_dir) if self.source else None,
                        "overrides": [mask_override(o) for o in self.source.overrides] if self.source else [],
                        "generation": self.generation, "hash": self.hash,
-                       "watch": bool(self.source) and self.running.reconcile.watch,
+                       "watch": bool(self.source) and self.running.reconcile.watch, "watcher": self.watcher,
                        "resync_s": self.running.reconcile.resync_s, "prune": self.prune},
             "conditions": [c.view() for c in self.conditions.values()],
             "last_reconcile": self.last.view(),
@@ -194,6 +196,11 @@ class Reconciler:
             self._set("Reconciled", True, "InSync", f"{len(results)} action(s) applied" if results
                       else "live adapters match the config")
         return ReconcileRecord(trigger, "failed" if problems else "success", started, 0.0, results, problems)
+
+    def set_watcher(self, state: str, message: str) -> None:
+        """What the config dir watcher does now, for /v1/status (`config.watcher`)."""
+        if state != self.watcher["state"]:
+            self.watcher = {"state": state, "message": message, "since": _iso(time.time())}
 
     def _set(self, type_: str, status: bool, reason: str, message: str) -> None:
         c = self.conditions[type_]

@@ -105,7 +105,8 @@ def test_the_admin_lock_is_free_while_a_config_is_composed(tmp_path: Path, monke
 @pytest.fixture()
 def served_tree(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[ServerThread, Path, Path]]:
     root = tmp_path / "adapters-root"
-    make_adapter(tiny_model_dir, root / "keep", seed=3, r=4, lora_alpha=8, target_modules=["q_proj"])
+    for i, name in enumerate(["keep", "b"]):
+        make_adapter(tiny_model_dir, root / name, seed=3 + i, r=4, lora_alpha=8, target_modules=["q_proj"])
     tree = write_tree(tmp_path / "configs", tiny_model_dir, root, {"team": {"keep": {"path": root / "keep"}}},
                       watch=True)
     srv = ServerThread(compose_config(tree, ["server.port=0"]), ConfigSource(tree, ("server.port=0",))).start()
@@ -127,3 +128,35 @@ def test_a_bomb_saved_into_a_live_config_dir_is_refused(served_tree: tuple[Serve
     c = _condition(srv.url, "ConfigValid")
     assert "team.yaml" in c["message"] and f"more than {MAX_NODES} YAML nodes" in c["message"], c
     assert set(live(srv.url)) == {"keep"}
+
+
+def _watcher(url: str) -> dict:
+    return admin(url, "/v1/status").json()["config"]["watcher"]
+
+
+def test_the_watcher_survives_its_dir_deleted_and_restored(served_tree: tuple[ServerThread, Path, Path],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The dir is moved away (as `rm -r` then a restore from backup, or a volume remount, would):
+    the watcher says so in /v1/status and the log, re-arms when it is back, reconciles what the
+    restored dir holds, and goes on seeing edits."""
+    import logging
+
+    from tests.reconcile.trees import inventory_yaml
+
+    srv, tree, root = served_tree
+    caplog.set_level(logging.INFO, logger="appliance.reconcile.watch")
+    wait_for(lambda: _watcher(srv.url)["state"] == "watching", 30)
+    backup = tree.with_name("backup")
+    shutil.copytree(tree, backup)
+    shutil.rmtree(tree)
+    wait_for(lambda: _watcher(srv.url)["state"] == "waiting", 30)
+    assert "does not exist" in _watcher(srv.url)["message"]
+    (backup / "adapters" / "team.yaml").write_text(
+        inventory_yaml({"keep": {"path": root / "keep"}, "b": {"path": root / "b"}}))
+    shutil.copytree(backup, tree)  # restored, with one adapter more
+    wait_for(lambda: set(live(srv.url)) == {"keep", "b"}, 30)
+    assert _watcher(srv.url)["state"] == "watching"
+    # Re-armed on the new directory: a later edit is seen.
+    (tree / "adapters" / "team.yaml").write_text(inventory_yaml({"b": {"path": root / "b"}}))
+    wait_for(lambda: set(live(srv.url)) == {"b"}, 30)
+    assert "is gone" in caplog.text and "is back: watching it again" in caplog.text
