@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 from appliance.config.compose import Composed, compose_tree, config_hash
-from appliance.config.env import NO_ENV, EnvOrigins
+from appliance.config.env import NO_ENV
 from appliance.config.restart import SettingChange, mask_override, restart_diff, restart_settings
 from appliance.config.schema import ApplianceConfig
 from appliance.reconcile.apply import ActionResult, AdapterOps, execute

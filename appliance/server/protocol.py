@@ -357,7 +357,6 @@ def _model(body: dict) -> str:
 
 def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     """POST /v1/completions: `prompt` is a string, strings, token ids, or lists of token ids."""
-    tokenizer, max_model_len = limits.tokenizer, limits.max_model_len
     model = _model(body)
     _check_unsupported(body, _COMPLETION_UNSUPPORTED)
     stream, include_usage = _n_and_stream(body)
@@ -460,7 +459,7 @@ def _content(content: Any, param: str) -> str:
 def parse_generate(body: dict, limits: RequestLimits) -> ParsedRequest:
     """POST /generate (SGLang-style): `text` or `input_ids`, single or batch, plus `sampling_params` and
     `lora_path` (the adapter per input)."""
-    tokenizer, max_model_len = limits.tokenizer, limits.max_model_len
+    tokenizer = limits.tokenizer
     unknown = sorted(set(body) - _GENERATE_KEYS)
     if unknown:
         raise unknown_fields(unknown, _GENERATE_KEYS, "/generate")

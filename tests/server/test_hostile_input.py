@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from tests.lora.test_lora_engine import make_adapter
-from tests.server.conftest import ServerThread, start_server
+from tests.server.conftest import ServerThread, start_with_adapter
 
 ADMIN = {"Authorization": "Bearer secret"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -37,14 +37,10 @@ def root(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path
 
 @pytest.fixture(scope="module")
 def srv(root: Path, tiny_model_dir: Path) -> Iterator[ServerThread]:
-    srv = start_server(f"model.path={tiny_model_dir}", "model.name=tiny", "model.max_model_len=256",
-                       "model.device=cpu", "lora.enabled=true", f"lora.adapter_roots=[{root}]",
-                       "lora.max_lora_rank=8", "server.admin_key=secret", "reconcile.watch=false",
-                       "reconcile.resync_s=0", "server.max_concurrent_requests=4", "server.body_timeout_s=2",
-                       "server.max_prompts_per_request=8", "server.prompts_in_flight_per_request=2")
-    r = requests.post(srv.url + "/load_lora_adapter", headers=ADMIN, timeout=60,
-                      json={"lora_name": "a1", "lora_path": str(root / "a1")})
-    assert r.status_code == 200, r.text
+    srv = start_with_adapter(tiny_model_dir, root, "a1", "secret", "model.max_model_len=256",
+                             "reconcile.watch=false", "reconcile.resync_s=0", "server.max_concurrent_requests=4",
+                             "server.body_timeout_s=2", "server.max_prompts_per_request=8",
+                             "server.prompts_in_flight_per_request=2")
     yield srv
     srv.stop()
 
