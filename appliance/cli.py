@@ -5,11 +5,12 @@
     appliance model prepare [--config-dir DIR] [--force] [overrides...]
     appliance config show [--config-dir DIR] [overrides...]
     appliance validate [--config-dir DIR] [overrides...]
-    appliance plan [--config-dir DIR] [--url URL] [--detailed-exitcode] [--no-prune] [overrides...]
-    appliance apply [--config-dir DIR] [--url URL] [--auto-approve] [--dry-run] [--no-prune] [overrides...]
+    appliance plan [--config-dir DIR] [--url URL] [--detailed-exitcode] [--prune MODE] [overrides...]
+    appliance apply [--config-dir DIR] [--url URL] [--auto-approve] [--dry-run] [--prune MODE] [overrides...]
     appliance status [--config-dir DIR] [--url URL] [overrides...]
     appliance demo train-adapters [--out DIR] [--steps N] ...
     appliance bench offline|online|all [--config-dir DIR] [bench options] [overrides...]
+    appliance bench serve [--config-dir DIR] [--url URL] [serve bench options] [overrides...]
 
 Overrides are Hydra's `key=value` (e.g. `server.port=9000 model.dtype=bfloat16`). Exit codes: 0 ok,
 1 a config or model error (printed as `error: ...`), 2 bad arguments (argparse).
@@ -22,7 +23,7 @@ import sys
 from typing import Optional, Sequence
 
 from appliance.config.compose import Composed
-from appliance.config.schema import ApplianceConfig, ConfigError
+from appliance.config.schema import PRUNE_MODES, ApplianceConfig, ConfigError
 from appliance.models.prepare import ModelPrepareError  # cheap: torch is imported only to convert
 
 
@@ -31,9 +32,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:2] == ["demo", "train-adapters"]:
         # Everything after it belongs to the trainer's own parser (--names, --steps, --help...).
         return _train_demo(argparse.Namespace(rest=argv[2:]))
-    parser = _parser()
+    if argv[:2] == ["bench", "serve"]:
+        # Its own options (an HTTP load generator's), not the engine bench's.
+        return _parse_and_run(_bench_serve_parser(), argv[2:], argv)
+    return _parse_and_run(_parser(), argv, argv)
+
+
+def _parse_and_run(parser: argparse.ArgumentParser, args_in: list[str], argv: list[str]) -> int:
+    """Parse `args_in` (argv, or what follows a subcommand with its own parser) and run its command."""
     try:
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(args_in)
         # argparse ends a nargs="*" positional at the first option, so overrides written after
         # --config-dir come back as extras: keep them (in order), refuse unknown options.
         unknown = [a for a in extra if a.startswith("-")]
@@ -107,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmark the engine on the configured model (offline throughput "
                                          "over distinct adapters, decode floor, prefill, online latency, "
-                                         "transformers/peft baselines); prints a table, writes JSON and PNGs")
+                                         "transformers/peft baselines); prints a table, writes JSON and PNGs. "
+                                         "`appliance bench serve --help`: the HTTP serving benchmark")
     _bench_args(bench)
     _config_args(bench)
     bench.set_defaults(func=_bench)
@@ -166,10 +175,60 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     a("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
+def _bench_serve_parser() -> argparse.ArgumentParser:
+    from appliance.bench.serve_options import (API_KEY_ENV, ADMIN_KEY_ENV, APIS, LENGTH_DISTS, MIXES, ServeOptions,
+                                               float_list, int_list, str_list)
+
+    d = ServeOptions()
+    p = argparse.ArgumentParser(
+        prog="appliance bench serve",
+        description="The serving benchmark: starts `appliance serve` from the same config and overrides (or "
+                    "targets --url), drives it over HTTP with streamed requests under closed-loop and Poisson "
+                    "load over an adapter mix, and reports throughput, TTFT/ITL/TPOT/e2e percentiles, "
+                    "failures by status and the server's /metrics deltas; prints a table, writes serve.json "
+                    f"and serve.png. Keys come from {API_KEY_ENV} / {ADMIN_KEY_ENV} (or the config).")
+    a = p.add_argument
+    a("--out", default=d.out, help=f"directory for serve.json, serve.png and server.log (default {d.out})")
+    a("--url", default=None, help="an existing server (default: start one from the config on a free port)")
+    a("--api", choices=APIS, default=d.api, help="auto: chat with a chat template, completions with a "
+                                                  "tokenizer, else generate (token ids)")
+    a("--concurrency", type=int_list, default=None,
+      help=f"closed-loop load points, e.g. 8,64,256 (default {','.join(map(str, d.concurrency))}, none with --rate)")
+    a("--rate", type=float_list, default=d.rate, help="Poisson load points in requests/s, e.g. 4,16")
+    a("--num-requests", type=int, default=d.num_requests, help="measured requests per row")
+    a("--warmup-requests", type=int, default=None,
+      help="requests before each row, not measured (default: one wave, the concurrency; 16 for rates)")
+    a("--seed", type=int, default=d.seed)
+    a("--mix", dest="mixes", type=str_list, default=d.mixes,
+      help=f"adapter mixes, comma separated: {', '.join(MIXES)} (one = every request on the first adapter)")
+    a("--adapters", type=int, default=d.adapters, help="synthetic adapters, loaded through the admin API")
+    a("--config-adapters", action="store_true", help="mix over the adapters the config declares instead")
+    a("--rank", type=int, default=d.rank, help="rank of the synthetic adapters")
+    a("--targets", type=str_list, default=d.targets, help="projections of the synthetic adapters")
+    a("--zipf", type=float, default=d.zipf, help="Zipf exponent of the zipf mix")
+    a("--adapter-dir", default=None, help="write the synthetic adapters here and keep them (default: temp dir)")
+    a("--prompt-len", type=int, default=d.prompt_len, help="mean prompt tokens")
+    a("--prompt-dist", choices=LENGTH_DISTS, default=d.prompt_dist)
+    a("--output-len", type=int, default=d.output_len, help="mean output tokens (exact per request: ignore_eos)")
+    a("--output-dist", choices=LENGTH_DISTS, default=d.output_dist)
+    a("--range-ratio", type=float, default=d.range_ratio, help="uniform lengths: mean·(1±r)")
+    a("--compare-in-process", dest="compare_in_process", action="store_true", default=None,
+      help="run the closed-loop rows again through the engine in this process (default when it starts the server)")
+    a("--no-compare-in-process", dest="compare_in_process", action="store_false")
+    a("--server-timeout-s", type=float, default=d.server_timeout_s, help="wait this long for /health")
+    a("--request-timeout-s", type=float, default=d.request_timeout_s)
+    a("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    _config_args(p)
+    p.set_defaults(func=_bench_serve)
+    return p
+
+
 def _remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="server URL (default: http://server.host:server.port)")
-    p.add_argument("--no-prune", action="store_true",
-                   help="keep live adapters that are not in the config (default: unload them)")
+    p.add_argument("--prune", choices=PRUNE_MODES, default=None,
+                   help="live adapters the config does not list: owned = unload those the config declared, "
+                        "keep admin-API loads; all = unload both; none = keep both (default: reconcile.prune)")
+    p.add_argument("--no-prune", action="store_true", help="the same as --prune none")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -299,7 +358,7 @@ def _remote_plan(args: argparse.Namespace):
         return None
     restart = restart_diff(status["settings"], restart_settings(cfg, env=env), env) if status else []
     desired, broken = desired_state(cfg)
-    prune = cfg.reconcile.prune and not args.no_prune
+    prune = "none" if args.no_prune else (args.prune or cfg.reconcile.prune)
     return client, plan(desired, live, prune=prune, broken=broken, restart=restart), env.redact
 
 
@@ -332,6 +391,23 @@ def _bench(args: argparse.Namespace) -> int:
     # The inventory of the config is not what is benchmarked: the bench makes its own adapters.
     cfg = _compose(argparse.Namespace(config_dir=args.config_dir, overrides=["adapters=[]", *args.overrides]))
     return run_bench(cfg, opts, "appliance " + shlex.join(args.argv))
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+    import shlex
+
+    from appliance.bench.serve import Keys, run_serve_bench
+    from appliance.bench.serve_options import ADMIN_KEY_ENV, API_KEY_ENV, ServeOptions
+
+    if args.concurrency is None:  # only the Poisson rows when only rates are given
+        args.concurrency = [] if args.rate else ServeOptions().concurrency
+    fields = {f.name for f in dataclasses.fields(ServeOptions)}
+    opts = ServeOptions(**{k: v for k, v in vars(args).items() if k in fields})
+    # The entry point reads the environment (library code does not); keys never go on a command line.
+    keys = Keys(os.environ.get(API_KEY_ENV), os.environ.get(ADMIN_KEY_ENV))
+    return run_serve_bench(args.config_dir, args.overrides, opts, keys, "appliance " + shlex.join(args.argv))
 
 
 def _train_demo(args: argparse.Namespace) -> int:

@@ -68,10 +68,13 @@ def config_tree(dest: Path, yaml_tail: str) -> Path:
 
 
 def unship(tree: Path, adapters: str = "[]") -> None:
-    """TEST_BASE in a copied tree: select `adapters` instead of [demo], LoRA off unless the test's
-    YAML turns it on."""
-    cfg = tree / "config.yaml"
-    cfg.write_text(cfg.read_text().replace("  - adapters: [demo]", f"  - adapters: {adapters}"))
+    """TEST_BASE in a copied tree: the default model selects `adapters` instead of [demo], LoRA off
+    unless the test's YAML turns it on."""
+    model = tree / "model" / "smollm2-135m-instruct.yaml"  # the default model selects the inventories
+    text = model.read_text()
+    assert "  - /adapters@_global_.adapters: [demo]" in text, "the default model's inventory line moved"
+    model.write_text(text.replace("  - /adapters@_global_.adapters: [demo]",
+                                  f"  - /adapters@_global_.adapters: {adapters}"))
     lora = tree / "lora" / "default.yaml"
     lora.write_text(lora.read_text().replace("enabled: true", "enabled: false"))
 

@@ -24,9 +24,7 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 
 def proj_shape(proj: str, a: ModelArgs) -> tuple[int, int]:
     """(in features, out features) of one projection."""
-    h, i, q, kv = a.hidden_size, a.intermediate_size, a.q_size, a.kv_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[proj]
+    return a.proj_shape(proj)
 
 
 def adapter_numel(a: ModelArgs, rank: int, targets: Iterable[str]) -> int:

@@ -405,6 +405,9 @@ class ParallelConfig:
             raise ConfigError(f"parallel.master_port: must be in 1..65535, got {self.master_port}")
 
 
+PRUNE_MODES = ("owned", "all", "none")
+
+
 @dataclass
 class ReconcileConfig:
     """How a running server follows its config dir (hot reload)."""
@@ -416,10 +419,17 @@ class ReconcileConfig:
     # Also reconcile every resync_s seconds whatever happened: repairs drift (adapters loaded or
     # unloaded through the admin API, weights changed on disk) and events the watcher missed. 0 = off.
     resync_s: float = 60.0
-    # Adapters live but not in the config are unloaded (false: kept, and `appliance plan` says so).
-    prune: bool = True
+    # What happens to live adapters that the config does not list: "owned" unloads those the config
+    # declared (also after they left the file) and keeps the ones loaded through the admin API;
+    # "all" unloads both; "none" keeps everything (`appliance plan` lists what is kept, and why).
+    prune: str = "owned"
 
     def check(self) -> None:
+        # YAML booleans from configs written before the modes: true meant "all", false "none".
+        legacy = {"true": "all", "false": "none"}
+        self.prune = legacy.get(str(self.prune).lower(), str(self.prune))
+        if self.prune not in PRUNE_MODES:
+            raise ConfigError(f"reconcile.prune: must be one of {', '.join(PRUNE_MODES)}, got {self.prune!r}")
         if self.debounce_s < 0:
             raise ConfigError(f"reconcile.debounce_s: must be >= 0, got {self.debounce_s}")
         if self.resync_s < 0:

@@ -19,6 +19,7 @@ import torch
 
 from appliance.config.schema import ApplianceConfig, ConfigError, EngineConfig
 from appliance.engine.cuda_graph import StaticDecode
+from appliance.engine.memory import check_weights_fit, lora_buffer_bytes, plan_kv_blocks, weight_bytes
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.models.attention import AttentionMetadata, PrefillSeq
 from appliance.models.llama import LlamaModel, ModelArgs
@@ -117,6 +118,11 @@ class ModelRunner:
                               f"attention is not implemented, so set model.max_model_len <= {sw}")
         self.max_model_len = want
         self.block_size = cfg.engine.kv_block_size
+        if self.device.type == "cuda" and cfg.engine.num_kv_blocks is None:
+            # Before loading: weights that alone exceed the budget get an error with the numbers, not an OOM.
+            check_weights_fit(torch.cuda.mem_get_info(self.device)[1], cfg.engine.gpu_memory_utilization,
+                              weight_bytes(self.args, torch.finfo(self.dtype).bits // 8, 1 if tp is None else tp.size),
+                              str(self.dtype).removeprefix("torch."))
         if tp is not None:
             from appliance.parallel.layout import TPLayout
             from appliance.parallel.shard import load_shard
@@ -132,6 +138,9 @@ class ModelRunner:
         self.attention_backend = resolve_attention_backend(cfg.engine.attention_backend, self.device)
         self.fused_kernels = resolve_fused_kernels(cfg.engine.fused_kernels, self.device)
         self.model.use_fused_kernels(self.fused_kernels == "triton")
+        self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                     if self.device.type == "cuda" else 0)
+        self.lora: Optional["LoRAManager"] = None  # set by the engine when lora.enabled (after sizing)
         self.num_blocks = self._num_kv_blocks(cfg)
         if tp is not None:
             self.num_blocks = tp.min_int(self.num_blocks)  # block ids mean the same on every rank
@@ -141,12 +150,8 @@ class ModelRunner:
         self.pad_block = self.num_blocks
         self.kv_cache = torch.zeros(a.num_layers, 2, self.num_blocks + 1, self.block_size, a.num_kv_heads,
                                     a.head_dim, dtype=self.dtype, device=self.device)
-        # Set by the engine when lora.enabled: wraps the linears and fills the step's LoRABatchInfo.
-        self.lora: Optional["LoRAManager"] = None
         # Decode-only steps over static buffers (CUDA graphs on cuda); set up by setup_decode_graphs.
         self.static_decode: Optional[StaticDecode] = None
-        self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                     if self.device.type == "cuda" else 0)
         # TP rank 0: sends each step's batch and the decode setup to the other ranks (set by the
         # engine, parallel/launcher.py).
         self.leader: Optional["TPLeader"] = None
@@ -162,18 +167,68 @@ class ModelRunner:
         e = cfg.engine
         if e.num_kv_blocks is not None:
             return e.num_kv_blocks
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * e.gpu_memory_utilization - (total - free)
-        else:
-            budget = e.kv_cache_memory_gib * 2**30
         # No point holding more than every sequence at full length needs.
         cap = e.max_num_seqs * ((self.max_model_len + self.block_size - 1) // self.block_size)
-        n = min(int(budget // self.bytes_per_block()), cap)
-        if n < 1:
-            raise ConfigError("engine: no memory left for the KV cache (raise engine.kv_cache_memory_gib or "
-                              "engine.gpu_memory_utilization, or set engine.num_kv_blocks)")
-        return n
+        if self.device.type != "cuda":
+            n = min(int(e.kv_cache_memory_gib * 2**30 // self.bytes_per_block()), cap)
+            if n < 1:
+                raise ConfigError("engine.kv_cache_memory_gib: no room for one KV block; raise it or set "
+                                  "engine.num_kv_blocks")
+            return n
+        # As vLLM's profile run: the largest eager step and the largest decode graph batch run once on a
+        # scratch cache, so the KV cache gets what is left of gpu_memory_utilization after their peaks.
+        step_peak = self._profile_peak(self._profile_batch(min(e.max_num_batched_tokens, self.max_model_len),
+                                                           e.max_num_seqs))
+        graphs = 0 if self.graphs_off_reason(e) is not None else self._profile_peak(
+            self._profile_batch(0, max(e.graph_batch_sizes())))
+        lora = 0
+        if cfg.lora.enabled:  # its slot buffers are allocated after sizing (lora/layers.py)
+            lora = lora_buffer_bytes(self.args, list(cfg.lora.resolved_targets()), cfg.lora.max_loras_per_batch,
+                                     cfg.lora.max_lora_rank, torch.finfo(self.dtype).bits // 8,
+                                     1 if self.tp is None else self.tp.size)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        plan = plan_kv_blocks(total, free - lora, e.gpu_memory_utilization, step_peak, graphs,
+                              self.bytes_per_block(), cap)
+        log.info("device memory: %s", plan.describe())
+        return plan.num_blocks
+
+    def _profile_batch(self, prefill_tokens: int, decode_rows: int) -> StepBatch:
+        """The worst step of its kind: a prefill chunk of `prefill_tokens` ending at max_model_len (the
+        widest attention) sampling `decode_rows` rows, or (0 tokens) `decode_rows` decode rows at
+        max_model_len. Block tables point into the scratch cache of `_profile_peak`."""
+        bs, ctx = self.block_size, self.max_model_len
+        table = list(range(-(-ctx // bs)))
+        slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
+        if prefill_tokens:
+            pos = list(range(ctx - prefill_tokens, ctx))
+            rows = min(decode_rows, prefill_tokens)
+            return StepBatch([0] * prefill_tokens, pos, [slot(p) for p in pos], [(0, prefill_tokens, pos[0], table)],
+                             prefill_tokens, [], [], list(range(prefill_tokens - rows, prefill_tokens)))
+        return StepBatch([0] * decode_rows, [ctx - 1] * decode_rows, [slot(ctx - 1)] * decode_rows, [], 0,
+                         [table] * decode_rows, [ctx] * decode_rows, list(range(decode_rows)))
+
+    @torch.inference_mode()
+    def _profile_peak(self, batch: StepBatch) -> int:
+        """Bytes the step allocates above what is held now (forward, logits, a sampler's sort), run
+        once on a scratch KV cache of one max_model_len sequence. Under TP every rank runs the same
+        profile at the same point, so the model's collectives pair up."""
+        a = self.model.args
+        blocks = -(-self.max_model_len // self.block_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.kv_cache = torch.zeros(a.num_layers, 2, blocks + 1, self.block_size, a.num_kv_heads, a.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        scratch = torch.cuda.memory_allocated(self.device) - before
+        x = self.inputs(batch)
+        hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
+        probs = self.model.compute_logits(hidden[x.logits_indices]).float().softmax(-1)
+        torch.sort(probs, dim=-1, descending=True)  # top-p/top-k sort their rows
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - scratch
+        del self.kv_cache, x, hidden, probs
+        return peak
 
     def graphs_off_reason(self, e: EngineConfig) -> Optional[str]:
         """None when decode steps can be captured as CUDA graphs, else why not."""

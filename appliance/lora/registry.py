@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Collection, Iterable
 
 from appliance.lora.names import name_problem, shown
 
@@ -57,11 +57,16 @@ def check_name(name: str) -> None:
 
 
 class Registry:
-    """Adapter name -> AdapterEntry. Not thread-safe: its owner serialises calls."""
+    """Adapter name -> AdapterEntry. Not thread-safe: its owner serialises calls. `published` is the
+    exception: a tuple of the names, replaced whole on every change, so any thread may read it."""
 
     def __init__(self) -> None:
         self._entries: dict[str, AdapterEntry] = {}  # insertion order = id order
         self._next_id = 1
+        self.published: tuple[str, ...] = ()
+
+    def _publish(self) -> None:
+        self.published = tuple(self._entries)
 
     def add(self, name: str, path: str, *, checksum: str, rank: int, target_modules: Iterable[str],
             base_model_name: str, pinned: bool = False) -> AdapterEntry:
@@ -74,17 +79,19 @@ class Registry:
                              base_model_name=base_model_name)
         self._entries[name] = entry
         self._next_id += 1
+        self._publish()
         return entry
 
     def get(self, name: str) -> AdapterEntry:
         entry = self._entries.get(name)
         if entry is None:
-            raise LoRAStateError(f"adapter {shown(name)} is not loaded; loaded: {self._listing()}", 404)
+            raise LoRAStateError(f"adapter {shown(name)} is not loaded; loaded: {_listing(self._entries)}", 404)
         return entry
 
     def remove(self, name: str) -> AdapterEntry:
         entry = self.get(name)
         del self._entries[name]
+        self._publish()
         return entry
 
     def replace(self, name: str, /, **changes: object) -> AdapterEntry:
@@ -113,6 +120,7 @@ class Registry:
                                 or any(e.id == entry.id for e in self._entries.values())):
             raise LoRAStateError(f"restore({entry.name!r}): id {entry.id} was not issued to it here", 409)
         self._entries[entry.name] = entry
+        self._publish()
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:
         """Change only the pinned flag: no reload, so the generation stays."""
@@ -133,32 +141,38 @@ class Registry:
         return len(self._entries)
 
     def resolve_model(self, model: str, base_name: str) -> str | None:
-        """Map an OpenAI `model` to an adapter name, or None for the base model.
+        return resolve_model_name(model, base_name, self._entries)
 
-        Accepted: the base name; an adapter name; "<base>:<adapter>". The base name wins over an
-        adapter of the same name. The split is at the last ':' because base names may contain one
-        (e.g. "llama3:8b") while adapter names may not.
-        """
-        if model == base_name:
-            return None
-        if model in self._entries:
-            return model
-        base, sep, adapter = model.rpartition(":")
-        if sep:
-            if base != base_name:
-                raise LoRAStateError(f"model {shown(model)}: base {shown(base)} is not served here "
-                                     f"(the base model is {base_name!r})", 404)
-            if adapter in self._entries:
-                return adapter
-            raise LoRAStateError(f"model {shown(model)}: adapter {shown(adapter)} is not loaded; "
-                                 f"loaded: {self._listing()}", 404)
-        raise LoRAStateError(f"model {shown(model)} is neither the base model {base_name!r} nor a "
-                             f"loaded adapter; loaded: {self._listing()}", 404)
 
-    def _listing(self, limit: int = 20) -> str:
-        """At most `limit` names (each at most MAX_NAME_CHARS long), so a 404 stays small."""
-        names = list(self._entries)
-        if not names:
-            return "none"
-        more = f" (+{len(names) - limit} more; GET /v1/models lists them all)" if len(names) > limit else ""
-        return ", ".join(names[:limit]) + more
+
+def resolve_model_name(model: str, base_name: str, names: Collection[str]) -> str | None:
+    """Map an OpenAI `model` to an adapter name among `names`, or None for the base model.
+
+    Accepted: the base name; an adapter name; "<base>:<adapter>". The base name wins over an
+    adapter of the same name. The split is at the last ':' because base names may contain one
+    (e.g. "llama3:8b") while adapter names may not. Unknown: LoRAStateError 404.
+    """
+    if model == base_name:
+        return None
+    if model in names:
+        return model
+    base, sep, adapter = model.rpartition(":")
+    if sep:
+        if base != base_name:
+            raise LoRAStateError(f"model {shown(model)}: base {shown(base)} is not served here "
+                                 f"(the base model is {base_name!r})", 404)
+        if adapter in names:
+            return adapter
+        raise LoRAStateError(f"model {shown(model)}: adapter {shown(adapter)} is not loaded; "
+                             f"loaded: {_listing(names)}", 404)
+    raise LoRAStateError(f"model {shown(model)} is neither the base model {base_name!r} nor a "
+                         f"loaded adapter; loaded: {_listing(names)}", 404)
+
+
+def _listing(names: Collection[str], limit: int = 20) -> str:
+    """At most `limit` names (each at most MAX_NAME_CHARS long), so a 404 stays small."""
+    listed = list(names)
+    if not listed:
+        return "none"
+    more = f" (+{len(listed) - limit} more; GET /v1/models lists them all)" if len(listed) > limit else ""
+    return ", ".join(listed[:limit]) + more

@@ -49,6 +49,12 @@ class ModelArgs:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def proj_shape(self, proj: str) -> tuple[int, int]:
+        """(in features, out features) of one projection (q_proj ... down_proj)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}[proj]
+
     @classmethod
     def from_hf_config(cls, c: dict[str, Any]) -> "ModelArgs":
         mt = c.get("model_type", "llama")

@@ -9,15 +9,17 @@ state stays consistent and the next reconcile retries what failed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from appliance.reconcile.plan import Action
 
 
 class AdapterOps(Protocol):
-    async def load(self, name: str, path: str, pinned: bool, inplace: bool) -> None: ...
-    async def unload(self, name: str) -> None: ...
-    async def set_pinned(self, name: str, pinned: bool) -> None: ...
+    """`managed=True`: the config owns the adapter (what `reconcile.prune: owned` may unload)."""
+
+    async def load(self, name: str, path: str, pinned: bool, inplace: bool, managed: bool) -> Any: ...
+    async def unload(self, name: str) -> Any: ...
+    async def set_pinned(self, name: str, pinned: bool, managed: Optional[bool]) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,9 @@ async def _run(a: Action, ops: AdapterOps) -> None:
         return
     assert a.desired is not None
     if a.kind in ("load", "reload"):
-        await ops.load(a.name, a.desired.path, pinned=a.desired.pinned, inplace=a.kind == "reload")
-    else:
-        await ops.set_pinned(a.name, a.kind == "pin")
+        await ops.load(a.name, a.desired.path, pinned=a.desired.pinned, inplace=a.kind == "reload", managed=True)
+    else:  # pin, unpin, adopt: the pin the config wants, and the config's ownership
+        await ops.set_pinned(a.name, a.desired.pinned, managed=True)
 
 
 def _message(e: Exception) -> str:

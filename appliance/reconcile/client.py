@@ -42,15 +42,19 @@ class AdminClient:
 
     # -------------------------------------------------------------------- the reconciler's operations
     # async so that apply.execute drives this client and the in-process one alike.
-    async def load(self, name: str, path: str, pinned: bool, inplace: bool) -> None:
+    async def load(self, name: str, path: str, pinned: bool, inplace: bool, managed: bool = False) -> None:
         await asyncio.to_thread(self._call, "POST", "/v1/load_lora_adapter",
-                                {"lora_name": name, "lora_path": path, "pinned": pinned, "load_inplace": inplace})
+                                {"lora_name": name, "lora_path": path, "pinned": pinned, "load_inplace": inplace,
+                                 "managed": managed})
 
     async def unload(self, name: str) -> None:
         await asyncio.to_thread(self._call, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
-    async def set_pinned(self, name: str, pinned: bool) -> None:
-        await asyncio.to_thread(self._call, "POST", "/v1/pin_lora_adapter", {"lora_name": name, "pinned": pinned})
+    async def set_pinned(self, name: str, pinned: bool, managed: Optional[bool] = None) -> None:
+        body: dict[str, Any] = {"lora_name": name, "pinned": pinned}
+        if managed is not None:
+            body["managed"] = managed
+        await asyncio.to_thread(self._call, "POST", "/v1/pin_lora_adapter", body)
 
     # -------------------------------------------------------------------- transport
     def _call(self, method: str, route: str, body: Optional[dict] = None) -> dict[str, Any]:

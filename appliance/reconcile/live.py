@@ -39,5 +39,6 @@ def desired_state(cfg: ApplianceConfig, engine_cfg: Optional[ApplianceConfig] = 
 
 def live_adapters(body: dict[str, Any]) -> dict[str, AdapterState]:
     """The adapters of a GET /v1/adapters body as AdapterStates."""
-    return {d["name"]: AdapterState(d["name"], d["path"], bool(d["pinned"]), d["checksum"])
+    return {d["name"]: AdapterState(d["name"], d["path"], bool(d["pinned"]), d["checksum"],
+                                    managed=bool(d.get("managed", True)))
             for d in body.get("data", [])}

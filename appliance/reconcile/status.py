@@ -13,7 +13,7 @@ def render_status(url: str, status: Optional[dict[str, Any]], adapters: dict[str
         c = status["config"]
         lines.append(f"config: generation {c['generation']}, hash {c['hash']}, dir {c['dir'] or '-'}, "
                      f"watch {'on' if c['watch'] else 'off'}, resync {c['resync_s']:g} s, "
-                     f"prune {'on' if c['prune'] else 'off'}")
+                     f"prune {c['prune']}")
         for cond in status["conditions"]:
             lines.append(f"  {cond['type']}: {cond['status']} ({cond['reason']}) since "
                          f"{cond['last_transition_time']}: {cond['message']}")

@@ -1,13 +1,15 @@
 """LoRA admin routes, and the adapter views they and /v1/models show.
 
-    POST /load_lora_adapter    (also /v1/...)  {lora_name, lora_path, pinned?, load_inplace?}
+    POST /load_lora_adapter    (also /v1/...)  {lora_name, lora_path, pinned?, load_inplace?, managed?}
     POST /unload_lora_adapter  (also /v1/...)  {lora_name}
-    POST /pin_lora_adapter     (also /v1/...)  {lora_name, pinned}: pin or unpin without a reload
+    POST /pin_lora_adapter     (also /v1/...)  {lora_name, pinned, managed?}: pin or unpin without a reload
     GET  /v1/adapters                          live state of every adapter, GPU slot pool, CPU tier
     GET  /v1/status                            config generation and hash, last reconcile, conditions
 
 Every admin route needs `Authorization: Bearer <server.admin_key>` (auth.AdminAuth). The names and
-bodies are SGLang's and vLLM's, so their clients and scripts work unchanged.
+bodies are SGLang's and vLLM's, so their clients and scripts work unchanged. `managed: true` (ours) is
+what `appliance apply` sends: the config owns that adapter, so `reconcile.prune: owned` may unload it
+once the config drops it; an adapter loaded without it is unmanaged and left alone.
 
 The operations themselves are `AdapterAdmin`'s, which the in-process reconciler (hot reload) calls
 too. Changes hold `AdapterAdmin.lock`, as a whole reconcile does, so an admin call never interleaves
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Optional, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -47,9 +49,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-_LOAD_KEYS = {"lora_name", "lora_path", "pinned", "load_inplace"}
+_LOAD_KEYS = {"lora_name", "lora_path", "pinned", "load_inplace", "managed"}
 _UNLOAD_KEYS = {"lora_name"}
-_PIN_KEYS = {"lora_name", "pinned"}
+_PIN_KEYS = {"lora_name", "pinned", "managed"}
 _STATE_CODES = {400: "invalid_lora_request", 404: "adapter_not_found", 409: "adapter_conflict"}
 
 
@@ -60,14 +62,18 @@ class AdapterAdmin:
     pass). Refusals raise ApiError with the status the HTTP API answers (see the module docstring).
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, managed: Iterable[str] = ()) -> None:
         self.engine = engine
         self.lora: Optional[LoRAManager] = engine.engine.lora  # None when lora.enabled is false
         self.lock = asyncio.Lock()
         # Adapter id -> when it was loaded (unix s), for the `created` of its model card.
         self.created: dict[int, int] = {}
+        # Names the config owns (the start-up inventory, then what reconciles load or adopt).
+        self.managed: set[str] = set(managed)
 
-    async def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False) -> dict[str, Any]:
+    async def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False,
+                   managed: bool = False) -> dict[str, Any]:
+        """`managed`: the config owns it; else a new name is unmanaged and a reload keeps its owner."""
         lora = self.enabled()
         problem = name_problem(name)  # before any file is read; the registry applies the same rule
         if problem is not None:
@@ -79,7 +85,8 @@ class AdapterAdmin:
         view = await run_on_engine(self.engine, lambda: adapter_view(
             lora, lora.load(name, path, pinned=pinned, inplace=inplace, prepared=prepared)))
         self.created.setdefault(view["id"], int(time.time()))  # an in-place reload keeps its card's date
-        return view
+        self.set_managed(name, managed, keep=inplace and not managed)
+        return {**view, "managed": name in self.managed}
 
     async def unload(self, name: str) -> int:
         """Unload `name`; returns how many requests still run on it (they finish on its weights)."""
@@ -94,17 +101,31 @@ class AdapterAdmin:
 
         adapter_id, in_flight = await run_on_engine(self.engine, unload)
         self.created.pop(adapter_id, None)
+        self.managed.discard(name)
         return in_flight
 
-    async def set_pinned(self, name: str, pinned: bool) -> dict[str, Any]:
+    async def set_pinned(self, name: str, pinned: bool, managed: Optional[bool] = None) -> dict[str, Any]:
+        """Pin or unpin; `managed` (when given) also sets who owns it: the reconciler adopts an
+        adapter the admin API loaded once the config declares it."""
         lora = self.enabled()
-        return await run_on_engine(self.engine, lambda: adapter_view(lora, lora.set_pinned(name, pinned)))
+        view = await run_on_engine(self.engine, lambda: adapter_view(lora, lora.set_pinned(name, pinned)))
+        if managed is not None:
+            self.set_managed(name, managed)
+        return {**view, "managed": name in self.managed}
+
+    def set_managed(self, name: str, managed: bool, keep: bool = False) -> None:
+        if keep:
+            return
+        (self.managed.add if managed else self.managed.discard)(name)
 
     async def snapshot(self) -> dict[str, Any]:
         if self.lora is None:
             return {"object": "list", "enabled": False, "data": [], "retiring": [], "pool": None, "cache": None}
         lora = self.lora
-        return await run_on_engine(self.engine, lambda: snapshot(lora))
+        body = await run_on_engine(self.engine, lambda: snapshot(lora))
+        for d in body["data"]:
+            d["managed"] = d["name"] in self.managed
+        return body
 
     def enabled(self) -> LoRAManager:
         if self.lora is None:
@@ -142,7 +163,8 @@ class AdminApi:
         name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
         pinned, inplace = _opt_bool(body, "pinned"), _opt_bool(body, "load_inplace")
         async with self.ops.lock:
-            view = await self.ops.load(name, path, pinned=pinned, inplace=inplace)
+            view = await self.ops.load(name, path, pinned=pinned, inplace=inplace,
+                                       managed=_opt_bool(body, "managed"))
         verb = "reloaded in place" if inplace else "loaded"
         return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb} from {view['path']}.",
                              "adapter": view})
@@ -162,8 +184,11 @@ class AdminApi:
         name = _required_str(body, "lora_name")
         if not isinstance(body.get("pinned"), bool):
             raise bad_request("'pinned' must be true or false.", "pinned")
+        managed = body.get("managed")
+        if managed is not None and not isinstance(managed, bool):
+            raise bad_request("'managed' must be true or false.", "managed")
         async with self.ops.lock:
-            view = await self.ops.set_pinned(name, body["pinned"])
+            view = await self.ops.set_pinned(name, body["pinned"], managed)
         verb = "pinned to GPU slot %s" % view["slot"] if view["pinned"] else "unpinned"
         return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb}.", "adapter": view})
 

@@ -8,7 +8,7 @@ Client disconnects abort the engine requests: for streams, Starlette cancels the
 work against the ASGI `http.disconnect` message (`_until_disconnected`).
 
 LoRA: a request names an adapter by OpenAI `model` (adapter name or "<base>:<adapter>") or /generate
-`lora_path`; `resolve_model` maps names to engine adapter keys, on the engine thread (admin.py says why).
+`lora_path`; `resolve_model` checks names against the registry's published names (no engine call on the request path).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
                                       RequestError, RequestOutput)
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import shown
-from appliance.lora.registry import LoRAStateError
+from appliance.lora.registry import LoRAStateError, resolve_model_name
 from appliance.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
 from appliance.server import protocol
@@ -141,7 +141,7 @@ class _Api:
         self.limits = RequestLimits(self.tokenizer, engine.max_model_len, cfg.server.max_stop_strings,
                                     cfg.server.max_stop_chars, cfg.server.max_prompts_per_request)
         self.created = int(time.time())
-        ops = AdapterAdmin(engine)
+        ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
         self.state = ServerState(Reconciler(cfg, ops, source))
         self.admin = AdminApi(ops, cfg, self._read_json)
         self.admin.reconciler = self.state.reconciler
@@ -166,42 +166,34 @@ class _Api:
             cards += [adapter_card(e, base, self.admin.created(e.id, self.created)) for e in entries]
         return JSONResponse({"object": "list", "data": cards})
 
-    async def resolve_model(self, names: list[Optional[str]], param: str) -> list[Optional[str]]:
-        """The engine adapter key (None = base model) for each name a client sent as `model` or
+    def resolve_model(self, names: list[Optional[str]], param: str) -> list[Optional[str]]:
+        """The adapter name (None = base model) for each name a client sent as `model` or
         `lora_path`: the base model's name, an adapter name, or "<base>:<adapter>"; None = base.
 
-        The one place that maps names to models. Unknown names answer 404 model_not_found. Adapter
-        names are resolved in one engine call (so a batch sees one consistent registry), which waits for
-        the step in progress: at most one step of extra latency, and none for base-model requests.
+        The one place that maps names to models. Unknown names answer 404 model_not_found. It reads
+        the registry's published names on this thread: no engine call, so an adapter request never
+        waits for a step (nor drains async scheduling's step in flight) before it is queued. The
+        engine resolves the name again when it takes the request (an unload meanwhile gives a 404).
         """
         base = self.cfg.model.name
-        asked = sorted({n for n in names if n is not None and n != base})
-        found: dict[str, Optional[str] | LoRAStateError] = {}
         lora = self.engine.engine.lora
-        if asked and lora is None:
-            raise ApiError(404, f"The model {shown(asked[0])} does not exist: this server serves only "
-                                f"'{base}' (LoRA adapters are off: lora.enabled is false).",
-                           param=param, code="model_not_found")
-        if asked:
-            def resolve_all() -> dict[str, Optional[str] | LoRAStateError]:
-                out: dict[str, Optional[str] | LoRAStateError] = {}
-                for n in asked:
-                    try:
-                        out[n] = lora.resolve(n)
-                    except LoRAStateError as e:  # unknown: answered below as 404
-                        out[n] = e
-                return out
-
-            found = await run_on_engine(self.engine, resolve_all)
-        keys: list[Optional[str]] = []
+        if lora is None:
+            asked = next((n for n in names if n is not None and n != base), None)
+            if asked is not None:
+                raise ApiError(404, f"The model {shown(asked)} does not exist: this server serves only "
+                                    f"'{base}' (LoRA adapters are off: lora.enabled is false).",
+                               param=param, code="model_not_found")
+            return [None] * len(names)
+        published = lora.registry.published  # one read: the whole batch sees one registry
+        out: list[Optional[str]] = []
         for i, n in enumerate(names):
-            key = found.get(n) if n is not None else None
-            if isinstance(key, LoRAStateError):
+            try:
+                out.append(None if n is None else resolve_model_name(n, base, published))
+            except LoRAStateError as e:
                 where = param if param == "model" or len(names) == 1 else f"{param}[{i}]"
-                raise ApiError(404, f"The model {shown(n)} does not exist: {key.message}", param=where,
-                               code="model_not_found")
-            keys.append(key)
-        return keys
+                raise ApiError(404, f"The model {shown(n)} does not exist: {e.message}", param=where,
+                               code="model_not_found") from None
+        return out
 
     # ------------------------------------------------------------------------------ OpenAI routes
     async def completions(self, request: Request) -> Response:
@@ -297,7 +289,7 @@ class _Api:
             names, param = req.lora_paths, "lora_path"
         else:
             names, param = [req.model] * len(req.jobs), "model"
-        keys = await self.resolve_model(names, param)
+        keys = self.resolve_model(names, param)
         for job, name, key in zip(req.jobs, names, keys):
             job.adapter = name if key is not None else None
         model = req.model if req.model is not None and keys and keys[0] is not None else base

@@ -120,6 +120,29 @@ def test_llama_8b_gpu_example_composes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not explicit.lora.sorted_decode(torch.device("cuda", 0))  # triton as given: one-token segments
 
 
+def test_readme_gpu_command_composes_without_the_demo_adapters() -> None:
+    """The README's GPU command: the demo adapters belong to the default model only, so the Llama
+    model serves no inventory (theirs would sit outside lora=gpu's /srv/adapters root)."""
+    assert sorted(shipped_config().adapters) == ["french", "pirate"]
+    for model in ("llama-3.1-8b-instruct", "llama3-8b-shape"):
+        cfg = shipped_config(f"model={model}", "engine=gpu", "lora=gpu")
+        assert cfg.adapters == {} and cfg.lora.adapter_roots == ["/srv/adapters"]
+    picked = shipped_config("model=llama-3.1-8b-instruct", "adapters=[demo,llama_example]")
+    assert {"pirate", "sql"} <= set(picked.adapters)  # a command-line choice still wins
+
+
+@pytest.mark.parametrize("value, mode", [("owned", "owned"), ("all", "all"), ("none", "none"),
+                                         ("true", "all"), ("false", "none")])
+def test_reconcile_prune_modes(value: str, mode: str) -> None:
+    assert default_config(f"reconcile.prune={value}").reconcile.prune == mode
+    assert default_config().reconcile.prune == "owned"
+
+
+def test_reconcile_prune_rejects_other_values() -> None:
+    with pytest.raises(ConfigError, match="reconcile.prune: must be one of owned, all, none"):
+        default_config("reconcile.prune=some")
+
+
 @pytest.mark.parametrize("yaml_name, needle", [
     ('"a\\nb"', "adapters['a\\nb']: invalid adapter name: must hold printable characters only, found U+000A"),
     ('"x\\e[31m"', "found U+001B"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry
+from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry, resolve_model_name
 
 BASE = "SmolLM2-135M-Instruct"
 
@@ -139,3 +139,23 @@ def test_restore_refuses_foreign_entries(reg):
 def test_error_carries_status_and_message():
     e = LoRAStateError("busy", 409)
     assert e.status == 409 and str(e) == "busy" and e.message == "busy"
+
+
+def test_published_names_follow_every_change():
+    """The HTTP thread resolves names from `published` without the engine: it must follow add,
+    remove and restore, and be a new immutable object each time (never mutated in place)."""
+    r = Registry()
+    assert r.published == ()
+    add(r, "a")
+    add(r, "b")
+    before = r.published
+    assert before == ("a", "b")
+    removed = r.remove("a")
+    assert r.published == ("b",) and before == ("a", "b")
+    r.restore(removed)
+    assert set(r.published) == {"a", "b"}
+    r.replace("b", path="/b2")  # a reload in place keeps the name
+    assert set(r.published) == {"a", "b"}
+    assert resolve_model_name("b", BASE, r.published) == "b"
+    with pytest.raises(LoRAStateError):
+        resolve_model_name("gone", BASE, r.published)

@@ -143,13 +143,16 @@ def test_plan_apply_status(tmp_path: Path, tiny_model_dir: Path, root: Path) -> 
         (tree / "config.yaml").write_text(cfg_text.replace("max_lora_rank: 8", "max_lora_rank: 16"))
         write_inventory(tree / "adapters" / "team_a.yaml", {"a": {"path": root / "a", "pinned": True},
                                                             "b": {"path": root / "b2"}})
+        # x came through the admin API: the default (prune owned) keeps it; --prune all unloads it.
         out = cli("plan", "--detailed-exitcode", *url)
+        assert "= x: unmanaged (loaded through the admin API; kept, reconcile.prune is owned)" in out.stdout
+        out = cli("plan", "--detailed-exitcode", "--prune", "all", *url)
         assert out.returncode == 2
         assert out.stdout.splitlines() == ["- x: unload (not in the config)",
                                            "! lora.max_lora_rank: 8 -> 16 (requires restart)",
                                            "Plan: 0 to load, 0 to reload, 1 to unload, 0 to pin/unpin. "
                                            "1 setting(s) need a restart (not applied live)."]
-        out = cli("apply", "--auto-approve", *url)
+        out = cli("apply", "--auto-approve", "--prune", "all", *url)
         assert out.returncode == 0 and "Restart the server" in out.stdout, out.stdout
         assert set(live(srv.url)) == {"a", "b", "d", "e"}
         status = admin(srv.url, "/v1/status").json()

@@ -205,9 +205,10 @@ def test_watch_configmap_swaps(tmp_path: Path, tiny_model_dir: Path, root: Path,
 
 
 def test_resync_repairs_drift(tmp_path: Path, tiny_model_dir: Path, root: Path) -> None:
-    """With watch off, the periodic resync still unloads an adapter loaded behind the config's back."""
+    """With watch off and prune all, the periodic resync still unloads an adapter loaded behind the
+    config's back."""
     tree = write_tree(tmp_path / "configs", tiny_model_dir, root, {"team": {"keep": {"path": root / "keep"}}},
-                      watch=False, resync_s=0.5)
+                      watch=False, resync_s=0.5, prune="all")
     srv = ServerThread(compose_config(tree, ["server.port=0"]), ConfigSource(tree, ("server.port=0",))).start()
     try:
         r = admin(srv.url, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(root / "b")})
@@ -215,5 +216,30 @@ def test_resync_repairs_drift(tmp_path: Path, tiny_model_dir: Path, root: Path) 
         wait_for(names_are(srv.url, "keep"), CONVERGE_S)
         last = status(srv.url)["last_reconcile"]
         assert last["trigger"] == "resync" and last["result"] == "success"
+    finally:
+        srv.stop()
+
+
+def test_resync_prunes_only_what_the_config_owns(tmp_path: Path, tiny_model_dir: Path, root: Path) -> None:
+    """The default (prune owned): an adapter loaded through the admin API survives resyncs; one the
+    config declared is unloaded once it leaves the file; a declared one the API loaded is adopted."""
+    tree = write_tree(tmp_path / "configs", tiny_model_dir, root,
+                      {"team": {"keep": {"path": root / "keep"}, "gone": {"path": root / "c"}}},
+                      watch=False, resync_s=0.3)
+    srv = ServerThread(compose_config(tree, ["server.port=0"]), ConfigSource(tree, ("server.port=0",))).start()
+    try:
+        r = admin(srv.url, "/load_lora_adapter", {"lora_name": "b", "lora_path": str(root / "b")})
+        assert r.status_code == 200 and r.json()["adapter"]["managed"] is False, r.text
+        write_inventory(tree / "adapters" / "team.yaml", {"keep": {"path": root / "keep"}})
+        wait_for(names_are(srv.url, "b", "keep"), CONVERGE_S)
+        seen = status(srv.url)["last_reconcile"]["at"]
+        wait_for(lambda: status(srv.url)["last_reconcile"]["at"] != seen, CONVERGE_S)  # one more resync
+        body = admin(srv.url, "/v1/adapters").json()
+        assert {d["name"]: d["managed"] for d in body["data"]} == {"b": False, "keep": True}
+        # Declared now with the same files: adopted (no reload), so it goes once the file drops it.
+        write_inventory(tree / "adapters" / "team.yaml", {"keep": {"path": root / "keep"}, "b": {"path": root / "b"}})
+        wait_for(lambda: live(srv.url)["b"].get("managed") is True, CONVERGE_S)
+        write_inventory(tree / "adapters" / "team.yaml", {"keep": {"path": root / "keep"}})
+        wait_for(names_are(srv.url, "keep"), CONVERGE_S)
     finally:
         srv.stop()

@@ -4,8 +4,9 @@ from appliance.config.restart import SettingChange
 from appliance.reconcile.plan import AdapterState, plan, render
 
 
-def st(name: str, path: str = "/a", pinned: bool = False, checksum: str = "c" * 64) -> AdapterState:
-    return AdapterState(name, path, pinned, checksum)
+def st(name: str, path: str = "/a", pinned: bool = False, checksum: str = "c" * 64,
+       managed: bool = True) -> AdapterState:
+    return AdapterState(name, path, pinned, checksum, managed)
 
 
 def test_no_changes() -> None:
@@ -40,10 +41,26 @@ def test_path_change_wins_over_pin_change() -> None:
 
 
 def test_no_prune_keeps_drift_and_says_so() -> None:
-    p = plan({"a": st("a")}, {"a": st("a"), "extra": st("extra")}, prune=False)
+    p = plan({"a": st("a")}, {"a": st("a"), "extra": st("extra")}, prune="none")
     assert p.actions == [] and p.kept == ["extra"] and not p.has_changes
     assert render(p).splitlines() == ["= extra: kept (live but not in the config; pruning is off)",
                                       "No changes. The live adapters match the config."]
+
+
+def test_prune_owned_unloads_only_what_the_config_declared() -> None:
+    # "api" was loaded through the admin API, "gone" was declared by the config and left the file.
+    live = {"api": st("api", managed=False), "gone": st("gone"), "a": st("a")}
+    p = plan({"a": st("a")}, live, prune="owned")
+    assert [(a.kind, a.name) for a in p.actions] == [("unload", "gone")]
+    assert p.unmanaged == ["api"] and p.kept == []
+    assert render(p).splitlines()[:2] == [
+        "- gone: unload (not in the config)",
+        "= api: unmanaged (loaded through the admin API; kept, reconcile.prune is owned)"]
+    # The default is "owned"; "all" unloads the admin API's adapters too, "none" keeps both.
+    assert [a.name for a in plan({"a": st("a")}, live).actions] == ["gone"]
+    assert [a.name for a in plan({"a": st("a")}, live, prune="all").actions] == ["api", "gone"]
+    p = plan({"a": st("a")}, live, prune="none")
+    assert p.actions == [] and p.kept == ["api", "gone"]
 
 
 def test_broken_adapter_is_reported_and_its_live_copy_kept() -> None:

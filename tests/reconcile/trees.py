@@ -17,7 +17,8 @@ KEY = "reconcile-secret"
 
 
 def write_tree(dest: Path, model: Path, root: Path, inventories: dict[str, dict[str, dict]],
-               max_rank: int = 8, slots: int = 3, watch: bool = False, resync_s: float = 0) -> Path:
+               max_rank: int = 8, slots: int = 3, watch: bool = False, resync_s: float = 0,
+               prune: str = "owned") -> Path:
     """A full config tree at `dest`: every file under `inventories` becomes adapters/<file>.yaml and
     is selected in config.yaml's defaults list (the multi-select group)."""
     shutil.copytree(REPO / "configs", dest, dirs_exist_ok=True)
@@ -29,7 +30,8 @@ def write_tree(dest: Path, model: Path, root: Path, inventories: dict[str, dict[
     text += (f"model:\n  path: {model}\n  name: tiny\nserver:\n  admin_key: {KEY}\n"
              f"lora:\n  enabled: true\n  max_lora_rank: {max_rank}\n  max_loras_per_batch: {slots}\n"
              f"  adapter_roots: [{root}]\n"
-             f"reconcile:\n  watch: {str(watch).lower()}\n  debounce_s: 0.2\n  resync_s: {resync_s}\n")
+             f"reconcile:\n  watch: {str(watch).lower()}\n  debounce_s: 0.2\n  resync_s: {resync_s}\n"
+             f"  prune: {prune}\n")
     (dest / "config.yaml").write_text(text)
     return dest
 
