@@ -14,6 +14,7 @@ that arrive after it join the engine's FIFO queue between its pieces instead of 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator, Optional, Union
 
 from appliance.engine.async_engine import AsyncEngine
@@ -39,6 +40,7 @@ class RequestGroup:
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._buffer: list[tuple[int, RequestOutput]] = []  # updates read by start(), not yet yielded
+        self._held: list[_Item] = []  # taken off the queue while merging, to hand out next
 
     def job_request_id(self, index: int) -> str:
         return self.request_id if len(self._jobs) == 1 else f"{self.request_id}-{index}"
@@ -65,7 +67,10 @@ class RequestGroup:
             raise
 
     async def updates(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every update (index, delta) after start(), applied to `choices`; ends when all finished."""
+        """Every update (index, delta) after start(), applied to `choices`; ends when all finished.
+        Updates of one job that queued up while the stream was being written are merged into one
+        (text and token ids joined): a client that falls behind gets fewer, larger events, not a
+        growing backlog, and nothing is dropped."""
         while self._buffer:
             i, out = self._buffer.pop(0)
             self._apply(i, out)
@@ -74,8 +79,25 @@ class RequestGroup:
             i, item = await self._next()
             if isinstance(item, Exception):
                 raise item
-            self._apply(i, item)
-            yield i, item
+            for i, out in self._merge_queued(i, item):
+                self._apply(i, out)
+                yield i, out
+
+    def _merge_queued(self, i: int, first: RequestOutput) -> list[tuple[int, RequestOutput]]:
+        """`first` and whatever is queued behind it, consecutive updates of one job merged. An error
+        and what follows it are held back for the next _next(), which raises it."""
+        merged: list[tuple[int, RequestOutput]] = [(i, first)]
+        while not self._held and not self._queue.empty():
+            j, item = self._queue.get_nowait()
+            if isinstance(item, Exception):
+                self._held.append((j, item))
+                break
+            last_i, last = merged[-1]
+            if j == last_i and not last.finished:
+                merged[-1] = (j, _join(last, item))
+            else:
+                merged.append((j, item))
+        return merged
 
     async def collect(self) -> list[Choice]:
         async for _ in self.updates():
@@ -95,6 +117,8 @@ class RequestGroup:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _next(self) -> _Item:
+        if self._held:
+            return self._held.pop(0)
         if self._deadline is None:
             return await self._queue.get()
         return await self._deadline.wait(self._queue.get())
@@ -122,3 +146,8 @@ class RequestGroup:
         finally:
             if self._window is not None:
                 self._window.release()
+
+
+def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive updates of one request as one: `b`'s state, both deltas."""
+    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text)
