@@ -71,7 +71,7 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
     config dir and overrides `cfg` was composed from, which hot reload composes again."""
     api = _Api(engine, cfg, source)
     # One limit shared by every inference route (server.max_concurrent_requests).
-    limit = ConcurrencyLimit(cfg.server.max_concurrent_requests, api.body)
+    limit = ConcurrencyLimit(cfg.server.max_concurrent_requests, api.body, api.admit)
     metrics = _metrics(engine, cfg)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -267,13 +267,17 @@ class _Api:
         return _sse_stream(group, [], item, None)
 
     # ------------------------------------------------------------------------------ plumbing
-    async def _parse(self, request: Request,
-                     parse: Callable[[dict, RequestLimits], ParsedRequest]) -> tuple[ParsedRequest, str]:
-        """Parse the body and resolve its model / adapters; returns the request and the `model` to
-        answer with (the base model's name, or the adapter as the client named it)."""
+    def admit(self, request: Request) -> None:
+        """What an inference request must pass before its body is read: its API key, and no drain."""
         self.auth.check(request)
         if self.state.draining:
             raise ApiError(503, "The server is shutting down.", code="draining")
+
+    async def _parse(self, request: Request,
+                     parse: Callable[[dict, RequestLimits], ParsedRequest]) -> tuple[ParsedRequest, str]:
+        """Parse the body and resolve its model / adapters; returns the request and the `model` to
+        answer with (the base model's name, or the adapter as the client named it). `admit` ran
+        before the body was read (ConcurrencyLimit)."""
         req = parse(await self._read_json(request), self.limits)
         base = self.cfg.model.name
         if req.lora_paths is not None:  # /generate: one adapter per input

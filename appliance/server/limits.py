@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Optional, TypeVar
+from typing import Awaitable, Callable, Optional, TypeVar
 
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.server.errors import ApiError
@@ -84,11 +84,13 @@ class BodyLimits:
 
 class ConcurrencyLimit:
     """At most `limit` requests (0 = no limit) inside every ASGI app that `wrap` returned, together,
-    each counted once its body (read under `body`) is in."""
+    each counted once its body (read under `body`) is in. `admit` runs first, before anything is
+    read: the API key and draining checks, so a client without a key cannot make us buffer bodies."""
 
-    def __init__(self, limit: int, body: BodyLimits) -> None:
+    def __init__(self, limit: int, body: BodyLimits, admit: Callable[[Request], None] = lambda r: None) -> None:
         self.limit = limit
         self.body = body
+        self.admit = admit
         self.active = 0
         self.reading = 0  # requests whose body is being read (they hold no slot), for tests and logs
         self.refused = 0  # total 429s given, for tests and logs
@@ -98,6 +100,11 @@ class ConcurrencyLimit:
         return _Limited(app, self)
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            self.admit(Request(scope))
+        except ApiError as e:
+            await e.response()(scope, receive, send)
+            return
         if self._full():  # refused before the body is read: a flood costs us nothing
             await self._refuse(scope, receive, send)
             return

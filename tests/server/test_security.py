@@ -198,3 +198,19 @@ def test_values_from_the_environment_are_never_echoed(env_values_server, caplog:
     assert "+ inv: load (not loaded (<from env SEC_ROOT>/s1))" in plan_out, plan_out
     texts = [json.dumps(status), bad.text, plan_out, caplog.text]
     assert not [t for t in texts if ROOT_MARK in t or "SEC_SEQS=9" in t], texts
+
+
+def test_a_request_without_a_key_is_refused_before_its_body_is_read(env_server: tuple[ServerThread, Path]) -> None:
+    """Bodies are read before a request takes a concurrency slot (issue 29), but never for a client
+    without a valid key: a never-ending body without one gets 401 at once, not a read and a 408."""
+    import socket
+    import time
+
+    srv, _ = env_server
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n")
+        head = s.recv(65536)
+    assert head.startswith(b"HTTP/1.1 401"), head
+    assert time.monotonic() - t0 < 10  # the body timeout is 30 s
