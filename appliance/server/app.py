@@ -164,7 +164,9 @@ class _Api:
         if lora is not None:
             entries = await run_on_engine(self.engine, lora.registry.entries)
             cards += [adapter_card(e, base, self.admin.created(e.id, self.created)) for e in entries]
-        return JSONResponse({"object": "list", "data": cards})
+        # Any client may read this list: paths from ${oc.env:...} (the model cache, adapter roots) are
+        # redacted. /v1/adapters (admin key) keeps them: `appliance plan` compares them.
+        return JSONResponse(self.state.reconciler.env.redact_all({"object": "list", "data": cards}))
 
     def resolve_model(self, names: list[Optional[str]], param: str) -> list[Optional[str]]:
         """The adapter name (None = base model) for each name a client sent as `model` or

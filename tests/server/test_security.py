@@ -177,6 +177,8 @@ def test_values_from_the_environment_are_never_echoed(env_values_server, caplog:
     status = requests.get(srv.url + "/v1/status", headers=adm, timeout=30).json()
     assert status["settings"]["lora.adapter_roots"] == "<from env SEC_ROOT>"
     assert status["settings"]["engine.max_num_seqs"] == "<from env SEC_SEQS>"
+    models = requests.get(srv.url + "/v1/models", timeout=30).text  # the inventory adapter's card
+    assert "<from env SEC_ROOT>/s1" in models, models
     bad = requests.post(srv.url + "/load_lora_adapter", headers=adm, timeout=30,
                         json={"lora_name": "x", "lora_path": "/etc"})
     assert bad.status_code == 400 and "<from env SEC_ROOT>" in bad.json()["error"]["message"], bad.text
@@ -196,7 +198,7 @@ def test_values_from_the_environment_are_never_echoed(env_values_server, caplog:
     assert main(["plan", "--config-dir", str(tree), "--url", srv.url, *overrides]) == 0
     plan_out = capsys.readouterr().out
     assert "+ inv: load (not loaded (<from env SEC_ROOT>/s1))" in plan_out, plan_out
-    texts = [json.dumps(status), bad.text, plan_out, caplog.text]
+    texts = [json.dumps(status), bad.text, plan_out, caplog.text, models]
     assert not [t for t in texts if ROOT_MARK in t or "SEC_SEQS=9" in t], texts
 
 
