@@ -217,6 +217,8 @@ def _bench_serve_parser() -> argparse.ArgumentParser:
     a("--no-compare-in-process", dest="compare_in_process", action="store_false")
     a("--server-timeout-s", type=float, default=d.server_timeout_s, help="wait this long for /health")
     a("--request-timeout-s", type=float, default=d.request_timeout_s)
+    a("--client-procs", type=int, default=d.client_procs,
+      help="HTTP client processes (default 0: one per two cores, at most 8)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bars")
     _config_args(p)
     p.set_defaults(func=_bench_serve)

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from appliance.bench import report
-from appliance.bench.serve_client import (Driver, GenerateDriver, OpenAIDriver, RequestSpec, Result, closed_loop,
-                                          http_client, import_openai, open_loop)
+from appliance.bench.serve_client import (Driver, HttpTarget, RequestSpec, Result, closed_loop, drive_processes,
+                                          httpx_module, import_openai, open_loop)
 from appliance.bench.serve_options import ADMIN_KEY_ENV, ServeOptions
 from appliance.bench.serve_process import ServerApi, ServerProcess, free_port
 from appliance.bench.serve_report import plots, render
@@ -55,7 +55,9 @@ class ServeBench:
     def __init__(self, config_dir: Optional[str], overrides: Sequence[str], opts: ServeOptions, keys: Keys,
                  command: str) -> None:
         opts.check()
-        import_openai()  # fail before a server starts, with the install hint
+        # Fail before a server starts, with the install hint: chat/completions need the openai
+        # client, /generate only its HTTP library.
+        import_openai() if opts.api in ("chat", "completions", "auto") else httpx_module()
         self.opts, self.config_dir, self.keys = opts, config_dir, keys
         self.out = Path(opts.out)
         # A benchmark keeps the adapter set still: no hot reload, no resync (prune=all would unload ours); a
@@ -285,24 +287,33 @@ class ServeBench:
 
     def _http_rows(self, api: ServerApi, route: str, base: str, specs: dict, warm: dict, url: str,
                    api_key: Optional[str]) -> None:
-        def make() -> Driver:
-            http = http_client(self.opts.request_timeout_s)
-            if route == "generate":
-                return GenerateDriver(url, api_key, http)
-            return OpenAIDriver(url, api_key, base, route, http)
-
+        target = HttpTarget(route, url, api_key, base, self.opts.request_timeout_s)
+        procs = self.opts.client_processes()
         for mix in self.opts.mixes:
             for load, x in self._points():
                 label = f"{mix} {load} {x:g}"
                 before: dict[str, float] = {}
-                results, wall, cpu = self._drive(make, specs[mix], warm[mix], load, x, f"http {label}",
-                                                 lambda: before.update(counter_samples(api.metrics())))
+
+                def measuring() -> None:
+                    before.update(counter_samples(api.metrics()))
+
+                if procs > 1:
+                    wave = int(x) if load == "closed" else 16
+                    arrivals = (poisson_arrivals(len(specs[mix]), x, self.opts.seed + 5)
+                                if load == "poisson" else None)
+                    d = drive_processes(target, specs[mix], warm[mix][:self._warmup_count(wave)],
+                                        int(x) if load == "closed" else None, arrivals, procs, measuring)
+                    results, wall, util = d.results, d.wall_s, d.client_cpu_util
+                else:
+                    results, wall, cpu = self._drive(target.driver, specs[mix], warm[mix], load, x,
+                                                     f"http {label}", measuring)
+                    util = cpu / wall
                 deltas = counter_deltas(before, counter_samples(api.metrics()))
                 row = {"mix": mix, "load": load, "concurrency": int(x) if load == "closed" else None,
                        "rate_rps": x if load == "poisson" else None,
                        **summarize(results, wall, [s.output_len for s in specs[mix]]),
-                       # Near 1: the client (one Python thread) may be what limits the row, not the server.
-                       "client_cpu_util": round(cpu / wall, 3),
+                       # Near 1: the busiest client process may be what limits the row, not the server.
+                       "client_cpu_util": round(util, 3), "client_processes": procs,
                        "server": server_summary(deltas), "metrics_delta": deltas}
                 self.res["rows"].append(row)
                 report.write_json(self.res, self.out / "serve.json")

@@ -91,16 +91,20 @@ def import_openai() -> Any:
 
 
 def httpx_module() -> Any:
-    """The HTTP client library the openai client brings: httpx2 (openai >= 3) or httpx (before)."""
-    import_openai()
+    """The HTTP client library the openai client brings: httpx2 (openai >= 3) or httpx (before). The
+    /generate rows need only this, so a host with httpx and no openai can still run them."""
     try:
         import httpx2
 
         return httpx2
     except ImportError:
+        pass
+    try:
         import httpx
 
         return httpx
+    except ImportError:
+        raise ConfigError(f"bench serve needs httpx (the openai client brings it): {INSTALL_HINT}") from None
 
 
 def http_client(timeout_s: float) -> Any:
@@ -236,3 +240,96 @@ async def open_loop(send: Driver, specs: Sequence[RequestSpec], arrivals: Sequen
         tasks.append(asyncio.create_task(one(spec)))
     results = await asyncio.gather(*tasks)
     return list(results), time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class HttpTarget:
+    """What a client process needs to build its own driver (an HTTP client belongs to one event loop,
+    so drivers do not cross processes)."""
+
+    route: str  # chat | completions | generate
+    url: str
+    api_key: Optional[str]
+    base_model: str
+    timeout_s: float
+
+    def driver(self) -> Driver:
+        http = http_client(self.timeout_s)
+        if self.route == "generate":
+            return GenerateDriver(self.url, self.api_key, http)
+        return OpenAIDriver(self.url, self.api_key, self.base_model, self.route, http)
+
+
+@dataclass
+class Drive:
+    """One load point: the measured results (in the order of the specs), the wall time, and the CPU
+    share of the busiest client process (near 1: the client, not the server, may limit the row)."""
+
+    results: list[Result]
+    wall_s: float
+    client_cpu_util: float
+
+
+def drive_processes(target: HttpTarget, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec],
+                    concurrency: Optional[int], arrivals: Optional[Sequence[float]], procs: int,
+                    measuring: Optional[Callable[[], None]] = None) -> Drive:
+    """The load point spread over `procs` client processes (one Python thread streams a few thousand
+    events a second, less than a GPU server sends): request i and its arrival go to process i % procs,
+    a closed loop's concurrency is split among them. Each warms up, then all start together after
+    `measuring()` ran here."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold threads and an event loop
+    barrier = ctx.Barrier(procs + 1)
+    queue = ctx.Queue()
+    shares = [concurrency // procs + (p < concurrency % procs) for p in range(procs)] if concurrency else [0] * procs
+    workers = [ctx.Process(target=_client_process, daemon=True, args=(
+        p, target, list(specs[p::procs]), list(warm[p::procs]), shares[p],
+        None if arrivals is None else list(arrivals[p::procs]), barrier, queue)) for p in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        barrier.wait(timeout=target.timeout_s)  # every client warmed up
+        if measuring is not None:
+            measuring()
+        barrier.wait(timeout=60)
+        got = dict(queue.get(timeout=target.timeout_s) for _ in workers)
+    finally:
+        for w in workers:
+            w.join(timeout=30)
+            if w.is_alive():
+                w.kill()
+    errors = [v for v in got.values() if isinstance(v, str)]
+    if errors:
+        raise RuntimeError(f"a client process failed: {errors[0]}")
+    results: list[Optional[Result]] = [None] * len(specs)
+    for p, (res, _, _, _) in got.items():
+        results[p::procs] = res
+    start, end = min(v[1] for v in got.values()), max(v[2] for v in got.values())
+    util = max(v[3] / max(v[2] - v[1], 1e-9) for v in got.values())
+    return Drive([r for r in results if r is not None], end - start, util)
+
+
+def _client_process(index: int, target: HttpTarget, specs: list[RequestSpec], warm: list[RequestSpec],
+                    concurrency: int, arrivals: Optional[list[float]], barrier: Any, queue: Any) -> None:
+    async def run() -> tuple[list[Result], float, float, float]:
+        send = target.driver()
+        try:
+            if warm:
+                await closed_loop(send, warm, max(1, concurrency or len(warm)))
+            barrier.wait()  # nothing in flight on this loop: blocking is fine
+            barrier.wait()  # the parent took its "before" snapshot
+            cpu0, t0 = time.process_time(), time.time()
+            if arrivals is None:
+                results, _ = await closed_loop(send, specs, concurrency)
+            else:
+                results, _ = await open_loop(send, specs, arrivals)
+            return results, t0, time.time(), time.process_time() - cpu0
+        finally:
+            await send.aclose()
+
+    try:
+        queue.put((index, asyncio.run(run())))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        barrier.abort()
+        queue.put((index, f"{type(e).__name__}: {e}"))

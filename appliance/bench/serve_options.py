@@ -48,12 +48,24 @@ class ServeOptions:
     server_timeout_s: float = 900.0  # model load, graph capture and warm-up of a started server
     request_timeout_s: float = 3600.0  # one request, client side
     progress: bool = True
+    # HTTP client processes; 0 = one per two cores, at most 8 (one Python thread streams a few thousand
+    # events a second: on a GPU server a single client would be the bottleneck).
+    client_procs: int = 0
+
+    def client_processes(self) -> int:
+        if self.client_procs:
+            return self.client_procs
+        import os
+
+        return max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def check(self) -> None:
         if self.api not in APIS:
             raise ConfigError(f"bench serve --api: {self.api!r} is not one of {', '.join(APIS)}")
         if not self.concurrency and not self.rate:
             raise ConfigError("bench serve: give at least one load point (--concurrency or --rate)")
+        if self.client_procs < 0:
+            raise ConfigError(f"bench serve --client-procs: must be >= 0 (0 = automatic), got {self.client_procs}")
         if any(c < 1 for c in self.concurrency):
             raise ConfigError(f"bench serve --concurrency: each must be >= 1, got {self.concurrency}")
         if any(not r > 0 for r in self.rate):

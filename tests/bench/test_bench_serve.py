@@ -91,6 +91,24 @@ def test_serve_generate_shape_model_end_to_end(tmp_path: Path, capsys: pytest.Ca
         assert res["plots"] == [str(out / "serve.png")] and (out / "serve.png").stat().st_size > 1000
 
 
+def test_serve_spreads_the_client_over_processes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--client-procs 2: each load point's requests split over two client processes, every request
+    measured once, the server's counters taken around the measured requests only."""
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "out"
+    rc = main(["bench", "serve", "--out", str(out), *SMALL, "--prompt-len", "8", "--concurrency", "3",
+               "--rate", "50", "--mix", "one", "--adapters", "1", "--rank", "8", "--client-procs", "2",
+               "--no-compare-in-process", f"model.path={shape}", *SHAPE, "lora.max_loras_per_batch=2"])
+    assert rc == 0, capsys.readouterr().out
+    rows = json.loads((out / "serve.json").read_text())["rows"]
+    assert [(r["load"], r["client_processes"]) for r in rows] == [("closed", 2), ("poisson", 2)]
+    for r in rows:
+        _check_row(r, 8, 4)
+        assert 0 < r["client_cpu_util"]
+
+
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_serve_openai_routes_end_to_end(api: str, tmp_path: Path, tiny_model_dir: Path,
                                         capsys: pytest.CaptureFixture) -> None:
