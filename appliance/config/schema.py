@@ -190,7 +190,7 @@ class ServerConfig:
     max_prompts_per_request: int = 256
     # Prompts of one request in the engine at once; the rest enter as those finish, so a large
     # batch is admitted in pieces and other requests interleave with it.
-    prompts_in_flight_per_request: int = 16
+    prompts_in_flight_per_request: int = 64
     log_level: str = "info"
 
     def check(self) -> None:
