@@ -81,14 +81,19 @@ def lora_apply_gathered(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: to
                         token_slots: torch.Tensor, out_offsets: Sequence[int]) -> torch.Tensor:
     """The same math with each token's A and B gathered: a fixed handful of ops however many adapters
     the step holds, at the price of copying [T, n, R, in] + [T, out, R] weights. The `torch` backend
-    uses it for small steps (decode), where the per-adapter loop's op count dominates."""
-    valid = (token_slots >= 0).to(x.dtype)
+    uses it for small steps (decode), where the per-adapter loop's op count dominates.
+
+    Base tokens gather slot 0's weights (any slot would do) and their results are *selected* away, not
+    multiplied by 0: slot 0 may hold anything, NaN included, and 0 * NaN = NaN would leak into their rows.
+    """
+    valid = (token_slots >= 0)[:, None]  # [T, 1]
     s = token_slots.clamp(min=0)
-    h = torch.einsum("ti,tnri->tnr", x, A[s]) * valid[:, None, None]  # base tokens contribute 0
+    zero = torch.zeros((), dtype=y.dtype, device=y.device)
+    h = torch.einsum("ti,tnri->tnr", x, A[s])  # [T, n, R]; base rows: garbage, never used
     Bs = B[s]  # [T, out, R]
     for i in range(len(out_offsets) - 1):
         lo, hi = out_offsets[i], out_offsets[i + 1]
-        y[:, lo:hi] += torch.einsum("tr,tor->to", h[:, i], Bs[:, lo:hi])
+        y[:, lo:hi] += torch.where(valid, torch.einsum("tr,tor->to", h[:, i], Bs[:, lo:hi]), zero)
     return y
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from appliance.lora.adapter_files import AdapterError
 from appliance.lora.batch import LoRABatchInfo
 from appliance.models.llama import LlamaModel, MergedLinear
 from kernels.reference import lora_apply_gathered, lora_apply_grouped
@@ -175,7 +176,20 @@ class LoRALinear(nn.Module):
         return y, h
 
     def load_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str) -> None:
-        """Fill `slot` from an adapter's weights {"layers.{i}.{proj}": (A [r, in], B·scale [out, r])}."""
+        """Fill `slot` from an adapter's weights {"layers.{i}.{proj}": (A [r, in], B·scale [out, r])}.
+
+        Every shape is checked before the first copy (AdapterError: the caller frees the slot and fails
+        only that adapter's requests); a copy's own RuntimeError would end the engine's step instead."""
+        R, n_in = self.A.shape[2], self.A.shape[3]
+        for i, proj in enumerate(self.slice_names):
+            ab = weights.get(f"{prefix}.{proj}")
+            if ab is None:
+                continue
+            a, b = ab
+            r, rows = a.shape[0] if a.dim() == 2 else -1, self.out_offsets[i + 1] - self.out_offsets[i]
+            if a.dim() != 2 or b.dim() != 2 or not 1 <= r <= R or a.shape[1] != n_in or tuple(b.shape) != (rows, r):
+                raise AdapterError(f"{prefix}.{proj}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit "
+                                   f"the slot (rank <= {R}, lora_A [r, {n_in}], lora_B [{rows}, r])")
         self.A[slot].zero_()
         self.B[slot].zero_()
         for i, proj in enumerate(self.slice_names):

@@ -33,7 +33,7 @@ import torch
 
 from appliance.config.schema import ConfigError, LoRAConfig
 from appliance.engine.stats import LoadTier, StatsRecorder
-from appliance.lora.adapter import AdapterError, AdapterSpec, inspect_adapter, load_adapter_weights, resolve_adapter_path
+from appliance.lora.adapter import AdapterError, AdapterSpec, adapter_weights, load_adapter_weights, read_adapter
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.cache import HostCache
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
@@ -132,20 +132,20 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ admin operations
     def prepare(self, path: str) -> PreparedLoad:
-        """Resolve, inspect and read the adapter at `path` without touching engine state, so it may run
-        on any thread (the admin API does, with overlap loading: the batch keeps running meanwhile).
-        Never raises AdapterError: a refusal is handed to `load`, which reports it after its own checks."""
-        try:
-            resolved = resolve_adapter_path(path, self.cfg.adapter_roots)
-            spec = inspect_adapter(resolved, self.cfg, self.args)
-        except AdapterError as e:
-            return PreparedLoad(error=e)
+        """Read the adapter at `path` once, validate it and parse its weights from the same bytes, without
+        touching engine state, so it may run on any thread (the admin API runs it on a worker thread: the
+        batch keeps running meanwhile). Never raises AdapterError: a refusal is handed to `load`, which
+        reports it after its own checks."""
         t0 = time.perf_counter()
         try:
-            weights = self._pinned(load_adapter_weights(spec, self.dtype))
+            spec, files = read_adapter(path, self.cfg, self.args)
+        except AdapterError as e:
+            return PreparedLoad(error=e)
+        try:
+            weights = self._pinned(adapter_weights(spec, files, self.dtype))
         except AdapterError as e:
             return PreparedLoad(error=e, read_failed=True, read_s=time.perf_counter() - t0)
-        return PreparedLoad(resolved, spec, weights, time.perf_counter() - t0)
+        return PreparedLoad(spec.path, spec, weights, time.perf_counter() - t0)
 
     def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False,
              prepared: Optional[PreparedLoad] = None) -> AdapterEntry:
@@ -427,16 +427,16 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ internals
     def _read_cold(self, spec: AdapterSpec) -> Weights:
-        """A cold read: the path is confined again (the dir or its files may have been replaced by
-        symlinks leading out of lora.adapter_roots since the adapter was registered), then the files
-        are read, checked against the registered checksum and, on CUDA with overlap, pinned. Touches
-        no engine state: with overlap loading it runs on a reader thread."""
-        resolve_adapter_path(str(spec.path), self.cfg.adapter_roots)
+        """A cold read: the files are read once more through descriptors confined to
+        lora.adapter_roots (the dir or its files may have been replaced by symlinks leading out of them
+        since the adapter was registered), validated again, checked against the registered checksum
+        and, on CUDA with overlap, pinned. Touches no engine state: with overlap loading it runs on a
+        reader thread."""
         if self.cfg.fault_injection_read_delay_s > 0:
             from appliance.engine.faults import slow_read
 
             slow_read(self.cfg.fault_injection_read_delay_s)
-        return self._pinned(load_adapter_weights(spec, self.dtype))
+        return self._pinned(load_adapter_weights(spec, self.dtype, self.cfg, self.args))
 
     def _pinned(self, weights: Weights) -> Weights:
         """The same tensors in one pinned host buffer per adapter (one page-locked allocation, not one

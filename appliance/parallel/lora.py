@@ -133,8 +133,8 @@ class WorkerAdapters:
 
     def _read(self, spec: AdapterSpec) -> Weights:
         # The whole file is read (its checksum covers every byte); only this rank's part is kept.
-        return {k: (a.clone(), b.clone()) for k, (a, b) in
-                shard_adapter(load_adapter_weights(spec, self.dtype), self.layout).items()}
+        weights = load_adapter_weights(spec, self.dtype, self.cfg, self.layout.args)
+        return {k: (a.clone(), b.clone()) for k, (a, b) in shard_adapter(weights, self.layout).items()}
 
     def _put(self, key: str, shard: Weights) -> None:
         self.shards[key] = shard

@@ -15,8 +15,9 @@ The operations themselves are `AdapterAdmin`'s, which the in-process reconciler 
 too. Changes hold `AdapterAdmin.lock`, as a whole reconcile does, so an admin call never interleaves
 with a reconcile's plan and apply. Every read or change of LoRA state runs on the engine thread through
 `AsyncEngine.call`, between two steps: the manager, its registry and its slot pool are single-threaded, and the engine thread mutates
-them while it steps. A load also reads and checks the adapter's files there, so a large adapter pauses
-stepping for as long as that takes (loading beside the running batch is a later item).
+them while it steps. A load reads and checks the adapter's files on a worker thread first
+(LoRAManager.prepare), so parsing a large or hostile adapter never pauses stepping; only its commit
+runs on the engine thread.
 
 Refusals keep the OpenAI error shape: AdapterError (the adapter's files or path) -> 400,
 LoRAStateError -> its own status (404 unknown name, 409 duplicate name or no slot free to pin,
@@ -79,9 +80,10 @@ class AdapterAdmin:
         if problem is not None:
             raise ApiError(400, f"invalid adapter name {shown(name)}: {problem}", param="lora_name",
                            code="invalid_lora_request")
-        # With overlap loading the files are read and checked on a worker thread while the batch runs;
-        # only the commit (names, pin, registry) takes the engine thread. Without, all of it runs there.
-        prepared = await asyncio.to_thread(lora.prepare, path) if lora.reader is not None else None
+        # The files are read, parsed and checked on a worker thread while the batch runs (an adapter's
+        # config may be slow to check: thousands of rank_pattern keys); only the commit (names, pin,
+        # registry) takes the engine thread. A refusal comes back from `load`, after its name checks.
+        prepared = await asyncio.to_thread(lora.prepare, path)
         view = await run_on_engine(self.engine, lambda: adapter_view(
             lora, lora.load(name, path, pinned=pinned, inplace=inplace, prepared=prepared)))
         self.created.setdefault(view["id"], int(time.time()))  # an in-place reload keeps its card's date

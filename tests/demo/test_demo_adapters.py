@@ -60,10 +60,11 @@ def test_shipped_adapter_is_servable(name: str, default_model_dir: Path) -> None
     assert files == ["adapter_config.json", "adapter_model.safetensors"], files
     assert all((d / f).stat().st_size <= MAX_BYTES for f in files)
     lora = default_config().lora
-    spec = inspect_adapter(d, lora, ModelArgs.from_hf_config(read_hf_config(default_model_dir)))
+    args = ModelArgs.from_hf_config(read_hf_config(default_model_dir))
+    spec = inspect_adapter(d, lora, args)
     assert spec.rank <= 16 and set(spec.target_modules) <= set(LORA_TARGETS)
     assert spec.base_model_name == DEFAULT_MODEL_NAME  # the served model's name, not a local path
-    weights = load_adapter_weights(spec, torch.float32)
+    weights = load_adapter_weights(spec, torch.float32, lora, args)
     assert len(weights) == len(spec.module_ranks) and all(torch.isfinite(b).all() for _, b in weights.values())
 
 

@@ -31,6 +31,11 @@ from appliance.models.weights import read_hf_config
 QV = ["q_proj", "v_proj"]
 
 
+def lcfg(**kw: Any) -> LoRAConfig:
+    """LoRA settings whose adapter_roots admit every path: these tests are about the files, not the roots."""
+    return LoRAConfig(adapter_roots=["/"], **kw)
+
+
 def make_adapter(base_dir: Path, dest: Path, safe: bool = True, **kw: Any) -> PeftModel:
     """Save a peft LoRA with random (non-zero) A and B for the model in base_dir; return the PeftModel."""
     torch.manual_seed(len(str(dest)))
@@ -88,7 +93,7 @@ CASES = {
 def test_spec_and_weights_match_peft(case: str, tiny_model_dir: Path, args: ModelArgs, tmp_path: Path) -> None:
     kw = CASES[case]
     model = make_adapter(tiny_model_dir, tmp_path / case, **kw)
-    spec = inspect_adapter(tmp_path / case, LoRAConfig(max_lora_rank=16), args)
+    spec = inspect_adapter(tmp_path / case, lcfg(max_lora_rank=16), args)
     layers = peft_layers(model)
 
     # peft's own reading of r / alpha / rslora / patterns is the oracle, module by module.
@@ -105,7 +110,7 @@ def test_spec_and_weights_match_peft(case: str, tiny_model_dir: Path, args: Mode
     if case.startswith("r8_rslora"):
         assert spec.scales["layers.0.q_proj"] == pytest.approx(16 / 8 ** 0.5)
 
-    weights = load_adapter_weights(spec, torch.float32)
+    weights = load_adapter_weights(spec, torch.float32, lcfg(), args)
     assert set(weights) == set(layers)
     torch.manual_seed(0)
     for name, (a, b) in weights.items():
@@ -119,23 +124,23 @@ def test_spec_and_weights_match_peft(case: str, tiny_model_dir: Path, args: Mode
 
 def test_dtype_checksum_and_hashable(qv: tuple[Path, PeftModel], args: ModelArgs) -> None:
     d, _ = qv
-    spec = inspect_adapter(d, LoRAConfig(), args)
+    spec = inspect_adapter(d, lcfg(), args)
     raw = (d / "adapter_config.json").read_bytes() + (d / "adapter_model.safetensors").read_bytes()
     assert spec.checksum == hashlib.sha256(raw).hexdigest()
-    assert spec == inspect_adapter(d, LoRAConfig(), args) and len({spec, spec}) == 1
-    f32 = load_adapter_weights(spec, torch.float32)
-    bf16 = load_adapter_weights(spec, torch.bfloat16)
+    assert spec == inspect_adapter(d, lcfg(), args) and len({spec, spec}) == 1
+    f32 = load_adapter_weights(spec, torch.float32, lcfg(), args)
+    bf16 = load_adapter_weights(spec, torch.bfloat16, lcfg(), args)
     for name, (a, b) in bf16.items():
         assert a.dtype == b.dtype == torch.bfloat16
         torch.testing.assert_close(b.float(), f32[name][1], rtol=1e-2, atol=1e-3)
 
 
 def test_changed_on_disk_after_inspect_is_refused(qv_copy: Path, args: ModelArgs) -> None:
-    spec = inspect_adapter(qv_copy, LoRAConfig(), args)
+    spec = inspect_adapter(qv_copy, lcfg(), args)
     t = load_file(qv_copy / "adapter_model.safetensors")
     save_file({k: v * 2 for k, v in t.items()}, qv_copy / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match="changed on disk"):
-        load_adapter_weights(spec, torch.float32)
+        load_adapter_weights(spec, torch.float32, lcfg(), args)
 
 
 def test_adapter_name_in_keys_is_normalised(qv: tuple[Path, PeftModel], qv_copy: Path, args: ModelArgs) -> None:
@@ -143,8 +148,8 @@ def test_adapter_name_in_keys_is_normalised(qv: tuple[Path, PeftModel], qv_copy:
     renamed = {k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
                for k, v in t.items()}
     save_file(renamed, qv_copy / "adapter_model.safetensors")
-    got = load_adapter_weights(inspect_adapter(qv_copy, LoRAConfig(), args), torch.float32)
-    want = load_adapter_weights(inspect_adapter(qv[0], LoRAConfig(), args), torch.float32)
+    got = load_adapter_weights(inspect_adapter(qv_copy, lcfg(), args), torch.float32, lcfg(), args)
+    want = load_adapter_weights(inspect_adapter(qv[0], lcfg(), args), torch.float32, lcfg(), args)
     assert set(got) == set(want)
     for name in want:
         assert torch.equal(got[name][0], want[name][0]) and torch.equal(got[name][1], want[name][1])
@@ -153,9 +158,9 @@ def test_adapter_name_in_keys_is_normalised(qv: tuple[Path, PeftModel], qv_copy:
 def test_all_linear_string_in_config(qv_copy: Path, args: ModelArgs) -> None:
     # peft expands "all-linear" on save; hand-written configs may keep the shorthand.
     edit_config(qv_copy, target_modules="all-linear")
-    assert inspect_adapter(qv_copy, LoRAConfig(), args).target_modules == ("q_proj", "v_proj")
+    assert inspect_adapter(qv_copy, lcfg(), args).target_modules == ("q_proj", "v_proj")
     with pytest.raises(AdapterError, match=r"'k_proj'.*lora\.target_modules"):
-        inspect_adapter(qv_copy, LoRAConfig(target_modules=QV), args)
+        inspect_adapter(qv_copy, lcfg(target_modules=QV), args)
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -169,7 +174,7 @@ def test_peft_features_we_refuse(kw: dict, message: str, tiny_model_dir: Path, a
                                  tmp_path: Path) -> None:
     make_adapter(tiny_model_dir, tmp_path / "a", r=4, lora_alpha=8, **kw)
     with pytest.raises(AdapterError, match=message) as e:
-        inspect_adapter(tmp_path / "a", LoRAConfig(), args)
+        inspect_adapter(tmp_path / "a", lcfg(), args)
     assert "adapter_config.json" in str(e.value)
 
 
@@ -178,37 +183,37 @@ def test_added_token_tensors_refused_even_with_clean_config(qv_copy: Path, args:
     t["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.zeros(4, 10)
     save_file(t, qv_copy / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match="embed_tokens.*added tokens"):
-        inspect_adapter(qv_copy, LoRAConfig(), args)
+        inspect_adapter(qv_copy, lcfg(), args)
 
 
 def test_rank_above_max(qv: tuple[Path, PeftModel], args: ModelArgs) -> None:
     with pytest.raises(AdapterError, match=r"rank 8, above lora\.max_lora_rank 4"):
-        inspect_adapter(qv[0], LoRAConfig(max_lora_rank=4), args)
+        inspect_adapter(qv[0], lcfg(max_lora_rank=4), args)
 
 
 def test_target_outside_lora_target_modules(qv: tuple[Path, PeftModel], args: ModelArgs) -> None:
     with pytest.raises(AdapterError, match=r"\['v_proj'\] not in lora\.target_modules"):
-        inspect_adapter(qv[0], LoRAConfig(target_modules=["q_proj", "k_proj"]), args)
+        inspect_adapter(qv[0], lcfg(target_modules=["q_proj", "k_proj"]), args)
 
 
 def test_shapes_that_do_not_fit_the_base(qv: tuple[Path, PeftModel], args: ModelArgs) -> None:
     with pytest.raises(AdapterError, match=r"layers\.0\.q_proj.*expected lora_A \[8, 32\]"):
-        inspect_adapter(qv[0], LoRAConfig(), dataclasses.replace(args, hidden_size=32))
+        inspect_adapter(qv[0], lcfg(), dataclasses.replace(args, hidden_size=32))
     with pytest.raises(AdapterError, match="layer 1, but the base model has 1 layers"):
-        inspect_adapter(qv[0], LoRAConfig(), dataclasses.replace(args, num_layers=1))
+        inspect_adapter(qv[0], lcfg(), dataclasses.replace(args, num_layers=1))
 
 
 def test_rank_in_config_differs_from_tensors(qv_copy: Path, args: ModelArgs) -> None:
     edit_config(qv_copy, r=4)
     with pytest.raises(AdapterError, match=r"at rank 4: expected lora_A \[4, 64\]"):
-        inspect_adapter(qv_copy, LoRAConfig(), args)
+        inspect_adapter(qv_copy, lcfg(), args)
 
 
 def test_pickle_only_is_never_read(tiny_model_dir: Path, args: ModelArgs, tmp_path: Path) -> None:
     make_adapter(tiny_model_dir, tmp_path / "a", safe=False, r=4, lora_alpha=8, target_modules=QV)
     assert (tmp_path / "a" / "adapter_model.bin").exists()
     with pytest.raises(AdapterError, match="pickle is never read"):
-        inspect_adapter(tmp_path / "a", LoRAConfig(), args)
+        inspect_adapter(tmp_path / "a", lcfg(), args)
 
 
 @pytest.mark.parametrize("keep", [100, 50, 0])
@@ -217,7 +222,7 @@ def test_truncated_safetensors(keep: int, qv_copy: Path, args: ModelArgs) -> Non
     data = f.read_bytes()
     f.write_bytes(data[:keep] if keep < 100 else data[:-100])
     with pytest.raises(AdapterError, match="adapter_model.safetensors: corrupt or truncated"):
-        inspect_adapter(qv_copy, LoRAConfig(), args)
+        inspect_adapter(qv_copy, lcfg(), args)
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -236,7 +241,7 @@ def test_broken_dirs(damage: str, message: str, qv_copy: Path, args: ModelArgs) 
     else:
         edit_config(qv_copy, peft_type="IA3")
     with pytest.raises(AdapterError, match=message):
-        inspect_adapter(qv_copy, LoRAConfig(), args)
+        inspect_adapter(qv_copy, lcfg(), args)
 
 
 def test_resolve_adapter_path(tmp_path: Path) -> None:

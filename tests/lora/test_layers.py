@@ -101,3 +101,23 @@ def test_deferred_gate_up_delta_through_silu_mul_lora() -> None:
             ctx.info = LoRABatchInfo.build([1] * 5, [1, 0, -1, 2, 0], ranks, DEV, backend=backend, max_chunk_size=1)
             with torch.no_grad():
                 assert lin.forward_deferred(x)[1] is None
+
+
+def test_load_slot_refuses_weights_that_do_not_fit_before_copying() -> None:
+    """A slot fill checks every shape first and raises AdapterError (the manager frees the slot and fails
+    only that adapter's requests); a RuntimeError from copy_ would have ended the engine's step."""
+    import pytest
+
+    from appliance.lora.adapter import AdapterError
+    from appliance.lora.layers import load_adapter_into_slot
+
+    lin, ctx = wrapped(False, "torch")
+    ctx.wrappers["layers.0.self_attn.qkv_proj"] = lin
+    before_a, before_b = lin.A[1].clone(), lin.B[1].clone()
+    good = (torch.ones(4, 32), torch.ones(24, 4))
+    for bad in ((torch.ones(4, 16), torch.ones(16, 4)),  # in-features of another model
+                (torch.ones(9, 32), torch.ones(16, 9)),  # rank above the slots' 8
+                (torch.ones(4, 32), torch.ones(16, 3))):  # B's rank differs from A's
+        with pytest.raises(AdapterError, match=r"layers\.0\.k_proj: .* do not fit the slot"):
+            load_adapter_into_slot(ctx, 1, {"layers.0.q_proj": good, "layers.0.k_proj": bad})
+        assert torch.equal(lin.A[1], before_a) and torch.equal(lin.B[1], before_b)  # nothing copied
