@@ -22,6 +22,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from appliance.config.compose import Composed
 from appliance.config.schema import PRUNE_MODES, ApplianceConfig, ConfigError
 from appliance.models.prepare import ModelPrepareError  # cheap: torch is imported only to convert
 
@@ -244,21 +245,23 @@ def _compose(args: argparse.Namespace) -> ApplianceConfig:
     return compose_config(args.config_dir, args.overrides)
 
 
-def _validated(args: argparse.Namespace) -> Optional[ApplianceConfig]:
-    """The config when `appliance validate` finds nothing; else print each problem and return None."""
-    from appliance.config.validate import validate
+def _validated(args: argparse.Namespace) -> Optional[Composed]:
+    """The composed config when `appliance validate` finds nothing; else print each problem (values
+    from the environment redacted) and return None."""
+    from appliance.config.validate import validate_tree
 
-    cfg, problems = validate(args.config_dir, args.overrides)
+    composed, problems = validate_tree(args.config_dir, args.overrides)
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
-    return None if problems else cfg
+    return None if problems else composed
 
 
 def _validate(args: argparse.Namespace) -> int:
-    cfg = _validated(args)
-    if cfg is None:
+    composed = _validated(args)
+    if composed is None:
         return 1
-    print(f"valid: model {cfg.model.name} at {cfg.model.path}, {len(cfg.adapters)} adapter(s)")
+    cfg = composed.cfg
+    print(composed.env.redact(f"valid: model {cfg.model.name} at {cfg.model.path}, {len(cfg.adapters)} adapter(s)"))
     return 0
 
 
@@ -268,8 +271,8 @@ def _plan(args: argparse.Namespace) -> int:
     got = _remote_plan(args)
     if got is None:
         return 1
-    _, p = got
-    print(render(p))
+    _, p, redact = got
+    print(redact(render(p)))
     return 2 if (p.has_changes and args.detailed_exitcode) else 0
 
 
@@ -282,8 +285,8 @@ def _apply(args: argparse.Namespace) -> int:
     got = _remote_plan(args)
     if got is None:
         return 1
-    client, p = got
-    print(render(p))
+    client, p, redact = got
+    print(redact(render(p)))
     if not p.actions:
         if p.restart:
             print("Nothing to apply live; restart the server for the settings above.")
@@ -302,7 +305,7 @@ def _apply(args: argparse.Namespace) -> int:
             return 1
     results = asyncio.run(execute(p.actions, client))
     for r in results:
-        print(r.render())
+        print(redact(r.render()))
     failed = [r for r in results if not r.ok]
     print(f"Apply {'complete' if not failed else 'finished with errors'}: {len(results) - len(failed)} done, "
           f"{len(failed)} failed." + (" Restart the server for the settings marked '!'." if p.restart else ""))
@@ -336,16 +339,18 @@ def _client(cfg: ApplianceConfig, url: Optional[str]):
 
 
 def _remote_plan(args: argparse.Namespace):
-    """Validate the local config, read the server, plan: (client, plan), or None once the config's
-    problems or the server's error are printed."""
+    """Validate the local config, read the server, plan: (client, plan, redact), or None once the
+    config's problems or the server's error are printed. `redact` hides values from the environment
+    in what is printed (the server already hides its own in /v1/status)."""
     from appliance.config.restart import restart_diff, restart_settings
     from appliance.reconcile.client import AdminClientError
     from appliance.reconcile.live import desired_state, live_adapters
     from appliance.reconcile.plan import plan
 
-    cfg = _validated(args)
-    if cfg is None:
+    composed = _validated(args)
+    if composed is None:
         return None
+    cfg, env = composed.cfg, composed.env
     client = _client(cfg, args.url)
     try:
         live = live_adapters(client.adapters())
@@ -353,10 +358,10 @@ def _remote_plan(args: argparse.Namespace):
     except AdminClientError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    restart = restart_diff(status["settings"], restart_settings(cfg)) if status else []
+    restart = restart_diff(status["settings"], restart_settings(cfg, env=env), env) if status else []
     desired, broken = desired_state(cfg)
     prune = "none" if args.no_prune else (args.prune or cfg.reconcile.prune)
-    return client, plan(desired, live, prune=prune, broken=broken, restart=restart)
+    return client, plan(desired, live, prune=prune, broken=broken, restart=restart), env.redact
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -430,10 +435,14 @@ def _prepare(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    cfg = _compose(args)
+    from appliance.config.compose import compose_tree
+
+    composed = compose_tree(args.config_dir, args.overrides)
+    cfg, env = composed.cfg, composed.env
     # Keys come from env interpolation or files; never echo them to a terminal or a CI log.
     cfg.server.api_keys = ["***"] * len(cfg.server.api_keys)
     if cfg.server.admin_key is not None:
         cfg.server.admin_key = "***"
-    print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+    data = env.mask_tree(OmegaConf.to_container(OmegaConf.structured(cfg)))  # the rest: <from env VAR>
+    print(env.redact(OmegaConf.to_yaml(data)), end="")
     return 0

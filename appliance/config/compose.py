@@ -11,13 +11,16 @@ import hashlib
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from omegaconf import OmegaConf
 
+from appliance.config.env import NO_ENV, EnvOrigins
+from appliance.config.file_limits import check_config_files
 from appliance.config.schema import ApplianceConfig, ConfigError, register_configs
+from appliance.lora.names import adapter_key
 
 # configs/ at the repository root; an installed wheel carries no configs, so --config-dir is then needed.
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -30,6 +33,8 @@ class Composed:
     cfg: ApplianceConfig
     # Adapter name -> the file that defines it (relative to the config dir), for error messages.
     adapter_files: dict[str, str]
+    # Which values came from ${oc.env:...}: shown as <from env VAR>, never echoed (config/env.py).
+    env: EnvOrigins = field(default_factory=EnvOrigins)
 
     def where(self, name: str) -> str:
         """`<file>: ` for an adapter defined in a file, else '' (it came from an override)."""
@@ -60,7 +65,9 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     cdir = resolve_config_dir(config_dir)
     if not (cdir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"{cdir / (config_name + '.yaml')}: config file not found")
+    check_config_files(cdir)  # size and (alias-expanded) node count, before anything is parsed
     register_configs()
+    env = NO_ENV
     with _HYDRA_LOCK:
         GlobalHydra.instance().clear()
         try:
@@ -68,11 +75,13 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
                 cfg = compose(config_name=config_name, overrides=list(overrides))
                 defaults = GlobalHydra.instance().config_loader().compute_defaults_list(
                     config_name, list(overrides), RunMode.RUN).defaults
+            env = EnvOrigins.of(cfg)
             _reject_unknown_keys(cfg, ApplianceConfig, "")
             obj = OmegaConf.to_object(cfg)  # resolves ${oc.env:...} and builds the dataclasses
         except (HydraException, OmegaConfBaseException, YAMLError) as e:
-            # A YAML syntax error comes unwrapped; its message names the file, line and column.
-            raise ConfigError(f"{cdir}: {_one_line(e)}") from None
+            # A YAML syntax error comes unwrapped; its message names the file, line and column. A value
+            # from the environment that does not fit its type is not repeated.
+            raise ConfigError(env.redact(f"{cdir}: {_one_line(e)}")) from None
         finally:
             GlobalHydra.instance().clear()
     if not isinstance(obj, ApplianceConfig):
@@ -82,12 +91,14 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     files = [d.config_path for d in defaults
              if d.package == "adapters" and d.config_path and d.config_path.startswith("adapters/")]
     files.append(config_name)  # the root file may list adapters too (`_self_`)
-    composed = Composed(obj, _adapter_files(cdir, files))
+    composed = Composed(obj, _adapter_files(cdir, files), env)
     try:
         obj.check()
     except ConfigError as e:
-        name = str(e).split(".")[1].split(":")[0] if str(e).startswith("adapters.") else ""
-        raise ConfigError(f"{composed.where(name)}{e}") from None
+        msg = str(e)
+        name = next((n for n in composed.adapter_files if msg.startswith((adapter_key(n) + ".", adapter_key(n) + ":"))),
+                    "")
+        raise ConfigError(env.redact(f"{composed.where(name)}{e}")) from None
     return composed
 
 
@@ -100,7 +111,7 @@ def _adapter_files(cdir: Path, config_paths: list[str]) -> dict[str, str]:
         names = raw.keys() if cp.startswith("adapters/") else (raw.get("adapters") or {}).keys()
         for name in names:
             if name in out:
-                raise ConfigError(f"adapters.{name}: defined in both {out[name]} and {rel}; an adapter name "
+                raise ConfigError(f"{adapter_key(str(name))}: defined in both {out[name]} and {rel}; an adapter name "
                                   "must be unique across the selected adapters files")
             out[str(name)] = rel
     return out

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from appliance.lora.names import adapter_key, name_problem
+
 if TYPE_CHECKING:
     import torch
 
@@ -176,6 +178,19 @@ class ServerConfig:
     request_timeout_s: float = 600.0
     # Most distinct adapters one request may name (/generate's `lora_path` list); beyond: 400.
     max_adapters_per_request: int = 16
+    # Longest the body of a request may take to arrive, from its first byte; beyond: 408. An
+    # inference request takes its concurrency slot only once its body is read. 0 = no limit (then
+    # request_timeout_s alone bounds it).
+    body_timeout_s: float = 30.0
+    # Stop strings of one prompt: at most this many, together at most max_stop_chars characters;
+    # beyond: 400. Stop matching costs per token in proportion to max_stop_chars.
+    max_stop_strings: int = 16
+    max_stop_chars: int = 1024
+    # Prompts in one request (/generate batch, /v1/completions prompt array); beyond: 400.
+    max_prompts_per_request: int = 256
+    # Prompts of one request in the engine at once; the rest enter as those finish, so a large
+    # batch is admitted in pieces and other requests interleave with it.
+    prompts_in_flight_per_request: int = 64
     log_level: str = "info"
 
     def check(self) -> None:
@@ -190,6 +205,11 @@ class ServerConfig:
             raise ConfigError(f"server.request_timeout_s: must be >= 0 (0 = no limit), got {self.request_timeout_s}")
         if self.max_adapters_per_request < 1:
             raise ConfigError(f"server.max_adapters_per_request: must be >= 1, got {self.max_adapters_per_request}")
+        if self.body_timeout_s < 0:
+            raise ConfigError(f"server.body_timeout_s: must be >= 0 (0 = no limit), got {self.body_timeout_s}")
+        for key in ("max_stop_strings", "max_stop_chars", "max_prompts_per_request", "prompts_in_flight_per_request"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"server.{key}: must be >= 1, got {getattr(self, key)}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"server.shutdown_timeout_s: must be >= 0, got {self.shutdown_timeout_s}")
         if any(not k for k in self.api_keys):
@@ -452,6 +472,10 @@ class ApplianceConfig:
         self.reconcile.check()
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")
+        for name in self.adapters:
+            problem = name_problem(name)  # the rule the admin API applies too (lora/names.py)
+            if problem is not None:
+                raise ConfigError(f"{adapter_key(name)}: invalid adapter name: {problem}")
         for name, a in self.adapters.items():
             if a.target_modules is not None and any(t not in LORA_TARGETS for t in a.target_modules):
                 raise ConfigError(f"adapters.{name}.target_modules: {a.target_modules} not all in {LORA_TARGETS}")

@@ -13,16 +13,28 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from appliance.config.compose import compose_tree
+from appliance.config.compose import Composed, compose_tree
 from appliance.config.schema import ApplianceConfig, ConfigError
 
 
 def validate(config_dir: str | os.PathLike | None, overrides: Sequence[str]) -> tuple[Optional[ApplianceConfig], list[str]]:
     """The composed config (None when it does not compose) and every problem found, one line each."""
+    composed, problems = validate_tree(config_dir, overrides)
+    return (composed.cfg if composed is not None else None), problems
+
+
+def validate_tree(config_dir: str | os.PathLike | None,
+                  overrides: Sequence[str]) -> tuple[Optional[Composed], list[str]]:
+    """validate, with the composed tree (which files, which values came from the environment). Values
+    from the environment are redacted from the problems (config/env.py)."""
     try:
         composed = compose_tree(config_dir, overrides)
     except ConfigError as e:
         return None, [str(e)]
+    return composed, [composed.env.redact(p) for p in _problems(composed)]
+
+
+def _problems(composed: Composed) -> list[str]:
     cfg = composed.cfg
     from appliance.lora.adapter import AdapterError, inspect_adapter, resolve_adapter_path
     from appliance.models.args import ModelArgs
@@ -54,4 +66,4 @@ def validate(config_dir: str | os.PathLike | None, overrides: Sequence[str]) -> 
             continue
         problems += [composed.where(name) + m for m in a.mismatches(name, spec.rank, spec.target_modules,
                                                                     spec.base_model_name)]
-    return cfg, problems
+    return problems

@@ -130,11 +130,23 @@ def find_stop(text: str, stops: Sequence[str], start: int) -> Optional[int]:
 
 
 def partial_stop_len(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string (hold it back)."""
+    """Length of the longest tail of `text` that is a proper prefix of a stop string (hold it back).
+
+    Only the last len(stop) - 1 characters can matter, and a tail can only start where the stop's first
+    character is: candidates are found with str.find and compared in C, so a call costs about the
+    stops' total length (bounded by server.max_stop_chars), not their count times their length in
+    Python steps, and never depends on how long the text already is.
+    """
     best = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if s.startswith(text[-n:]):
-                best = n
+        n = min(len(s) - 1, len(text))
+        if n <= best:
+            continue
+        tail = text[len(text) - n:]
+        i = tail.find(s[0])
+        while i != -1 and n - i > best:
+            if s.startswith(tail[i:]):
+                best = n - i
                 break
+            i = tail.find(s[0], i + 1)
     return best

@@ -39,7 +39,8 @@ from appliance.lora.cache import HostCache
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
 from appliance.lora.pool import SlotPool
 from appliance.lora.reader import BackgroundReader
-from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry
+from appliance.lora.names import shown
+from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry, check_name
 from appliance.models.llama import LlamaModel, ModelArgs
 
 if TYPE_CHECKING:
@@ -154,13 +155,14 @@ class LoRAManager:
         Every check comes before the first change (names, then files, then the pin), so a refused
         load raises AdapterError / LoRAStateError and leaves registry, slots and CPU tier as they were.
         """
+        check_name(name)  # first: a name that can never be registered costs no file read
         old: Optional[AdapterEntry] = None
         if inplace:
             old = self.registry.get(name)  # 404 when unknown
         elif name in self.registry:
-            raise LoRAStateError(f"adapter {name!r} is already loaded (use load_inplace to replace it)", 409)
+            raise LoRAStateError(f"adapter {shown(name)} is already loaded (use load_inplace to replace it)", 409)
         if name == self.base_name:
-            raise LoRAStateError(f"adapter name {name!r} is the base model's name", 400)
+            raise LoRAStateError(f"adapter name {shown(name)} is the base model's name", 400)
         if prepared is None:
             prepared = self.prepare(path)
         if prepared.error is not None:

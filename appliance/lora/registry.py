@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Collection, Iterable
 
+from appliance.lora.names import name_problem, shown
+
 
 class LoRAStateError(Exception):
     """A refused LoRA operation. `status` is the HTTP code the admin API answers with:
@@ -47,12 +49,11 @@ class AdapterEntry:
 _REPLACEABLE = frozenset({"path", "pinned", "checksum", "rank", "target_modules", "base_model_name"})
 
 
-def _check_name(name: str) -> None:
-    # ':' separates base and adapter in OpenAI `model` ("<base>:<adapter>"), so an adapter name that
-    # contains one could not be addressed unambiguously.
-    if not name or name != name.strip() or ":" in name:
-        raise LoRAStateError(f"invalid adapter name {name!r}: must be non-empty, without "
-                             "surrounding whitespace and without ':'", 400)
+def check_name(name: str) -> None:
+    """LoRAStateError 400 unless `name` follows the adapter name rule."""
+    problem = name_problem(name)  # the one rule (lora/names.py), also applied to the YAML inventory
+    if problem is not None:
+        raise LoRAStateError(f"invalid adapter name {shown(name)}: {problem}", 400)
 
 
 class Registry:
@@ -69,7 +70,7 @@ class Registry:
 
     def add(self, name: str, path: str, *, checksum: str, rank: int, target_modules: Iterable[str],
             base_model_name: str, pinned: bool = False) -> AdapterEntry:
-        _check_name(name)
+        check_name(name)
         if name in self._entries:
             raise LoRAStateError(f"adapter {name!r} is already loaded (from "
                                  f"{self._entries[name].path}); unload it first or use load_inplace", 409)
@@ -84,7 +85,7 @@ class Registry:
     def get(self, name: str) -> AdapterEntry:
         entry = self._entries.get(name)
         if entry is None:
-            raise LoRAStateError(f"adapter {name!r} is not loaded; loaded: {_listing(self._entries)}", 404)
+            raise LoRAStateError(f"adapter {shown(name)} is not loaded; loaded: {_listing(self._entries)}", 404)
         return entry
 
     def remove(self, name: str) -> AdapterEntry:
@@ -158,19 +159,20 @@ def resolve_model_name(model: str, base_name: str, names: Collection[str]) -> st
     base, sep, adapter = model.rpartition(":")
     if sep:
         if base != base_name:
-            raise LoRAStateError(f"model {model!r}: base {base!r} is not served here "
+            raise LoRAStateError(f"model {shown(model)}: base {shown(base)} is not served here "
                                  f"(the base model is {base_name!r})", 404)
         if adapter in names:
             return adapter
-        raise LoRAStateError(f"model {model!r}: adapter {adapter!r} is not loaded; "
+        raise LoRAStateError(f"model {shown(model)}: adapter {shown(adapter)} is not loaded; "
                              f"loaded: {_listing(names)}", 404)
-    raise LoRAStateError(f"model {model!r} is neither the base model {base_name!r} nor a "
+    raise LoRAStateError(f"model {shown(model)} is neither the base model {base_name!r} nor a "
                          f"loaded adapter; loaded: {_listing(names)}", 404)
 
 
 def _listing(names: Collection[str], limit: int = 20) -> str:
+    """At most `limit` names (each at most MAX_NAME_CHARS long), so a 404 stays small."""
     listed = list(names)
     if not listed:
         return "none"
-    more = f" (+{len(listed) - limit} more)" if len(listed) > limit else ""
+    more = f" (+{len(listed) - limit} more; GET /v1/models lists them all)" if len(listed) > limit else ""
     return ", ".join(listed[:limit]) + more

@@ -39,9 +39,10 @@ from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import EngineError, EngineStoppedError
 from appliance.lora.adapter import AdapterError
 from appliance.lora.manager import LoRAManager
+from appliance.lora.names import name_problem, shown
 from appliance.lora.registry import AdapterEntry, LoRAStateError
 from appliance.server.auth import AdminAuth
-from appliance.server.errors import ApiError, bad_request
+from appliance.server.errors import ApiError, bad_request, unknown_fields
 from appliance.server.protocol import opt_bool
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class AdapterAdmin:
                    managed: bool = False) -> dict[str, Any]:
         """`managed`: the config owns it; else a new name is unmanaged and a reload keeps its owner."""
         lora = self.enabled()
+        problem = name_problem(name)  # before any file is read; the registry applies the same rule
+        if problem is not None:
+            raise ApiError(400, f"invalid adapter name {shown(name)}: {problem}", param="lora_name",
+                           code="invalid_lora_request")
         # The files are read, parsed and checked on a worker thread while the batch runs (an adapter's
         # config may be slow to check: thousands of rank_pattern keys); only the commit (names, pin,
         # registry) takes the engine thread. A refusal comes back from `load`, after its name checks.
@@ -268,7 +273,7 @@ async def run_on_engine(engine: AsyncEngine, fn: Callable[[], T]) -> T:
 def _check_keys(body: dict, known: set[str], route: str) -> None:
     unknown = sorted(set(body) - known)
     if unknown:
-        raise bad_request(f"Unknown field(s) {unknown}; {route} takes {sorted(known)}.", unknown[0])
+        raise unknown_fields(unknown, known, route)
 
 
 def _required_str(body: dict, key: str) -> str:

@@ -33,6 +33,7 @@ from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineStoppedError, QueueFullError,
                                       RequestError, RequestOutput)
 from appliance.engine.tokenizer import Tokenizer
+from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
 from appliance.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
@@ -41,9 +42,9 @@ from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
-from appliance.server.limits import ConcurrencyLimit, Deadline, too_many
+from appliance.server.limits import BodyLimits, ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
-from appliance.server.protocol import Choice, ParsedRequest
+from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
 from appliance.server.scrape import ScrapeApi
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
     config dir and overrides `cfg` was composed from, which hot reload composes again."""
     api = _Api(engine, cfg, source)
     # One limit shared by every inference route (server.max_concurrent_requests).
-    limit = ConcurrencyLimit(cfg.server.max_concurrent_requests)
+    limit = ConcurrencyLimit(cfg.server.max_concurrent_requests, api.body, api.admit)
     metrics = _metrics(engine, cfg)
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -82,8 +83,15 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
         *(ScrapeApi(engine, metrics, api.auth, cfg.metrics.require_key).routes() if metrics else []),
     ]
     routes.append(Route("/openapi.json", openapi_route(routes, cfg), methods=["GET"]))
+    reconciler = api.state.reconciler
+
+    async def api_error(request: Request, e: Exception) -> Response:
+        assert isinstance(e, ApiError)
+        e.message = reconciler.env.redact(e.message)  # values from ${oc.env:...} never leave (config/env.py)
+        return e.response()
+
     app = Starlette(routes=routes, exception_handlers={
-        ApiError: _api_error,
+        ApiError: api_error,
         HTTPException: _http_error,
         _ClientGone: _client_gone,
         Exception: _internal_error,
@@ -128,6 +136,10 @@ class _Api:
         self.tokenizer: Tokenizer = engine.tokenizer
         self.cfg = cfg
         self.auth = ApiKeyAuth(cfg.server.api_keys)
+        self.body = BodyLimits(cfg.server.max_request_body_bytes, cfg.server.body_timeout_s,
+                               cfg.server.request_timeout_s)
+        self.limits = RequestLimits(self.tokenizer, engine.max_model_len, cfg.server.max_stop_strings,
+                                    cfg.server.max_stop_chars, cfg.server.max_prompts_per_request)
         self.created = int(time.time())
         ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
         self.state = ServerState(Reconciler(cfg, ops, source))
@@ -152,7 +164,9 @@ class _Api:
         if lora is not None:
             entries = await run_on_engine(self.engine, lora.registry.entries)
             cards += [adapter_card(e, base, self.admin.created(e.id, self.created)) for e in entries]
-        return JSONResponse({"object": "list", "data": cards})
+        # Any client may read this list: paths from ${oc.env:...} (the model cache, adapter roots) are
+        # redacted. /v1/adapters (admin key) keeps them: `appliance plan` compares them.
+        return JSONResponse(self.state.reconciler.env.redact_all({"object": "list", "data": cards}))
 
     def resolve_model(self, names: list[Optional[str]], param: str) -> list[Optional[str]]:
         """The adapter name (None = base model) for each name a client sent as `model` or
@@ -168,7 +182,7 @@ class _Api:
         if lora is None:
             asked = next((n for n in names if n is not None and n != base), None)
             if asked is not None:
-                raise ApiError(404, f"The model '{asked}' does not exist: this server serves only "
+                raise ApiError(404, f"The model {shown(asked)} does not exist: this server serves only "
                                     f"'{base}' (LoRA adapters are off: lora.enabled is false).",
                                param=param, code="model_not_found")
             return [None] * len(names)
@@ -179,14 +193,14 @@ class _Api:
                 out.append(None if n is None else resolve_model_name(n, base, published))
             except LoRAStateError as e:
                 where = param if param == "model" or len(names) == 1 else f"{param}[{i}]"
-                raise ApiError(404, f"The model '{n}' does not exist: {e.message}", param=where,
+                raise ApiError(404, f"The model {shown(n)} does not exist: {e.message}", param=where,
                                code="model_not_found") from None
         return out
 
     # ------------------------------------------------------------------------------ OpenAI routes
     async def completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
-        req, model = await self._parse(request, protocol.parse_completion, deadline)
+        req, model = await self._parse(request, protocol.parse_completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         if req.stream:
@@ -196,7 +210,7 @@ class _Api:
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
-        req, model = await self._parse(request, protocol.parse_chat, deadline)
+        req, model = await self._parse(request, protocol.parse_chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         if req.stream:
@@ -236,7 +250,7 @@ class _Api:
     async def generate(self, request: Request) -> Response:
         """SGLang-style /generate. Streams carry cumulative `text` / `output_ids` per `index`."""
         deadline = Deadline(self.cfg.server.request_timeout_s)
-        req, _ = await self._parse(request, protocol.parse_generate, deadline)
+        req, _ = await self._parse(request, protocol.parse_generate)
         group = await self._start(request, req, f"gen-{uuid.uuid4().hex}", deadline)
         if req.stream:
             return _SSEResponse(self._generate_stream(group))
@@ -255,19 +269,23 @@ class _Api:
         return _sse_stream(group, [], item, None)
 
     # ------------------------------------------------------------------------------ plumbing
-    async def _parse(self, request: Request, parse: Callable[[dict, Tokenizer, int], ParsedRequest],
-                     deadline: Deadline) -> tuple[ParsedRequest, str]:
-        """Parse the body and resolve its model / adapters; returns the request and the `model` to
-        answer with (the base model's name, or the adapter as the client named it)."""
+    def admit(self, request: Request) -> None:
+        """What an inference request must pass before its body is read: its API key, and no drain."""
         self.auth.check(request)
         if self.state.draining:
             raise ApiError(503, "The server is shutting down.", code="draining")
-        req = parse(await deadline.read(self._read_json(request)), self.tokenizer, self.engine.max_model_len)
+
+    async def _parse(self, request: Request,
+                     parse: Callable[[dict, RequestLimits], ParsedRequest]) -> tuple[ParsedRequest, str]:
+        """Parse the body and resolve its model / adapters; returns the request and the `model` to
+        answer with (the base model's name, or the adapter as the client named it). `admit` ran
+        before the body was read (ConcurrencyLimit)."""
+        req = parse(await self._read_json(request), self.limits)
         base = self.cfg.model.name
         if req.lora_paths is not None:  # /generate: one adapter per input
             if req.model is not None and req.model != base:
                 raise bad_request(f"Send the adapter either as 'model' or as 'lora_path', not both "
-                                  f"('model' is {req.model!r}).", "lora_path")
+                                  f"('model' is {shown(req.model)}).", "lora_path")
             distinct = {n for n in req.lora_paths if n is not None and n != base}
             limit = self.cfg.server.max_adapters_per_request
             if len(distinct) > limit:
@@ -287,25 +305,12 @@ class _Api:
         return protocol.parse_json_object(await self._read_body(request))
 
     async def _read_body(self, request: Request) -> bytes:
-        limit = self.cfg.server.max_request_body_bytes
-        too_large = ApiError(413, f"The request body is larger than {limit} bytes "
-                                  "(server.max_request_body_bytes).", code="request_too_large")
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise bad_request(f"Invalid Content-Length header: {declared!r}.")
-            if int(declared) > limit:
-                raise too_large
-        chunks, size = [], 0
+        """The body (already read by the concurrency limit on the inference routes, which replays it):
+        413 past server.max_request_body_bytes, 408 past server.body_timeout_s."""
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
+            return await self.body.read(request.receive, request.headers.get("content-length"))
         except ClientDisconnect:
             raise _ClientGone() from None
-        return b"".join(chunks)
 
     async def _start(self, request: Request, req: ParsedRequest, rid: str, deadline: Deadline) -> RequestGroup:
         """Submit the request's jobs; return once each has its first update.
@@ -313,7 +318,7 @@ class _Api:
         Adapters travel by the name the client used: the engine resolves it again when it takes the
         request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
-        group = RequestGroup(self.engine, req.jobs, rid, deadline)
+        group = RequestGroup(self.engine, req.jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
         try:
             await _unless_disconnected(request, group.start())
         except EngineError as e:
@@ -430,11 +435,6 @@ def _to_api_error(e: ApiError | EngineError) -> ApiError:
 
 
 # ---------------------------------------------------------------------------------- exception handlers
-
-async def _api_error(request: Request, e: Exception) -> Response:
-    assert isinstance(e, ApiError)
-    return e.response()
-
 
 async def _http_error(request: Request, e: Exception) -> Response:
     """Starlette's own 404 (no route) and 405 (wrong method), in the OpenAI shape."""

@@ -8,9 +8,11 @@ Handlers raise `ApiError`; app.py turns it (and Starlette's own 404/405) into th
 from __future__ import annotations
 
 import json
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 from starlette.responses import JSONResponse
+
+from appliance.lora.names import cut, shown
 
 # HTTP status -> the OpenAI error `type`.
 _TYPES = {
@@ -50,6 +52,12 @@ class ApiError(Exception):
     def sse_event(self) -> str:
         """The error as one SSE event, for failures after a stream has started (status already 200)."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+def unknown_fields(unknown: Sequence[str], known: Iterable[str], where: str) -> ApiError:
+    """400 for body keys `where` does not take; the keys repeated cut and at most 5 of them."""
+    listed = ", ".join(shown(k) for k in unknown[:5]) + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else "")
+    return bad_request(f"Unknown field(s) [{listed}]; {where} takes {sorted(known)}.", cut(unknown[0]))
 
 
 def bad_request(message: str, param: Optional[str] = None) -> ApiError:

@@ -5,6 +5,10 @@ Each job runs in its own task that owns its `AsyncEngine.generate` iterator, so 
 frees its KV blocks. Updates from all jobs are merged, in arrival order, onto one queue. With a
 `Deadline` (server.request_timeout_s), waiting for an update past it raises ApiError 504, and the
 caller's `cancel()` aborts the engine requests.
+
+At most `window` jobs (server.prompts_in_flight_per_request) are in the engine at once, the next one
+entering as one finishes, in order: a batch of hundreds of prompts is admitted in pieces, so requests
+that arrive after it join the engine's FIFO queue between its pieces instead of behind all of it.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ _Item = tuple[int, Union[RequestOutput, Exception]]
 
 class RequestGroup:
     def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str,
-                 deadline: Optional[Deadline] = None) -> None:
+                 deadline: Optional[Deadline] = None, window: int = 0) -> None:
         self._engine = engine
+        # 0 = every job at once. asyncio.Semaphore wakes its waiters in FIFO order: jobs enter in order.
+        self._window = asyncio.Semaphore(window) if 0 < window < len(jobs) else None
+        self._first = len(jobs) if self._window is None else window
         self._deadline = deadline
         self._jobs = jobs
         self.request_id = request_id
@@ -39,16 +46,17 @@ class RequestGroup:
         return self.request_id if len(self._jobs) == 1 else f"{self.request_id}-{index}"
 
     async def start(self) -> None:
-        """Submit every job; return once each has its first update.
+        """Submit the jobs; return once each of the first window has its first update.
 
         The engine refuses a request (RequestError, QueueFullError, EngineStoppedError) before its first
         update, so this is where they surface, before any response byte is sent; on one, every job of
-        the group is aborted and the error is raised.
+        the group is aborted and the error is raised. A job of a later piece refused by the engine
+        fails the answer the same way, or ends a started stream with an error event.
         """
         self._tasks = [asyncio.create_task(self._run(i, job)) for i, job in enumerate(self._jobs)]
         started: set[int] = set()
         try:
-            while len(started) < len(self._jobs):
+            while len(started) < self._first:
                 i, item = await self._next()
                 if isinstance(item, Exception):
                     raise item
@@ -126,6 +134,8 @@ class RequestGroup:
             c.error = out.error
 
     async def _run(self, i: int, job: Job) -> None:
+        if self._window is not None:
+            await self._window.acquire()
         try:
             async for out in self._engine.generate(job.prompt_ids, job.params,
                                                    request_id=self.job_request_id(i),
@@ -133,6 +143,9 @@ class RequestGroup:
                 self._queue.put_nowait((i, out))
         except Exception as e:  # noqa: BLE001 - handed to the handler, which answers it (or 500s)
             self._queue.put_nowait((i, e))
+        finally:
+            if self._window is not None:
+                self._window.release()
 
 
 def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -22,7 +22,8 @@ from jinja2 import TemplateError
 
 from appliance.engine.request import RequestError, SamplingParams
 from appliance.engine.tokenizer import Tokenizer
-from appliance.server.errors import bad_request
+from appliance.lora.names import cut, shown
+from appliance.server.errors import bad_request, unknown_fields
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
@@ -89,7 +90,58 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {_json_type(body)}.")
+    _reject_lone_surrogates(body)
     return body
+
+
+def _reject_lone_surrogates(body: dict[str, Any]) -> None:
+    """400 for any string (value or key, at any depth) holding an unpaired UTF-16 surrogate.
+
+    JSON's `\\ud800` escape decodes to a str that is no text: it cannot be encoded as UTF-8, so the
+    tokenizer, the chat template, logging or the JSON answer echoing it would fail deep inside the
+    server (a 500). Refused here, where it enters, naming the field. Iterative, and each field's path
+    is a chain of (parent, step) built into a string only for the error: the body's depth is bounded
+    only by the JSON parser's recursion limit, and its keys by the body size.
+    """
+    _Path = Optional[tuple]  # (parent path, key or index), None = the body
+    stack: list[tuple[Any, _Path]] = [(body, None)]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if not _is_text(k):
+                    where = _path_str(path)
+                    raise bad_request(f"A field name in {'the body' if where is None else repr(where)} is not "
+                                      "valid Unicode text (an unpaired surrogate escape such as \\ud800).", where)
+                stack.append((x, (path, k)))
+        elif isinstance(v, list):
+            stack.extend((x, (path, i)) for i, x in enumerate(v))
+        elif isinstance(v, str) and not _is_text(v):
+            where = _path_str(path)
+            raise bad_request(f"'{where}' is not valid Unicode text (an unpaired surrogate escape such as "
+                              "\\ud800).", where)
+
+
+def _path_str(path: Optional[tuple]) -> Optional[str]:
+    """`messages[0].content` for a (parent, step) chain; None for the body itself. Each key is cut
+    (lora/names.cut), so a long key does not come back whole."""
+    steps: list[str] = []
+    while path is not None:
+        path, step = path
+        steps.append(f"[{step}]" if isinstance(step, int) else f".{cut(step)}")
+    if not steps:
+        return None
+    return "".join(reversed(steps)).lstrip(".")
+
+
+def _is_text(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _reject_constant(name: str) -> Any:
@@ -155,7 +207,7 @@ def _str(d: dict, key: str, param: str) -> Optional[str]:
     return v
 
 
-def _stop(d: dict, key: str, param: str) -> list[str]:
+def _stop(d: dict, key: str, param: str, limits: "RequestLimits") -> list[str]:
     v = d.get(key)
     if v is None:
         return []
@@ -164,6 +216,14 @@ def _stop(d: dict, key: str, param: str) -> list[str]:
         raise bad_request(f"'{param}' must be a string or an array of strings.", param)
     if any(s == "" for s in stops):
         raise bad_request(f"'{param}' must not contain empty strings.", param)
+    # The engine checks every stop string against the tail of the text after each token: bound that work.
+    if len(stops) > limits.max_stop_strings:
+        raise bad_request(f"'{param}' holds {len(stops)} strings; at most {limits.max_stop_strings} are allowed "
+                          "(server.max_stop_strings).", param)
+    total = sum(len(s) for s in stops)
+    if total > limits.max_stop_chars:
+        raise bad_request(f"'{param}' holds {total} characters; at most {limits.max_stop_chars} are allowed "
+                          "in all (server.max_stop_chars).", param)
     return list(stops)
 
 
@@ -185,13 +245,18 @@ def _check_unsupported(body: dict, table: dict[str, tuple]) -> None:
 
 # ------------------------------------------------------------------------------------------ sampling
 
-@dataclass
-class _Limits:
+@dataclass(frozen=True)
+class RequestLimits:
+    """What parsing checks a request against: the model's context and the server.* bounds."""
+
     tokenizer: Tokenizer
     max_model_len: int
+    max_stop_strings: int = 16  # server.max_stop_strings
+    max_stop_chars: int = 1024  # server.max_stop_chars: all stop strings of one prompt together
+    max_prompts: int = 256  # server.max_prompts_per_request
 
 
-def _sampling(d: dict, limits: _Limits, *, prefix: str, max_tokens: Optional[int],
+def _sampling(d: dict, limits: RequestLimits, *, prefix: str, max_tokens: Optional[int],
               max_tokens_param: str, min_tokens_key: str) -> Callable[[int, int], SamplingParams]:
     """Read the sampling fields shared by every route; return a factory (prompt_len, default) -> params.
 
@@ -204,7 +269,7 @@ def _sampling(d: dict, limits: _Limits, *, prefix: str, max_tokens: Optional[int
     seed = _int(d, "seed", p + "seed")
     min_tokens = _int(d, min_tokens_key, p + min_tokens_key)
     ignore_eos = opt_bool(d, "ignore_eos", p + "ignore_eos")
-    stop = _stop(d, "stop", p + "stop")
+    stop = _stop(d, "stop", p + "stop", limits)
     stop_ids_raw = d.get("stop_token_ids")
     stop_ids = ([] if stop_ids_raw is None
                 else _token_ids(stop_ids_raw, p + "stop_token_ids", limits.tokenizer.vocab_size))
@@ -248,7 +313,14 @@ def _sampling(d: dict, limits: _Limits, *, prefix: str, max_tokens: Optional[int
     return build
 
 
-def _check_prompt_len(ids: list[int], limits: _Limits, param: str) -> None:
+def _check_prompt_count(n: int, limits: RequestLimits, param: str) -> None:
+    """Before any prompt is tokenized: a request may carry at most server.max_prompts_per_request."""
+    if n > limits.max_prompts:
+        raise bad_request(f"'{param}' holds {n} prompts; at most {limits.max_prompts} are allowed in one "
+                          "request (server.max_prompts_per_request).", param)
+
+
+def _check_prompt_len(ids: list[int], limits: RequestLimits, param: str) -> None:
     if not ids:
         raise bad_request(f"'{param}' must not be empty.", param)
     if len(ids) >= limits.max_model_len:
@@ -283,15 +355,14 @@ def _model(body: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ routes
 
-def parse_completion(body: dict, tokenizer: Tokenizer, max_model_len: int) -> ParsedRequest:
+def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     """POST /v1/completions: `prompt` is a string, strings, token ids, or lists of token ids."""
-    limits = _Limits(tokenizer, max_model_len)
     model = _model(body)
     _check_unsupported(body, _COMPLETION_UNSUPPORTED)
     stream, include_usage = _n_and_stream(body)
     build = _sampling(body, limits, prefix="", max_tokens=_int(body, "max_tokens", "max_tokens"),
                       max_tokens_param="max_tokens", min_tokens_key="min_tokens")
-    prompts = _completion_prompts(body.get("prompt"), tokenizer)
+    prompts = _completion_prompts(body.get("prompt"), limits)
     jobs = []
     for ids in prompts:
         _check_prompt_len(ids, limits, "prompt")
@@ -299,7 +370,8 @@ def parse_completion(body: dict, tokenizer: Tokenizer, max_model_len: int) -> Pa
     return ParsedRequest(model, jobs, stream, include_usage)
 
 
-def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
+def _completion_prompts(prompt: Any, limits: RequestLimits) -> list[list[int]]:
+    tokenizer = limits.tokenizer
     if prompt is None:
         raise bad_request("Missing required field 'prompt'.", "prompt")
     if isinstance(prompt, str):
@@ -307,6 +379,8 @@ def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("'prompt' must be a string, an array of strings, an array of token ids, "
                           "or an array of arrays of token ids (and not empty).", "prompt")
+    if not all(isinstance(p, int) for p in prompt):  # a list of prompts, not one prompt's token ids
+        _check_prompt_count(len(prompt), limits, "prompt")
     if all(isinstance(p, str) for p in prompt):
         return [_encode_text(p, tokenizer, "prompt") for p in prompt]
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
@@ -322,9 +396,9 @@ def _encode_text(text: str, tokenizer: Tokenizer, param: str) -> list[int]:
     return tokenizer.encode(text)
 
 
-def parse_chat(body: dict, tokenizer: Tokenizer, max_model_len: int) -> ParsedRequest:
+def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     """POST /v1/chat/completions: `messages` rendered with the model's chat template."""
-    limits = _Limits(tokenizer, max_model_len)
+    tokenizer, max_model_len = limits.tokenizer, limits.max_model_len
     model = _model(body)
     _check_unsupported(body, _CHAT_UNSUPPORTED)
     stream, include_usage = _n_and_stream(body)
@@ -358,7 +432,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise bad_request(f"'{param}' must be an object.", param)
         role = m.get("role")
         if role not in _CHAT_ROLES:
-            raise bad_request(f"'{param}.role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}.",
+            raise bad_request(f"'{param}.role' must be one of {sorted(_CHAT_ROLES)}, got {shown(role) if isinstance(role, str) else _json_type(role)}.",
                               param + ".role")
         msg = {"role": _CHAT_ROLES[role], "content": _content(m.get("content"), param + ".content")}
         name = _str(m, "name", param + ".name")
@@ -382,14 +456,13 @@ def _content(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
-def parse_generate(body: dict, tokenizer: Tokenizer, max_model_len: int) -> ParsedRequest:
+def parse_generate(body: dict, limits: RequestLimits) -> ParsedRequest:
     """POST /generate (SGLang-style): `text` or `input_ids`, single or batch, plus `sampling_params` and
     `lora_path` (the adapter per input)."""
-    limits = _Limits(tokenizer, max_model_len)
+    tokenizer = limits.tokenizer
     unknown = sorted(set(body) - _GENERATE_KEYS)
     if unknown:
-        raise bad_request(f"Unknown field(s) {unknown}; /generate takes {sorted(_GENERATE_KEYS)}.",
-                          unknown[0])
+        raise unknown_fields(unknown, _GENERATE_KEYS, "/generate")
     model = _str(body, "model", "model")
     stream = bool(opt_bool(body, "stream", "stream"))
     text, input_ids = body.get("text"), body.get("input_ids")
@@ -400,11 +473,13 @@ def parse_generate(body: dict, tokenizer: Tokenizer, max_model_len: int) -> Pars
         texts = text if batched else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise bad_request("'text' must be a string or a non-empty array of strings.", "text")
+        _check_prompt_count(len(texts), limits, "text")
         prompts = [_encode_text(t, tokenizer, "text") for t in texts]
     else:
         batched = isinstance(input_ids, list) and bool(input_ids) and all(isinstance(x, list)
                                                                            for x in input_ids)
         raw = input_ids if batched else [input_ids]
+        _check_prompt_count(len(raw), limits, "input_ids")
         prompts = [_token_ids(x, "input_ids", tokenizer.vocab_size) for x in raw]
     sp = body.get("sampling_params")
     if sp is None:
@@ -422,8 +497,7 @@ def parse_generate(body: dict, tokenizer: Tokenizer, max_model_len: int) -> Pars
         prefix = f"sampling_params[{i}]." if isinstance(sp, list) else "sampling_params."
         unknown = sorted(set(s) - _GENERATE_SAMPLING_KEYS)
         if unknown:
-            raise bad_request(f"Unknown sampling parameter(s) {unknown}; known: "
-                              f"{sorted(_GENERATE_SAMPLING_KEYS)}.", prefix + unknown[0])
+            raise unknown_fields([prefix + k for k in unknown], _GENERATE_SAMPLING_KEYS, f"'{prefix[:-1]}'")
         build = _sampling(s, limits, prefix=prefix,
                           max_tokens=_int(s, "max_new_tokens", prefix + "max_new_tokens"),
                           max_tokens_param=prefix + "max_new_tokens", min_tokens_key="min_new_tokens")

@@ -141,3 +141,21 @@ def test_reconcile_prune_modes(value: str, mode: str) -> None:
 def test_reconcile_prune_rejects_other_values() -> None:
     with pytest.raises(ConfigError, match="reconcile.prune: must be one of owned, all, none"):
         default_config("reconcile.prune=some")
+
+
+@pytest.mark.parametrize("yaml_name, needle", [
+    ('"a\\nb"', "adapters['a\\nb']: invalid adapter name: must hold printable characters only, found U+000A"),
+    ('"x\\e[31m"', "found U+001B"),
+    ('"abc\\u202Edef"', "found U+202E"),
+    ('"nul\\0"', "found U+0000"),
+    ("n" * 129, "must be at most 128 characters, got 129"),
+    ('"a:b"', "must not contain ':'"),
+])
+def test_inventory_names_follow_the_admin_rule(tmp_path: Path, yaml_name: str, needle: str) -> None:
+    """The YAML inventory takes the names the admin API takes (lora/names.py), nothing else; the error
+    names the file and the key, and is itself one short printable line."""
+    with pytest.raises(ConfigError) as e:
+        compose_tree(tree(tmp_path, {"team_a": f"{yaml_name}:\n  path: /srv/a\n"}), ["adapters=[team_a]"])
+    msg = str(e.value)
+    assert msg.startswith("adapters/team_a.yaml: adapters[") and needle in msg, msg
+    assert msg.isprintable() and len(msg) < 300

@@ -46,3 +46,20 @@ def test_stop_helpers() -> None:
     assert find_stop("abc STOP", ["STOP"], 6) == 4  # match straddles what was already searched
     assert partial_stop_len("hello ST", ["STOP"]) == 2
     assert partial_stop_len("hello", ["STOP"]) == 0
+
+
+def _partial_stop_len_oracle(text: str, stops: list[str]) -> int:
+    return max([n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if s.startswith(text[-n:])],
+               default=0)
+
+
+def test_partial_stop_len_matches_its_definition() -> None:
+    """The tail-window search (candidates at the stop's first character) against the definition, on
+    small alphabets where tails and prefixes overlap often."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 3))]
+        assert partial_stop_len(text, stops) == _partial_stop_len_oracle(text, stops), (text, stops)

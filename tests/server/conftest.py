@@ -63,6 +63,18 @@ def start_server(*overrides: str) -> ServerThread:
     return ServerThread(default_config("server.host=127.0.0.1", "server.port=0", *overrides)).start()
 
 
+def start_with_adapter(model: Path, root: Path, name: str, admin_key: str, *overrides: str) -> ServerThread:
+    """The tiny model with LoRA on (rank 8, adapters under `root`) and `name` loaded from root/name
+    through the admin API, as an operator would."""
+    srv = start_server(f"model.path={model}", "model.name=tiny", "model.device=cpu", "lora.enabled=true",
+                       "lora.max_lora_rank=8", f"lora.adapter_roots=[{root}]", f"server.admin_key={admin_key}",
+                       *overrides)
+    r = requests.post(srv.url + "/load_lora_adapter", headers={"Authorization": f"Bearer {admin_key}"},
+                      timeout=60, json={"lora_name": name, "lora_path": str(root / name)})
+    assert r.status_code == 200, r.text
+    return srv
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir: Path) -> Iterator[ServerThread]:
     """The tiny random model, no API key, small body limit (for the 413 test)."""

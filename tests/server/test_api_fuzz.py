@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from tests.lora.test_lora_engine import make_adapter
-from tests.server.conftest import ServerThread, start_server
+from tests.server.conftest import ServerThread, start_with_adapter
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402  (after the importorskip)
@@ -36,13 +36,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Itera
     root = tmp_path_factory.mktemp("fuzz-adapters")
     make_adapter(tiny_model_dir, root / "fz", seed=3, r=4, lora_alpha=8, target_modules=["q_proj"])
     # A short context keeps every generated request fast; LoRA on, so the admin routes do real work.
-    s = start_server(f"model.path={tiny_model_dir}", "model.name=tiny", "model.max_model_len=48",
-                     "model.device=cpu", "engine.num_kv_blocks=64", "lora.enabled=true", "lora.max_lora_rank=8",
-                     "lora.max_loras_per_batch=2", f"lora.adapter_roots=[{root}]", "server.admin_key=fuzz-admin",
-                     "server.max_request_body_bytes=65536", "server.log_level=warning")
-    r = requests.post(s.url + "/load_lora_adapter", headers=ADMIN, timeout=60,
-                      json={"lora_name": "fz", "lora_path": str(root / "fz")})
-    assert r.status_code == 200, r.text
+    s = start_with_adapter(tiny_model_dir, root, "fz", "fuzz-admin", "model.max_model_len=48",
+                           "engine.num_kv_blocks=64", "lora.max_loras_per_batch=2",
+                           "server.max_request_body_bytes=65536", "server.log_level=warning")
     yield s
     s.stop()
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import logging
 from pathlib import Path
 from typing import Iterator
@@ -134,3 +135,84 @@ def test_no_pickle_anywhere() -> None:
                         if isinstance(kw.value, ast.Constant) and (kw.arg, kw.value.value) in _BAD_KEYWORDS:
                             found.append(f"{where}: {kw.arg}={kw.value.value}")
     assert found == []
+
+
+ROOT_MARK = "root-5ecret-4e2a"
+
+
+@pytest.fixture()
+def env_values_server(tmp_path: Path, tiny_model_dir: Path) -> Iterator[tuple[ServerThread, Path, Path, tuple, pytest.MonkeyPatch]]:
+    """A server whose adapter root and max_num_seqs come from the environment, with an inventory
+    adapter under that root and a resync every second (which composes again with the env of now)."""
+    from tests.conftest import config_tree
+
+    root = tmp_path / ROOT_MARK
+    make_adapter(tiny_model_dir, root / "s1", seed=5, r=4, lora_alpha=8, target_modules=["q_proj"])
+    tree = config_tree(tmp_path / "configs", "adapters:\n  inv:\n    path: ${oc.env:SEC_ROOT}/s1\n")
+    overrides = ("server.port=0", f"model.path={tiny_model_dir}", "model.name=tiny", "model.max_model_len=128",
+                 "model.device=cpu", "lora.enabled=true", "lora.adapter_roots=[${oc.env:SEC_ROOT}]",
+                 "engine.max_num_seqs=${oc.env:SEC_SEQS}", "lora.max_lora_rank=8", "server.admin_key=adm",
+                 "reconcile.watch=false", "reconcile.resync_s=1", "server.log_level=debug")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SEC_ROOT", str(root))
+        mp.setenv("SEC_SEQS", "8")
+        srv = ServerThread(compose_config(tree, list(overrides)), ConfigSource(tree, overrides)).start()
+        try:
+            yield srv, root, tree, overrides, mp
+        finally:
+            srv.stop()
+
+
+def test_values_from_the_environment_are_never_echoed(env_values_server, caplog: pytest.LogCaptureFixture,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Issue 29: a value that came from ${oc.env:VAR} shows as <from env VAR> in /v1/status (settings,
+    restart-required diff, conditions), error messages, logs and `appliance plan`."""
+    import time
+
+    from appliance.cli import main
+
+    srv, root, tree, overrides, mp = env_values_server
+    caplog.set_level(logging.DEBUG)
+    adm = {"Authorization": "Bearer adm"}
+    status = requests.get(srv.url + "/v1/status", headers=adm, timeout=30).json()
+    assert status["settings"]["lora.adapter_roots"] == "<from env SEC_ROOT>"
+    assert status["settings"]["engine.max_num_seqs"] == "<from env SEC_SEQS>"
+    models = requests.get(srv.url + "/v1/models", timeout=30).text  # the inventory adapter's card
+    assert "<from env SEC_ROOT>/s1" in models, models
+    bad = requests.post(srv.url + "/load_lora_adapter", headers=adm, timeout=30,
+                        json={"lora_name": "x", "lora_path": "/etc"})
+    assert bad.status_code == 400 and "<from env SEC_ROOT>" in bad.json()["error"]["message"], bad.text
+    # A restart-only value changed in the environment: reported by key, without either value.
+    mp.setenv("SEC_SEQS", "9")
+    deadline = time.monotonic() + 30
+    while not status["restart_required"]:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.2)
+        status = requests.get(srv.url + "/v1/status", headers=adm, timeout=30).json()
+    assert status["restart_required"] == ["engine.max_num_seqs: changed (from env SEC_SEQS; requires restart)"]
+    # The plan from outside: the inventory adapter unloaded live, so the plan loads it again.
+    assert requests.post(srv.url + "/unload_lora_adapter", headers=adm, json={"lora_name": "inv"},
+                         timeout=30).status_code == 200
+    mp.setenv("SEC_SEQS", "8")
+    capsys.readouterr()
+    assert main(["plan", "--config-dir", str(tree), "--url", srv.url, *overrides]) == 0
+    plan_out = capsys.readouterr().out
+    assert "+ inv: load (not loaded (<from env SEC_ROOT>/s1))" in plan_out, plan_out
+    texts = [json.dumps(status), bad.text, plan_out, caplog.text, models]
+    assert not [t for t in texts if ROOT_MARK in t or "SEC_SEQS=9" in t], texts
+
+
+def test_a_request_without_a_key_is_refused_before_its_body_is_read(env_server: tuple[ServerThread, Path]) -> None:
+    """Bodies are read before a request takes a concurrency slot (issue 29), but never for a client
+    without a valid key: a never-ending body without one gets 401 at once, not a read and a 408."""
+    import socket
+    import time
+
+    srv, _ = env_server
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n")
+        head = s.recv(65536)
+    assert head.startswith(b"HTTP/1.1 401"), head
+    assert time.monotonic() - t0 < 10  # the body timeout is 30 s
