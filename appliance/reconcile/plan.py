@@ -85,7 +85,7 @@ def plan(desired: dict[str, AdapterState], live: dict[str, AdapterState], prune:
                                   d))
         elif d.pinned != l.pinned:
             actions.append(Action("pin" if d.pinned else "unpin", name, f"pinned: {l.pinned} -> {d.pinned}", d))
-        elif not l.managed:
+        elif not l.managed and prune == "owned":  # ownership matters only to prune: owned
             actions.append(Action("adopt", name, "declared in the config, loaded through the admin API", d))
     actions.sort(key=lambda a: (ORDER[a.kind], a.name))
     return Plan(actions, kept=kept, unmanaged=unmanaged, broken=broken, restart=list(restart or []))

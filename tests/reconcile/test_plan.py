@@ -78,3 +78,12 @@ def test_restart_settings_are_listed_not_planned() -> None:
     assert lines[0] == "! lora.max_lora_rank: 16 -> 32 (requires restart)"
     assert lines[1] == "! server.admin_key: changed (requires restart)"  # never the key itself
     assert lines[-1].endswith("2 setting(s) need a restart (not applied live).")
+
+
+def test_a_declared_adapter_the_api_loaded_is_adopted_only_under_prune_owned() -> None:
+    live = {"a": st("a", managed=False)}
+    p = plan({"a": st("a")}, live)
+    assert [(a.kind, a.name) for a in p.actions] == [("adopt", "a")] and p.has_changes
+    assert render(p).splitlines() == ["~ a: adopt (declared in the config, loaded through the admin API)",
+                                      "Plan: 0 to load, 0 to reload, 0 to unload, 0 to pin/unpin. 1 to adopt."]
+    assert plan({"a": st("a")}, live, prune="all").actions == []

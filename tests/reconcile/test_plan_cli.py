@@ -33,7 +33,9 @@ def test_plan_against_live_server(tmp_path: Path, tiny_model_dir: Path) -> None:
             r = requests.post(srv.url + "/load_lora_adapter", headers={"Authorization": f"Bearer {KEY}"},
                               json={"lora_name": name, "lora_path": str(path)}, timeout=60)
             assert r.status_code == 200, r.text
-        cmd = [sys.executable, "-m", "appliance", "plan", "--url", srv.url, "--detailed-exitcode", "--config-dir"]
+        # The adapters came through the admin API: --prune all diffs them as if the config owned them.
+        cmd = [sys.executable, "-m", "appliance", "plan", "--url", srv.url, "--detailed-exitcode", "--prune", "all",
+               "--config-dir"]
         # Wanted: a pinned, b with other weights (b2's files copied over b's path), d new, c gone.
         shutil.copytree(root / "b2", root / "b_new")
         changed = write_tree(tmp_path / "changed", tiny_model_dir, root,

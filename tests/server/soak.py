@@ -158,11 +158,10 @@ class SoakSetup:
         self.inventory: dict[str, dict] = {n: {"path": self.root / n} for n in self.set_b[:2]}
         self.pinned_in_file: set[str] = set()  # set B names pinned by the file at some point (never removed)
         self.tree = write_tree(work / "configs", model, self.root, {"soak": self.inventory}, max_rank=8,
-                               slots=cfg.slots, watch=True, resync_s=2)
+                               slots=cfg.slots, watch=True, resync_s=2, prune="none")
         text = (self.tree / "config.yaml").read_text()
         text = text.replace(f"  max_loras_per_batch: {cfg.slots}\n",
                             f"  max_loras_per_batch: {cfg.slots}\n  max_loaded_loras: {cfg.cpu_cache}\n")
-        text = text.replace("reconcile:\n", "reconcile:\n  prune: false\n")
         text = text.replace("  name: tiny\n", "  name: tiny\n  max_model_len: 256\n  device: cpu\n")
         text = text.replace(f"  admin_key: {KEY}\n", f"  admin_key: {KEY}\n  log_level: warning\n")
         text += "engine:\n  num_kv_blocks: 256\n  max_num_seqs: 16\n"
