@@ -23,7 +23,7 @@ from appliance.engine.request import (
     RequestOutput,
     SamplingParams,
 )
-from appliance.engine.stats import EngineEvents, EngineSnapshot
+from appliance.telemetry.stats import EngineEvents, EngineSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class AsyncEngine:
         self._stop = False
         self._dead: Optional[BaseException] = None
         # Receives the engine's stats events after every loop iteration, on the engine thread
-        # (appliance/metrics.py); None = they are dropped, so they never pile up.
+        # (appliance/telemetry/metrics.py); None = they are dropped, so they never pile up.
         self._stats_sink: Optional[Callable[[EngineEvents], None]] = None
         # Overlap loading: when every waiting request waits for a background read and nothing runs,
         # the loop sleeps instead of spinning (`_idle`); each finished read bumps `_reads_done` and

@@ -35,7 +35,7 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
-from appliance.metrics import BuildInfo, Metrics
+from appliance.telemetry.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
 from appliance.server import protocol
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
