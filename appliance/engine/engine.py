@@ -39,7 +39,7 @@ from appliance.engine.sampler import sample, sample_on_device
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.models.weights import read_hf_config
 from appliance.engine.sequence import Sequence, SeqStatus
-from appliance.engine.stats import EngineSnapshot, FinishedRequest, LoRASnapshot, StatsRecorder
+from appliance.telemetry.stats import EngineSnapshot, FinishedRequest, LoRASnapshot, StatsRecorder
 from appliance.engine.tokenizer import (
     IdsOnlyTokenizer,
     IncrementalDetokenizer,
@@ -48,6 +48,7 @@ from appliance.engine.tokenizer import (
     has_tokenizer,
     partial_stop_len,
 )
+from appliance.engine.kernel_variants import CompileWatch
 from appliance.engine.warmup import WarmupReport, plan_warmup, run_warmup
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(cfg.model.seed)
         self.failed_steps = 0  # total, since start
         if cfg.engine.fault_injection_token_id is not None:
-            from appliance.engine.faults import install_token_fault
+            from appliance.telemetry.faults import install_token_fault
 
             log.warning("engine.fault_injection_token_id=%d: steps whose input holds it will fail (debug)",
                         cfg.engine.fault_injection_token_id)
@@ -133,6 +134,8 @@ class LLMEngine:
         self.warmup: Optional[WarmupReport] = None
         if cfg.engine.warmup_on(self.runner.device.type):
             self.warmup = self._warm_up(cfg)
+            if self.warmup.compiled is not None:
+                self.runner.compile_watch = CompileWatch()
         # Async scheduling applies to steps over the static decode buffers (module docstring); null = on
         # wherever those are set up (cuda graphs) at tp_size 1. Under TP the other ranks would need the
         # sampled tokens, which only rank 0 has (the config check refuses true with tp_size > 1).
