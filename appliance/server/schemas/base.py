@@ -53,13 +53,15 @@ def array_or_object(one: Any, many: Any) -> Any:
     member the value is (`sampling_params[1].top_p`), not every member of the union."""
 
     def pick(v: Any) -> str:
-        return "array" if isinstance(v, list) else "object"
+        return _ARRAY if isinstance(v, list) else _OBJECT
 
-    return typing.Annotated[Union[typing.Annotated[one, Tag("object")], typing.Annotated[many, Tag("array")]],
+    return typing.Annotated[Union[typing.Annotated[one, Tag(_OBJECT)], typing.Annotated[many, Tag(_ARRAY)]],
                             Discriminator(pick)]
 
 
-_TAGS = {"object", "array"}
+# The union tags pydantic puts into an error's loc; no declared field has these names.
+_OBJECT, _ARRAY = "<object>", "<array>"
+_TAGS = {_OBJECT, _ARRAY}
 
 
 def validate(cls: type[M], body: dict[str, Any], where: str) -> M:
@@ -80,9 +82,10 @@ _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "les
 
 def to_api_error(cls: type[BaseModel], errors: list[Any], where: str) -> ApiError:
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
-    if unknown:
-        loc = _steps(unknown[0]["loc"])
-        params = [param_of(_steps(e["loc"])) or "" for e in unknown if _steps(e["loc"])[:-1] == loc[:-1]]
+    if unknown:  # the last step is the client's key, whatever it is
+        loc = _steps(unknown[0]["loc"][:-1]) + unknown[0]["loc"][-1:]
+        params = [param_of(loc[:-1] + e["loc"][-1:]) or "" for e in unknown
+                  if _steps(e["loc"][:-1]) == loc[:-1]]
         owner = _model_at(cls, loc[:-1])
         known = set(owner.model_fields) if owner is not None else set()
         return unknown_fields(params, known, where if len(loc) == 1 else f"'{param_of(loc[:-1])}'")
