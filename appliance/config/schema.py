@@ -284,6 +284,26 @@ class LoRAConfig:
     drain_wait_threshold_s: float = 0.0
     # Directories adapters may be loaded from (after resolving symlinks and `..`).
     adapter_roots: list[str] = field(default_factory=list)
+    # Remote adapters (appliance/lora/sources/): the URIs a `path`/`lora_path` of s3:// or hf:// must lie
+    # under: s3://BUCKET[/PREFIX], hf://ORG or hf://ORG/REPO[/SUBDIR]. Empty: no remote path is allowed.
+    allowed_sources: list[str] = field(default_factory=list)
+    # Remote adapters land here (an adapter root for the reader), least recently used evicted past the bound.
+    adapter_cache_dir: str = "~/.cache/appliance/adapters"
+    adapter_cache_bytes: int = 10 << 30
+    # A remote adapter larger than this (its two files together) is refused before its body is read.
+    max_adapter_bytes: int = 1 << 30
+    # Bound on one remote fetch (and each connect/read of it).
+    fetch_timeout_s: float = 60.0
+    # S3-compatible stores (MinIO, Ceph, ...): their endpoint; null = AWS. Credentials: the AWS environment.
+    s3_endpoint_url: Optional[str] = None
+    s3_region: Optional[str] = None
+    # huggingface_hub's cache for hf:// adapters; null = its default (HF_HOME).
+    hub_cache_dir: Optional[str] = None
+
+    def read_roots(self) -> list[str]:
+        """Where the adapter reader may open files: adapter_roots, and the remote adapters' cache dir
+        once remote sources are allowed."""
+        return [*self.adapter_roots, self.adapter_cache_dir] if self.allowed_sources else list(self.adapter_roots)
 
     def resolved_backend(self, device: "torch.device") -> str:
         """The backend that runs on `device`: auto = triton on CUDA (the kernels and the decode CUDA
@@ -330,6 +350,23 @@ class LoRAConfig:
                               f"{self.fault_injection_read_delay_s}")
         if self.drain_wait_threshold_s < 0:
             raise ConfigError(f"lora.drain_wait_threshold_s: must be >= 0, got {self.drain_wait_threshold_s}")
+        from appliance.lora.sources.uri import parse_allowed
+
+        try:
+            parse_allowed(self.allowed_sources)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.max_adapter_bytes < 1:
+            raise ConfigError(f"lora.max_adapter_bytes: must be >= 1, got {self.max_adapter_bytes}")
+        if self.adapter_cache_bytes < self.max_adapter_bytes:
+            raise ConfigError(f"lora.adapter_cache_bytes: must be >= lora.max_adapter_bytes "
+                              f"({self.max_adapter_bytes}), got {self.adapter_cache_bytes}")
+        if not self.fetch_timeout_s > 0:
+            raise ConfigError(f"lora.fetch_timeout_s: must be > 0, got {self.fetch_timeout_s}")
+        url = self.s3_endpoint_url
+        if url is not None and (not url.startswith(("http://", "https://")) or "@" in url.split("/")[2]):
+            raise ConfigError("lora.s3_endpoint_url: must be an http:// or https:// URL without user info "
+                              "(credentials come from the AWS environment)")
 
 
 @dataclass
@@ -485,7 +522,14 @@ class ApplianceConfig:
             problem = name_problem(name)  # the rule the admin API applies too (lora/names.py)
             if problem is not None:
                 raise ConfigError(f"{adapter_key(name)}: invalid adapter name: {problem}")
+        from appliance.lora.sources.uri import SourceError, check_allowed, is_remote, parse_allowed, parse_uri
+
         for name, a in self.adapters.items():
+            if is_remote(a.path):  # refused here, before anything is fetched
+                try:
+                    check_allowed(parse_uri(a.path), parse_allowed(self.lora.allowed_sources))
+                except SourceError as e:
+                    raise ConfigError(f"{adapter_key(name)}.path: {e}") from None
             if a.target_modules is not None and any(t not in LORA_TARGETS for t in a.target_modules):
                 raise ConfigError(f"adapters.{name}.target_modules: {a.target_modules} not all in {LORA_TARGETS}")
             if a.rank is not None and not 1 <= a.rank <= self.lora.max_lora_rank:

@@ -1,7 +1,8 @@
 """`appliance validate`: everything that can be checked about a config without starting a server.
 
 Schema (types, unknown keys, invariants) comes from compose; then the model directory's config.json
-(and that parallel.tp_size divides it), then every adapter listed under `adapters:`: path inside lora.adapter_roots, a PEFT dir we accept
+(and that parallel.tp_size divides it), then every adapter listed under `adapters:`: path inside lora.adapter_roots (or a remote URI under
+lora.allowed_sources, fetched into the adapter cache), a PEFT dir we accept
 (read from its config and safetensors header only, no weights), rank and targets within the engine's
 LoRA settings, and the expectations written in the YAML. All problems are collected, one line each,
 starting with the inventory file that defines the adapter (`adapters/team_a.yaml: adapters.x.rank: ...`).
@@ -55,9 +56,13 @@ def _problems(composed: Composed) -> list[str]:
             TPLayout.check(args, cfg.parallel.tp_size)  # the tensor-parallel split must divide the model
         except ConfigError as e:
             problems.append(str(e))
+    from appliance.lora.sources.fetch import AdapterSources
+
+    sources = AdapterSources(cfg.lora)
     for name, a in cfg.adapters.items():
         try:
-            resolved = resolve_adapter_path(a.path, cfg.lora.adapter_roots)
+            local, _ = sources.local(a.path)  # a remote URI: allowlist first, then fetched into the cache
+            resolved = resolve_adapter_path(local, cfg.lora.read_roots())
             if args is None:
                 continue  # shapes need the base model; its problem is already listed
             spec = inspect_adapter(resolved, cfg.lora, args)

@@ -78,6 +78,8 @@ class AdapterSpec:
     scales: dict[str, float] = field(compare=False)  # "layers.{i}.{proj}" -> alpha/r or alpha/sqrt(r)
     base_model_name: Optional[str]  # PEFT's base_model_name_or_path (informational, not enforced)
     checksum: str  # sha256 of adapter_config.json bytes + adapter_model.safetensors bytes
+    # The remote URI it was fetched from (path is then its disk-cache entry); None: a local dir.
+    source: Optional[str] = field(default=None, compare=False)
 
 
 @dataclass
@@ -91,7 +93,7 @@ class _Module:
 def read_adapter(path: str | Path, lora_cfg: LoRAConfig, args: ModelArgs) -> tuple[AdapterSpec, AdapterFiles]:
     """Read the adapter dir at `path` (confined to lora_cfg.adapter_roots) once and validate it against
     the engine's LoRA config and base model; the spec and the bytes it was made from."""
-    files, fields = read_adapter_files(path, lora_cfg.adapter_roots, partial(_validate, lora_cfg=lora_cfg, args=args))
+    files, fields = read_adapter_files(path, lora_cfg.read_roots(), partial(_validate, lora_cfg=lora_cfg, args=args))
     return AdapterSpec(path=files.path, checksum=files.checksum, **fields), files
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, TypeVar
@@ -39,6 +39,7 @@ from appliance.lora.cache import HostCache
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
 from appliance.lora.pool import SlotPool
 from appliance.lora.reader import BackgroundReader
+from appliance.lora.sources.fetch import AdapterSources
 from appliance.lora.names import shown
 from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry, check_name
 from appliance.models.llama import LlamaModel, ModelArgs
@@ -129,6 +130,8 @@ class LoRAManager:
                 self.copier = SlotCopier(device)
         # Pinned host memory makes the side-stream copies truly asynchronous (pageable ones stage).
         self._pin_host = self.copier is not None
+        # Remote adapter paths (s3://, hf://): allowlist, fetch, disk cache (lora/sources/).
+        self.sources = AdapterSources(cfg)
 
     # ------------------------------------------------------------------ admin operations
     def prepare(self, path: str) -> PreparedLoad:
@@ -138,9 +141,12 @@ class LoRAManager:
         reports it after its own checks."""
         t0 = time.perf_counter()
         try:
-            spec, files = read_adapter(path, self.cfg, self.args)
+            local, fetched = self.sources.local(path)  # a remote URI: allowlist, then the disk cache
+            spec, files = read_adapter(local, self.cfg, self.args)
         except AdapterError as e:
             return PreparedLoad(error=e)
+        if fetched is not None:
+            spec = replace(spec, source=fetched.source)
         try:
             weights = self._pinned(adapter_weights(spec, files, self.dtype))
         except AdapterError as e:
@@ -182,7 +188,7 @@ class LoRAManager:
             if self.tp is not None:
                 self.tp.drop(key)  # refused: the other ranks forget the shard they read
             raise
-        fields = dict(path=str(resolved), pinned=pinned, checksum=spec.checksum, rank=spec.rank,
+        fields = dict(path=spec.source or str(resolved), pinned=pinned, checksum=spec.checksum, rank=spec.rank,
                       target_modules=spec.target_modules, base_model_name=spec.base_model_name)
         entry = self.registry.replace(name, **fields) if old is not None else self.registry.add(name, **fields)
         self.current[name] = key
@@ -436,6 +442,8 @@ class LoRAManager:
             from appliance.telemetry.faults import slow_read
 
             slow_read(self.cfg.fault_injection_read_delay_s)
+        if spec.source is not None:  # its disk-cache entry may have been evicted since: fetched again
+            spec = replace(spec, path=self.sources.refresh(spec.source, spec.path))
         return self._pinned(load_adapter_weights(spec, self.dtype, self.cfg, self.args))
 
     def _pinned(self, weights: Weights) -> Weights:

@@ -23,9 +23,14 @@ def desired_state(cfg: ApplianceConfig, engine_cfg: Optional[ApplianceConfig] = 
     args = ModelArgs.from_hf_config(read_hf_config(Path(engine_cfg.model.path).expanduser()))
     states: dict[str, AdapterState] = {}
     broken: dict[str, str] = {}
+    from appliance.lora.sources.fetch import AdapterSources
+
+    sources = AdapterSources(engine_cfg.lora)
     for name, a in cfg.adapters.items():
         try:
-            spec = inspect_adapter(resolve_adapter_path(a.path, engine_cfg.lora.adapter_roots), engine_cfg.lora, args)
+            # A remote URI is fetched at its current revision: a changed object shows as a new checksum.
+            local, fetched = sources.local(a.path)
+            spec = inspect_adapter(resolve_adapter_path(local, engine_cfg.lora.read_roots()), engine_cfg.lora, args)
         except AdapterError as e:
             broken[name] = str(e)
             continue
@@ -33,7 +38,7 @@ def desired_state(cfg: ApplianceConfig, engine_cfg: Optional[ApplianceConfig] = 
         if mismatches:
             broken[name] = "; ".join(mismatches)
             continue
-        states[name] = AdapterState(name, str(spec.path), a.pinned, spec.checksum)
+        states[name] = AdapterState(name, fetched.source if fetched else str(spec.path), a.pinned, spec.checksum)
     return states, broken
 
 
