@@ -56,18 +56,19 @@ def _problems(composed: Composed) -> list[str]:
             TPLayout.check(args, cfg.parallel.tp_size)  # the tensor-parallel split must divide the model
         except ConfigError as e:
             problems.append(str(e))
-    from appliance.lora.sources.fetch import AdapterSources
+    from appliance.lora.sources.fetch import AdapterSources, shown_as_source
 
     sources = AdapterSources(cfg.lora)
     for name, a in cfg.adapters.items():
+        fetched = None
         try:
-            local, _ = sources.local(a.path)  # a remote URI: allowlist first, then fetched into the cache
+            local, fetched = sources.local(a.path)  # a remote URI: allowlist first, then fetched into the cache
             resolved = resolve_adapter_path(local, cfg.lora.read_roots())
             if args is None:
                 continue  # shapes need the base model; its problem is already listed
             spec = inspect_adapter(resolved, cfg.lora, args)
         except AdapterError as e:
-            problems.append(f"{composed.where(name)}adapters.{name}.path: {e}")
+            problems.append(f"{composed.where(name)}adapters.{name}.path: {shown_as_source(e, fetched)}")
             continue
         problems += [composed.where(name) + m for m in a.mismatches(name, spec.rank, spec.target_modules,
                                                                     spec.base_model_name)]

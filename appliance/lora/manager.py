@@ -39,7 +39,7 @@ from appliance.lora.cache import HostCache
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
 from appliance.lora.pool import SlotPool
 from appliance.lora.reader import BackgroundReader
-from appliance.lora.sources.fetch import AdapterSources
+from appliance.lora.sources.fetch import AdapterSources, shown_as_source
 from appliance.lora.names import shown
 from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry, check_name
 from appliance.models.llama import LlamaModel, ModelArgs
@@ -140,11 +140,12 @@ class LoRAManager:
         batch keeps running meanwhile). Never raises AdapterError: a refusal is handed to `load`, which
         reports it after its own checks."""
         t0 = time.perf_counter()
+        fetched = None
         try:
             local, fetched = self.sources.local(path)  # a remote URI: allowlist, then the disk cache
             spec, files = read_adapter(local, self.cfg, self.args)
         except AdapterError as e:
-            return PreparedLoad(error=e)
+            return PreparedLoad(error=shown_as_source(e, fetched))
         if fetched is not None:
             spec = replace(spec, source=fetched.source)
         try:

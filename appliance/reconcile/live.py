@@ -23,16 +23,17 @@ def desired_state(cfg: ApplianceConfig, engine_cfg: Optional[ApplianceConfig] = 
     args = ModelArgs.from_hf_config(read_hf_config(Path(engine_cfg.model.path).expanduser()))
     states: dict[str, AdapterState] = {}
     broken: dict[str, str] = {}
-    from appliance.lora.sources.fetch import AdapterSources
+    from appliance.lora.sources.fetch import AdapterSources, shown_as_source
 
     sources = AdapterSources(engine_cfg.lora)
     for name, a in cfg.adapters.items():
+        fetched = None
         try:
             # A remote URI is fetched at its current revision: a changed object shows as a new checksum.
             local, fetched = sources.local(a.path)
             spec = inspect_adapter(resolve_adapter_path(local, engine_cfg.lora.read_roots()), engine_cfg.lora, args)
         except AdapterError as e:
-            broken[name] = str(e)
+            broken[name] = str(shown_as_source(e, fetched))
             continue
         mismatches = a.mismatches(name, spec.rank, spec.target_modules, spec.base_model_name)
         if mismatches:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from appliance.config.schema import LoRAConfig
+from appliance.lora.adapter_files import AdapterError
 from appliance.lora.sources.cache import DiskCache
 from appliance.lora.sources.uri import RemoteURI, SourceError, check_allowed, is_remote, parse_allowed, parse_uri
 
@@ -22,6 +23,13 @@ class Fetched:
     source: str  # the normalised URI (what the registry and the plan show)
     revision: str  # etag:... (s3) or commit:... (hf)
     downloaded: bool  # false: a cache hit
+
+
+def shown_as_source(e: AdapterError, fetched: Optional[Fetched]) -> AdapterError:
+    """The reader's refusal of a fetched adapter, naming its URI instead of its cache entry."""
+    if fetched is None:
+        return e
+    return type(e)(str(e).replace(str(fetched.dir), fetched.source))
 
 
 class AdapterSources:

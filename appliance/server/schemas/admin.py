@@ -13,7 +13,7 @@ _Name = Annotated[str, Field(min_length=1, description="1..128 printable charact
 
 class LoadLoRAAdapterRequest(Closed):
     lora_name: _Name
-    lora_path: Annotated[str, Field(min_length=1, description="a dir under lora.adapter_roots")]
+    lora_path: Annotated[str, Field(min_length=1, description="a dir under lora.adapter_roots, or an s3:// or hf:// URI under lora.allowed_sources")]
     pinned: Optional[bool] = None
     load_inplace: Optional[bool] = Field(None, description="reload an existing name with new weights")
     managed: Optional[bool] = Field(None, description="the config owns it (appliance apply)")
