@@ -10,6 +10,7 @@ ETag is one (single-part uploads).
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -39,6 +40,11 @@ class S3Fetcher:
         from botocore.config import Config
 
         self.timeout_s = timeout_s
+        for name in ("botocore", "boto3", "s3transfer", "urllib3"):
+            # Their DEBUG records carry request headers (the access key id in Authorization): INFO at most.
+            lg = logging.getLogger(name)
+            if lg.getEffectiveLevel() < logging.INFO:
+                lg.setLevel(logging.INFO)
         # A session of its own: boto3's default session is shared module state.
         self.client = boto3.session.Session().client(
             "s3", endpoint_url=endpoint_url, region_name=region,

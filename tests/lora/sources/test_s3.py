@@ -4,6 +4,7 @@ one download for concurrent asks, eviction and re-fetch, credentials never echoe
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from pathlib import Path
@@ -37,8 +38,9 @@ def no_secret(text: str) -> None:
     assert SECRET_KEY not in text and ACCESS_KEY not in text
 
 
-def test_fetch_then_hit_then_new_revision(s3, s3_url: str, tmp_path: Path) -> None:
-    uri = upload(s3, fake_adapter(tmp_path / "a"), "team/a")
+def test_fetch_then_hit_then_new_revision(s3, s3_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    uri = upload(s3, fake_adapter(tmp_path / "a"), "team/a")  # (the test's own client logs what it likes)
+    caplog.set_level(logging.DEBUG)  # as server.log_level=debug does: botocore must still not log headers
     src = sources(s3_url, tmp_path / "cache")
     first = src.fetch(uri)
     assert first is not None and first.downloaded and first.source == uri
@@ -52,6 +54,7 @@ def test_fetch_then_hit_then_new_revision(s3, s3_url: str, tmp_path: Path) -> No
     assert changed is not None and changed.downloaded and changed.revision != first.revision
     assert (changed.dir / "adapter_model.safetensors").read_bytes() == b"v" * 1000
     assert src.fetch(str(tmp_path / "local")) is None  # a local path is not the fetch layer's
+    no_secret(caplog.text)
 
 
 @pytest.mark.parametrize("what, uri, allowed, message", [
