@@ -161,3 +161,16 @@ def test_plan_sees_a_changed_object_as_new_weights(tmp_path: Path, tiny_model_di
     s3.delete_object(Bucket=BUCKET, Key="team/moving/adapter_config.json")
     _, broken = desired_state(cfg)
     assert "s3://adapters/team/moving/adapter_config.json does not exist" in broken["moving"]
+
+
+def test_concurrent_admin_loads_of_one_uri_download_once(srv: ServerThread, made: dict, s3, oracle: dict) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    uri = upload(s3, made["mlp6"][0], "team/concurrent")
+    cache = srv.engine.engine.lora.sources.cache
+    before = cache.downloads
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda i: load(srv, f"conc{i}", uri), range(6)))
+    assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+    assert cache.downloads - before == 1
+    assert tokens(srv, "conc3") == oracle["mlp6"]
