@@ -19,13 +19,14 @@ from typing import Optional
 
 import torch
 
+from appliance.engine.sampler import DeviceSample
 from appliance.engine.sequence import Sequence
 
 
 @dataclass(eq=False)
 class LaunchedStep:
     sampling: list[Sequence]  # the sequences that sample in it, in the order of their token rows
-    host: torch.Tensor  # long [n] on the host (pinned on cuda): the tokens, once `ready` completed
+    host: torch.Tensor  # DeviceSample.for_host() on the host (pinned on cuda), once `ready` completed
     ready: Optional[torch.cuda.Event]  # None on cpu: the copy was synchronous
     rows: dict[Sequence, int] = field(init=False)
 
@@ -33,8 +34,9 @@ class LaunchedStep:
         self.rows = {seq: i for i, seq in enumerate(self.sampling)}
 
     @classmethod
-    def start(cls, sampling: list[Sequence], tokens: torch.Tensor) -> "LaunchedStep":
-        """Queue the copy of `tokens` (long [n], on the device) to the host; no host wait."""
+    def start(cls, sampling: list[Sequence], drawn: DeviceSample) -> "LaunchedStep":
+        """Queue the copy of the step's tokens (and logprobs) to the host; no host wait."""
+        tokens = drawn.for_host()
         if tokens.device.type != "cuda":
             return cls(sampling, tokens.cpu(), None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -47,8 +49,9 @@ class LaunchedStep:
         """The row of each sequence's token in this step (-1 = not in it)."""
         return [self.rows.get(s, -1) for s in seqs]
 
-    def tokens(self) -> list[int]:
-        """Wait for the copy and return the tokens (raises what the device raised)."""
+    def tokens(self) -> tuple[list[int], Optional[list]]:
+        """Wait for the copy; (the tokens, their per-row TokenLogprob or None) (raises what the device
+        raised)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        return DeviceSample.read(self.host, [s.params for s in self.sampling])

@@ -26,6 +26,8 @@ class Sequence:
     # The adapter's registered name, the label metrics use (keys change with every reload, names don't).
     adapter_name: Optional[str] = None
     output_token_ids: list[int] = field(default_factory=list)
+    # One request.TokenLogprob per output token when params.logprobs is set (else stays empty).
+    output_logprobs: list[Any] = field(default_factory=list)
     # When this request was first refused a LoRA slot (drives the drain rule); None = not waiting for one.
     slot_wait_since: Optional[float] = None
     # When this admission attempt was first refused a slot, drain holds included (metrics' slot wait).
