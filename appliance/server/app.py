@@ -37,7 +37,7 @@ from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
 from appliance.telemetry.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
-from appliance.server import protocol
+from appliance.server import logprob_format, protocol
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
@@ -206,7 +206,7 @@ class _Api:
         if req.stream:
             return _SSEResponse(self._completion_stream(group, created, model, req.include_usage))
         choices = await self._collect(request, group)
-        return JSONResponse(protocol.completion_response(rid, created, model, choices))
+        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer))
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
@@ -216,14 +216,15 @@ class _Api:
         if req.stream:
             return _SSEResponse(self._chat_stream(group, created, model, req.include_usage))
         choices = await self._collect(request, group)
-        return JSONResponse(protocol.chat_response(rid, created, model, choices))
+        return JSONResponse(protocol.chat_response(rid, created, model, choices, self.tokenizer))
 
     def _completion_stream(self, group: RequestGroup, created: int, model: str,
                            include_usage: bool) -> AsyncIterator[str]:
         rid = group.request_id
 
         def chunk(i: int, text: str, finish: Optional[str]) -> dict:
-            return protocol.completion_chunk(rid, created, model, i, text, finish, include_usage)
+            lps = logprob_format.take(group.choices[i], self.tokenizer, "completion")
+            return protocol.completion_chunk(rid, created, model, i, text, finish, include_usage, lps)
 
         def usage() -> dict:
             return protocol.usage_chunk("text_completion", rid, created, model, group.choices)
@@ -238,8 +239,9 @@ class _Api:
                                                  None, include_usage)) for i in range(len(group.choices))]
 
         def chunk(i: int, text: str, finish: Optional[str]) -> dict:
+            lps = logprob_format.take(group.choices[i], self.tokenizer, "chat")
             return protocol.chat_chunk(rid, created, model, i, {"content": text} if text else {}, finish,
-                                       include_usage)
+                                       include_usage, lps)
 
         def usage() -> dict:
             return protocol.usage_chunk("chat.completion.chunk", rid, created, model, group.choices)
@@ -253,13 +255,14 @@ class _Api:
         req, _ = await self._parse(request, protocol.parse_generate)
         group = await self._start(request, req, f"gen-{uuid.uuid4().hex}", deadline)
         if req.stream:
-            return _SSEResponse(self._generate_stream(group))
+            return _SSEResponse(self._generate_stream(group, self.tokenizer if req.logprob_text else None))
         choices = await self._collect(request, group)
-        items = [protocol.generate_item(group.job_request_id(i), c) for i, c in enumerate(choices)]
+        text = self.tokenizer if req.logprob_text else None
+        items = [protocol.generate_item(group.job_request_id(i), c, text) for i, c in enumerate(choices)]
         return JSONResponse(items if req.batched else items[0])
 
-    def _generate_stream(self, group: RequestGroup) -> AsyncIterator[str]:
-        events = protocol.GenerateEvents(len(group.choices))
+    def _generate_stream(self, group: RequestGroup, logprob_text: Optional[Tokenizer]) -> AsyncIterator[str]:
+        events = protocol.GenerateEvents(len(group.choices), logprob_text)
 
         def item(i: int, out: RequestOutput) -> Optional[str]:
             if not (out.text or out.token_ids or out.finished):

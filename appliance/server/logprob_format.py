@@ -53,14 +53,35 @@ def completion_chars(tok: Decoder, lps: Sequence[TokenLogprob]) -> int:
     return sum(len(_text(tok, lp.token_id)) for lp in lps)
 
 
-def generate(tok: Optional[Decoder], lps: Sequence[TokenLogprob], top: bool) -> dict[str, Any]:
-    """/generate meta_info fields (SGLang): output_token_logprobs [[logprob, id, text]] and, when `top`,
-    output_top_logprobs [[[logprob, id, text], ...]]; text is null unless a decoder is given
-    (return_text_in_logprobs)."""
+def generate(tok: Optional[Decoder], lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """/generate meta_info fields (SGLang): output_token_logprobs [[logprob, id, text]] and
+    output_top_logprobs [[[logprob, id, text], ...]] (top_logprobs_num of them); text is null unless a
+    decoder is given (return_text_in_logprobs)."""
     def triple(t: int, v: float) -> list[Any]:
         return [v, t, None if tok is None else _text(tok, t)]
 
-    out: dict[str, Any] = {"output_token_logprobs": [triple(lp.token_id, lp.logprob) for lp in lps]}
-    if top:
-        out["output_top_logprobs"] = [[triple(t, v) for t, v in lp.top] for lp in lps]
+    return {"output_token_logprobs": [triple(lp.token_id, lp.logprob) for lp in lps],
+            "output_top_logprobs": [[triple(t, v) for t, v in lp.top] for lp in lps]}
+
+
+class Streamed(Protocol):
+    """What `take` reads and advances on a choice (server/protocol.Choice)."""
+
+    logprobs: Optional[list[TokenLogprob]]
+    logprobs_sent: int
+    logprob_chars: int
+
+
+def take(choice: Streamed, tok: Decoder, shape: str) -> Optional[dict[str, Any]]:
+    """The logprobs of the choice's tokens not sent yet, in `shape` ("chat" or "completion"), for the
+    chunk about to go out; None when the request did not ask. Tokens whose text is still held back
+    (a possible stop string) go with the next chunk that carries text."""
+    if choice.logprobs is None:
+        return None
+    new = choice.logprobs[choice.logprobs_sent:]
+    choice.logprobs_sent = len(choice.logprobs)
+    if shape == "chat":
+        return chat(tok, new)
+    out = completion(tok, new, choice.logprob_chars)
+    choice.logprob_chars += sum(len(t) for t in out["tokens"])
     return out

@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional
 
 from jinja2 import TemplateError
 
-from appliance.engine.request import RequestError, SamplingParams
+from appliance.engine.request import RequestError, SamplingParams, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import cut, shown
+from appliance.server import logprob_format
 from appliance.server.errors import bad_request, unknown_fields
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -65,6 +66,7 @@ class ParsedRequest:
     include_usage: bool = False  # stream_options.include_usage
     batched: bool = False  # /generate: the input was a list, so the answer is a list
     lora_paths: Optional[list[Optional[str]]] = None  # /generate `lora_path`, one per job (null = base)
+    logprob_text: bool = False  # /generate return_text_in_logprobs
 
 
 @dataclass
@@ -77,6 +79,9 @@ class Choice:
     completion_tokens: int = 0
     finish_reason: Optional[str] = None  # the engine's: stop | length | abort | error
     error: Optional[str] = None  # the engine's message when finish_reason == "error"
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token when the request asked, else None
+    logprobs_sent: int = 0  # a stream: how many of them went out in chunks (logprob_format.take)
+    logprob_chars: int = 0  # a stream: the completion's text_offset after those
 
 
 # ------------------------------------------------------------------------------------------ JSON body
@@ -527,39 +532,45 @@ def usage(choices: list[Choice]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion_response(rid: str, created: int, model: str, choices: list[Choice]) -> dict:
+def completion_response(rid: str, created: int, model: str, choices: list[Choice],
+                        tok: Optional[logprob_format.Decoder] = None) -> dict:
+    """`tok` decodes the tokens of logprobs (needed when a choice has them)."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        "choices": [{"index": i, "text": c.text,
+                     "logprobs": None if c.logprobs is None else logprob_format.completion(tok, c.logprobs),  # type: ignore[arg-type]
+                     "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
         "usage": usage(choices),
     }
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
-                     finish_reason: Optional[str], include_usage: bool) -> dict:
+                     finish_reason: Optional[str], include_usage: bool, logprobs: Optional[dict] = None) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": None,
+             "choices": [{"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None  # as OpenAI: null on every chunk but the last
     return chunk
 
 
-def chat_response(rid: str, created: int, model: str, choices: list[Choice]) -> dict:
+def chat_response(rid: str, created: int, model: str, choices: list[Choice],
+                  tok: Optional[logprob_format.Decoder] = None) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": None, "finish_reason": c.finish_reason}
+                     "logprobs": None if c.logprobs is None else logprob_format.chat(tok, c.logprobs),  # type: ignore[arg-type]
+                     "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
         "usage": usage(choices),
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
-               finish_reason: Optional[str], include_usage: bool) -> dict:
+               finish_reason: Optional[str], include_usage: bool, logprobs: Optional[dict] = None) -> dict:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
@@ -571,12 +582,18 @@ def usage_chunk(obj: str, rid: str, created: int, model: str, choices: list[Choi
             "usage": usage(choices)}
 
 
-def generate_item(rid: str, choice: Choice) -> dict:
-    """One /generate result; in a stream, `text` and `output_ids` are cumulative (SGLang's format)."""
-    return {"text": choice.text, "output_ids": list(choice.token_ids),
-            "meta_info": {"id": rid, "prompt_tokens": choice.prompt_tokens,
-                          "completion_tokens": choice.completion_tokens,
-                          "finish_reason": choice.finish_reason}}
+def generate_item(rid: str, choice: Choice, logprob_text: Optional[logprob_format.Decoder] = None) -> dict:
+    """One /generate result; in a stream, `text` and `output_ids` are cumulative (SGLang's format).
+    `logprob_text`: the decoder that fills the logprobs' text (return_text_in_logprobs), else null."""
+    return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": _meta(rid, choice, logprob_text)}
+
+
+def _meta(rid: str, choice: Choice, logprob_text: Optional[logprob_format.Decoder]) -> dict:
+    meta = {"id": rid, "prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.completion_tokens,
+            "finish_reason": choice.finish_reason}
+    if choice.logprobs is not None:
+        meta.update(logprob_format.generate(logprob_text, choice.logprobs))
+    return meta
 
 
 # One encoder for every event: building one per call costs about as much as encoding a small chunk.
@@ -592,15 +609,15 @@ class GenerateEvents:
     choice's cumulative `output_ids` kept encoded and extended by the new ids (encoding the whole list
     on every event makes a stream quadratic in its length)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, logprob_text: Optional[logprob_format.Decoder] = None) -> None:
         self._ids = [""] * n
+        self._logprob_text = logprob_text
 
     def event(self, rid: str, index: int, choice: Choice, new_ids: list[int]) -> str:
         if new_ids:
             add = ",".join(map(str, new_ids))
             self._ids[index] = f"{self._ids[index]},{add}" if self._ids[index] else add
-        meta = _encode({"id": rid, "prompt_tokens": choice.prompt_tokens,
-                        "completion_tokens": choice.completion_tokens, "finish_reason": choice.finish_reason})
+        meta = _encode(_meta(rid, choice, self._logprob_text))
         return (f'data: {{"text":{_encode(choice.text)},"output_ids":[{self._ids[index]}],'
                 f'"meta_info":{meta},"index":{index}}}\n\n')
 

@@ -22,7 +22,7 @@ def test_shapes(default_model_dir: Path) -> None:
                  "top_logprobs": [{" Paris": -0.5, " London": -1.5}, {" Paris": -0.1, " London": -2.0}],
                  "text_offset": [3, 9]}
     assert fmt.completion_chars(tok, lps) == 13
-    g = fmt.generate(None, lps, top=True)
+    g = fmt.generate(None, lps)
     assert g["output_token_logprobs"] == [[-0.5, a, None], [-2.0, b, None]]
     assert g["output_top_logprobs"][1] == [[-0.1, a, None], [-2.0, b, None]]
-    assert fmt.generate(tok, lps[:1], top=False) == {"output_token_logprobs": [[-0.5, a, " Paris"]]}
+    assert fmt.generate(tok, lps[:1])["output_token_logprobs"] == [[-0.5, a, " Paris"]]
