@@ -214,11 +214,14 @@ class LLMEngine:
                                f"{self.config.max_num_batched_tokens} and chunked prefill is off")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: Optional[float] = None, adapter: Optional[str] = None) -> None:
+                    arrival_time: Optional[float] = None, adapter: Optional[str] = None,
+                    prompt_source: Optional[str] = None) -> None:
         """`adapter`: the LoRA adapter as the client named it (name or "<base>:<adapter>"; None or the
         base model's name = base). It is resolved here, on the engine thread, so a reload in place
         between the caller's check and this call gives the request the new weights, and an unload
-        gives AdapterNotFoundError."""
+        gives AdapterNotFoundError. `prompt_source`: the id of an earlier request with the same prompt
+        and adapter (another of `n` samples) whose prompt KV this one shares; ignored when that
+        request is gone or differs."""
         params.validate()
         self.check_request(prompt_token_ids, params)
         if request_id in self.seqs:
@@ -234,6 +237,9 @@ class LLMEngine:
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         if not params.greedy:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        src = self.seqs.get(prompt_source) if prompt_source is not None else None
+        if src is not None and src.adapter == key and src.prompt_token_ids == seq.prompt_token_ids:
+            seq.prompt_source = src
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -437,6 +443,10 @@ class LLMEngine:
         """Advance the plan's sequences and sample the ones that reach their last token: (those
         sequences, what `sampler` returns: sample_full's host tokens and logprobs, or a DeviceSample)."""
         sampling = [s.seq for s in plan.prefills + plan.decodes if s.samples]
+        for s in plan.prefills + plan.decodes:
+            done, n_prompt = s.seq.num_computed_tokens, len(s.seq.prompt_token_ids)
+            if done < n_prompt:
+                self.stats.events.prompt_tokens_computed += min(done + s.num_new_tokens, n_prompt) - done
         self.scheduler.after_step(plan)
         banned = [self._banned(seq) for seq in sampling]
         history = [(seq.prompt_token_ids, seq.output_token_ids) if seq.params.penalized else ((), ())

@@ -10,6 +10,12 @@ tokens are kept and re-prefilled with the prompt). Nothing is ever dropped.
 With overlap loading, `adapter_ready` gates admission before the slot: a request whose adapter's
 weights are still being read or copied stays waiting (reason "load") and the scan goes on.
 
+Parallel samples of one prompt (`n`): a sequence with a `prompt_source` stays waiting until that
+sequence has computed the prompt's full blocks (all but the block of its last token), then shares
+them (ref counts) and computes only the rest, its own copy of the partial last block included, so no
+block is ever written by two sequences. If the source finished or was preempted, it waits for the
+recompute, or (finished) computes the prompt itself.
+
 With async scheduling a running sequence may have a sampled token the host has not read yet
 (`Sequence.num_pending`): it counts, so the sequence decodes on it in the next step; one whose pending
 token is its last by length (`finishing`) is not scheduled again.
@@ -155,6 +161,10 @@ class Scheduler:
         while (not out.preempted and j < len(self.waiting) and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
             seq = self.waiting[j]
+            if seq.prompt_source is not None and not self._share_prompt(seq):
+                seq.wait_reason = "budget"  # behind the sample that computes the shared prompt
+                j += 1
+                continue
             n = seq.num_uncomputed
             if n > budget:
                 if not self.cfg.enable_chunked_prefill:
@@ -203,6 +213,21 @@ class Scheduler:
             else:
                 out.prefills.append(s)
         return out
+
+    def _share_prompt(self, seq: Sequence) -> bool:
+        """Share the prompt's full blocks with `seq` once its source computed them; False = wait."""
+        src = seq.prompt_source
+        assert src is not None
+        full = (len(seq.prompt_token_ids) - 1) // self.bm.block_size  # the last token's block stays its own
+        if src.status is SeqStatus.FINISHED or full == 0:
+            seq.prompt_source = None  # nothing to share (any more): compute the prompt alone
+            return True
+        if src.status is not SeqStatus.RUNNING or src.num_computed_tokens < full * self.bm.block_size:
+            return False
+        self.bm.share(seq, src, full)
+        seq.num_computed_tokens = full * self.bm.block_size
+        seq.prompt_source = None
+        return True
 
     def _update_drain(self) -> None:
         """Drain rule (lora.drain_wait_threshold_s): once a request waited too long for a slot, stop

@@ -56,6 +56,9 @@ class Sequence:
     num_pending: int = 0
     # Its last pending token ends it by length (max_tokens or the context): it is not scheduled again.
     finishing: bool = False
+    # Another sample of the same prompt (`n`): this sequence waits until that one has computed the
+    # prompt's full blocks, then shares them (Scheduler._share_prompt). None once shared, or alone.
+    prompt_source: Optional["Sequence"] = None
 
     @property
     def num_known_tokens(self) -> int:
