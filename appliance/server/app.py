@@ -37,7 +37,7 @@ from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
 from appliance.telemetry.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
-from appliance.server import logprob_format, protocol
+from appliance.server import logprob_format, protocol, samples
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
@@ -205,8 +205,9 @@ class _Api:
         group = await self._start(request, req, rid, deadline)
         if req.stream:
             return _SSEResponse(self._completion_stream(group, created, model, req.include_usage))
-        choices = await self._collect(request, group)
-        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer))
+        sampled = await self._collect(request, group)
+        choices = self._best(req, sampled)
+        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer, sampled))
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
@@ -215,8 +216,9 @@ class _Api:
         group = await self._start(request, req, rid, deadline)
         if req.stream:
             return _SSEResponse(self._chat_stream(group, created, model, req.include_usage))
-        choices = await self._collect(request, group)
-        return JSONResponse(protocol.chat_response(rid, created, model, choices, self.tokenizer))
+        sampled = await self._collect(request, group)
+        choices = self._best(req, sampled)
+        return JSONResponse(protocol.chat_response(rid, created, model, choices, self.tokenizer, sampled))
 
     def _completion_stream(self, group: RequestGroup, created: int, model: str,
                            include_usage: bool) -> AsyncIterator[str]:
@@ -321,12 +323,20 @@ class _Api:
         Adapters travel by the name the client used: the engine resolves it again when it takes the
         request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
-        group = RequestGroup(self.engine, req.jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
+        jobs = req.jobs if req.best_of == 1 else samples.expand(req.jobs, req.best_of, ranked=req.best_of > req.n)
+        group = RequestGroup(self.engine, jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
         try:
             await _unless_disconnected(request, group.start())
         except EngineError as e:
             raise _to_api_error(e) from None
         return group
+
+    @staticmethod
+    def _best(req: ParsedRequest, sampled: list[Choice]) -> list[Choice]:
+        """The choices to answer with: all of them, or the n best of each prompt's best_of samples."""
+        if req.best_of == req.n:
+            return sampled
+        return samples.select(sampled, req.n, req.best_of, keep_logprobs=req.jobs[0].params.logprobs is not None)
 
     async def _collect(self, request: Request, group: RequestGroup) -> list[Choice]:
         try:

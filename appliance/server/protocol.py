@@ -56,6 +56,8 @@ class Job:
     # The adapter as the client named it (`model` / `lora_path`), set once the app checked it exists;
     # None = base. The engine resolves it again when it takes the request.
     adapter: Optional[str] = None
+    # Another sample of an earlier job's prompt (`n`, `best_of`): that job's index; it shares its KV.
+    prompt_source: Optional[int] = None
 
 
 @dataclass
@@ -67,6 +69,8 @@ class ParsedRequest:
     batched: bool = False  # /generate: the input was a list, so the answer is a list
     lora_paths: Optional[list[Optional[str]]] = None  # /generate `lora_path`, one per job (null = base)
     logprob_text: bool = False  # /generate return_text_in_logprobs
+    n: int = 1  # choices per prompt (server/samples.py)
+    best_of: int = 1  # samples per prompt, >= n; the n best are returned
 
 
 @dataclass
@@ -82,6 +86,7 @@ class Choice:
     logprobs: Optional[list[TokenLogprob]] = None  # one per token when the request asked, else None
     logprobs_sent: int = 0  # a stream: how many of them went out in chunks (logprob_format.take)
     logprob_chars: int = 0  # a stream: the completion's text_offset after those
+    counts_prompt: bool = True  # False for the 2nd..nth sample of a prompt: usage counts a prompt once
 
 
 # ------------------------------------------------------------------------------------------ JSON body
@@ -527,21 +532,23 @@ def _lora_paths(v: Any, n: int, batched: bool) -> Optional[list[Optional[str]]]:
 # ------------------------------------------------------------------------------------------ responses
 
 def usage(choices: list[Choice]) -> dict[str, int]:
-    p = sum(c.prompt_tokens for c in choices)
+    p = sum(c.prompt_tokens for c in choices if c.counts_prompt)
     c = sum(c.completion_tokens for c in choices)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice],
-                        tok: Optional[logprob_format.Decoder] = None) -> dict:
-    """`tok` decodes the tokens of logprobs (needed when a choice has them)."""
+                        tok: Optional[logprob_format.Decoder] = None,
+                        sampled: Optional[list[Choice]] = None) -> dict:
+    """`tok` decodes the tokens of logprobs (needed when a choice has them); `sampled`: every sample
+    behind `choices` (best_of), which usage counts."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": i, "text": c.text,
                      "logprobs": None if c.logprobs is None else logprob_format.completion(tok, c.logprobs),  # type: ignore[arg-type]
                      "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
-        "usage": usage(choices),
+        "usage": usage(choices if sampled is None else sampled),
     }
 
 
@@ -556,14 +563,14 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
 
 
 def chat_response(rid: str, created: int, model: str, choices: list[Choice],
-                  tok: Optional[logprob_format.Decoder] = None) -> dict:
+                  tok: Optional[logprob_format.Decoder] = None, sampled: Optional[list[Choice]] = None) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
                      "logprobs": None if c.logprobs is None else logprob_format.chat(tok, c.logprobs),  # type: ignore[arg-type]
                      "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
-        "usage": usage(choices),
+        "usage": usage(choices if sampled is None else sampled),
     }
 
 
