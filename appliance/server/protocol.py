@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from jinja2 import TemplateError
 
-from appliance.engine.request import RequestError, SamplingParams, TokenLogprob
+from appliance.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, RequestError, SamplingParams, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import cut, shown
 from appliance.server import logprob_format
@@ -31,20 +31,18 @@ GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 _SEED_MAX = 2**63 - 1
 
 # OpenAI fields we do not implement: refused unless absent or set to one of these default values.
-_COMPLETION_UNSUPPORTED: dict[str, tuple] = {
-    "echo": (None, False), "logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""),
-    "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-}
+_COMPLETION_UNSUPPORTED: dict[str, tuple] = {"echo": (None, False), "suffix": (None, "")}
 _CHAT_UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "tools": (None, []),
+    "tools": (None, []),
     "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "audio": (None,), "modalities": (None, ["text"]),
 }
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "model", "lora_path"}
+_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "model", "lora_path", "return_logprob",
+                  "top_logprobs_num", "return_text_in_logprobs"}
 _GENERATE_SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop",
-                           "stop_token_ids", "seed", "ignore_eos"}
+                           "stop_token_ids", "seed", "ignore_eos", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "min_p", "logit_bias"}
 
 
 @dataclass
@@ -266,9 +264,36 @@ class RequestLimits:
     max_prompts: int = 256  # server.max_prompts_per_request
 
 
+def _logit_bias(d: dict, key: str, param: str, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias: an object of token ids (as strings) to numbers in [-100, 100]."""
+    v = d.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad_request(f"'{param}' must be an object of token ids to numbers, got {_json_type(v)}.", param)
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'{param}' holds {len(v)} tokens; at most {MAX_LOGIT_BIAS} are allowed.", param)
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else -1
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"'{param}' keys must be token ids in [0, {vocab_size}), got {shown(k)}.", param)
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise bad_request(f"'{param}' values must be numbers in [-100, 100].", param)
+        out[tid] = float(b)
+    return out
+
+
+def _in_range(v: Optional[float], lo: float, hi: float, param: str, lo_open: bool = False) -> None:
+    if v is not None and not ((lo < v if lo_open else lo <= v) and v <= hi):
+        raise bad_request(f"'{param}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v:g}.", param)
+
+
 def _sampling(d: dict, limits: RequestLimits, *, prefix: str, max_tokens: Optional[int],
-              max_tokens_param: str, min_tokens_key: str) -> Callable[[int, int], SamplingParams]:
+              max_tokens_param: str, min_tokens_key: str,
+              logprobs: Optional[int] = None) -> Callable[[int, int], SamplingParams]:
     """Read the sampling fields shared by every route; return a factory (prompt_len, default) -> params.
+    `logprobs`: the route's own logprobs field, read by the caller (SamplingParams.logprobs).
 
     max_tokens is resolved per prompt because its default and its check depend on the prompt length.
     """
@@ -295,6 +320,14 @@ def _sampling(d: dict, limits: RequestLimits, *, prefix: str, max_tokens: Option
         raise bad_request(f"'{p}seed' must be in [0, 2**63 - 1], got {seed}.", p + "seed")
     if min_tokens is not None and min_tokens < 0:
         raise bad_request(f"'{p}{min_tokens_key}' must be >= 0, got {min_tokens}.", p + min_tokens_key)
+    extra: dict[str, Any] = {"logprobs": logprobs,
+                             "logit_bias": _logit_bias(d, "logit_bias", p + "logit_bias", limits.tokenizer.vocab_size)}
+    for key, lo, hi, lo_open in (("presence_penalty", -2.0, 2.0, False), ("frequency_penalty", -2.0, 2.0, False),
+                                 ("repetition_penalty", 0.0, math.inf, True), ("min_p", 0.0, 1.0, False)):
+        v = _number(d, key, p + key)
+        _in_range(v, lo, hi, p + key, lo_open)
+        if v is not None:
+            extra[key] = v
 
     def build(prompt_len: int, default_max_tokens: int) -> SamplingParams:
         room = limits.max_model_len - prompt_len
@@ -307,7 +340,7 @@ def _sampling(d: dict, limits: RequestLimits, *, prefix: str, max_tokens: Option
             raise bad_request(f"'{p}{min_tokens_key}' ({min_tokens}) must not exceed "
                               f"'{max_tokens_param}' ({n}).", p + min_tokens_key)
         params = SamplingParams(max_tokens=n, stop=stop, stop_token_ids=stop_ids, seed=seed,
-                                ignore_eos=bool(ignore_eos), min_tokens=min_tokens or 0)
+                                ignore_eos=bool(ignore_eos), min_tokens=min_tokens or 0, **extra)
         if temperature is not None:
             params.temperature = temperature
         if top_p is not None:
@@ -339,10 +372,34 @@ def _check_prompt_len(ids: list[int], limits: RequestLimits, param: str) -> None
             f"{len(ids)} tokens (at least one token must be left to generate).", param)
 
 
-def _n_and_stream(body: dict) -> tuple[bool, bool]:
+def _logprobs_count(d: dict, key: str, param: str) -> Optional[int]:
+    v = _int(d, key, param)
+    if v is not None and not 0 <= v <= MAX_LOGPROBS:
+        raise bad_request(f"'{param}' must be in [0, {MAX_LOGPROBS}], got {v}.", param)
+    return v
+
+
+def _samples(body: dict, stream: bool, prompts: int, limits: RequestLimits) -> tuple[int, int]:
+    """`n` and `best_of` (server/samples.py): best_of >= n, and at most server.max_prompts_per_request
+    samples in all."""
     n = _int(body, "n", "n")
-    if n is not None and n != 1:
-        raise bad_request(f"'n' must be 1 (only one choice per prompt is supported), got {n}.", "n")
+    if n is not None and n < 1:
+        raise bad_request(f"'n' must be >= 1, got {n}.", "n")
+    n = n or 1
+    best_of = _int(body, "best_of", "best_of")
+    if best_of is not None and best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be >= 'n' ({n}).", "best_of")
+    best_of = best_of or n
+    if best_of > n and stream:
+        raise bad_request("'best_of' greater than 'n' cannot be streamed (the best are known at the end).", "best_of")
+    if best_of * prompts > limits.max_prompts:
+        param = "best_of" if best_of > n else "n"
+        raise bad_request(f"The request asks for {best_of * prompts} samples; at most {limits.max_prompts} are "
+                          "allowed in one request (server.max_prompts_per_request).", param)
+    return n, best_of
+
+
+def _n_and_stream(body: dict) -> tuple[bool, bool]:
     _str(body, "user", "user")  # accepted and ignored, but typed
     stream = bool(opt_bool(body, "stream", "stream"))
     opts = body.get("stream_options")
@@ -371,13 +428,15 @@ def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     _check_unsupported(body, _COMPLETION_UNSUPPORTED)
     stream, include_usage = _n_and_stream(body)
     build = _sampling(body, limits, prefix="", max_tokens=_int(body, "max_tokens", "max_tokens"),
-                      max_tokens_param="max_tokens", min_tokens_key="min_tokens")
+                      max_tokens_param="max_tokens", min_tokens_key="min_tokens",
+                      logprobs=_logprobs_count(body, "logprobs", "logprobs"))
     prompts = _completion_prompts(body.get("prompt"), limits)
+    n, best_of = _samples(body, stream, len(prompts), limits)
     jobs = []
     for ids in prompts:
         _check_prompt_len(ids, limits, "prompt")
         jobs.append(Job(ids, build(len(ids), COMPLETION_DEFAULT_MAX_TOKENS)))
-    return ParsedRequest(model, jobs, stream, include_usage)
+    return ParsedRequest(model, jobs, stream, include_usage, n=n, best_of=best_of)
 
 
 def _completion_prompts(prompt: Any, limits: RequestLimits) -> list[list[int]]:
@@ -417,8 +476,15 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", "max_tokens")
         param = "max_tokens"
+    want = opt_bool(body, "logprobs", "logprobs")
+    top = _logprobs_count(body, "top_logprobs", "top_logprobs")
+    if top is not None and not want:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
     build = _sampling(body, limits, prefix="", max_tokens=max_tokens, max_tokens_param=param,
-                      min_tokens_key="min_tokens")
+                      min_tokens_key="min_tokens", logprobs=(top or 0) if want else None)
+    if "best_of" in body:
+        raise bad_request("'best_of' is a /v1/completions field.", "best_of")
+    n, _ = _samples(body, stream, 1, limits)
     messages = _messages(body.get("messages"))
     if not tokenizer.has_chat_template:
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
@@ -427,7 +493,7 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     except (TemplateError, ValueError) as e:  # e.g. a template that insists roles alternate
         raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
     _check_prompt_len(ids, limits, "messages")
-    return ParsedRequest(model, [Job(ids, build(len(ids), max_model_len))], stream, include_usage)
+    return ParsedRequest(model, [Job(ids, build(len(ids), max_model_len))], stream, include_usage, n=n, best_of=n)
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
@@ -475,6 +541,10 @@ def parse_generate(body: dict, limits: RequestLimits) -> ParsedRequest:
         raise unknown_fields(unknown, _GENERATE_KEYS, "/generate")
     model = _str(body, "model", "model")
     stream = bool(opt_bool(body, "stream", "stream"))
+    # SGLang's logprob fields: the output tokens' logprobs and the top_logprobs_num best in meta_info.
+    want = bool(opt_bool(body, "return_logprob", "return_logprob"))
+    top = _logprobs_count(body, "top_logprobs_num", "top_logprobs_num")
+    logprob_text = bool(opt_bool(body, "return_text_in_logprobs", "return_text_in_logprobs"))
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise bad_request("Send exactly one of 'text' and 'input_ids'.", "text")
@@ -508,12 +578,12 @@ def parse_generate(body: dict, limits: RequestLimits) -> ParsedRequest:
         unknown = sorted(set(s) - _GENERATE_SAMPLING_KEYS)
         if unknown:
             raise unknown_fields([prefix + k for k in unknown], _GENERATE_SAMPLING_KEYS, f"'{prefix[:-1]}'")
-        build = _sampling(s, limits, prefix=prefix,
+        build = _sampling(s, limits, prefix=prefix, logprobs=(top or 0) if want else None,
                           max_tokens=_int(s, "max_new_tokens", prefix + "max_new_tokens"),
                           max_tokens_param=prefix + "max_new_tokens", min_tokens_key="min_new_tokens")
         _check_prompt_len(ids, limits, "text" if text is not None else "input_ids")
         jobs.append(Job(ids, build(len(ids), GENERATE_DEFAULT_MAX_NEW_TOKENS)))
-    return ParsedRequest(model, jobs, stream, batched=batched,
+    return ParsedRequest(model, jobs, stream, batched=batched, logprob_text=logprob_text,
                          lora_paths=_lora_paths(body.get("lora_path"), len(jobs), batched))
 
 
