@@ -4,6 +4,7 @@ return_logprob in SGLang's shape; the prompt of n samples computed once (/metric
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -109,6 +110,10 @@ def test_generate_return_logprob(srv: ServerThread, client: openai.OpenAI) -> No
     assert [t for _, _, t in meta["output_token_logprobs"]] == ref.tokens
     assert [t for _, t, _ in meta["output_token_logprobs"]] == r.json()["output_ids"]
     assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    with requests.post(srv.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]
     plain = requests.post(srv.url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
                           timeout=120).json()
     assert "output_token_logprobs" not in plain["meta_info"]
