@@ -174,7 +174,7 @@ def test_best_of_returns_the_most_likely(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize("body, param", [
     ({"logprobs": 21}, "logprobs"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"5": 101}}, "logit_bias.5"),
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"n": 0}, "n"), ({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
 ])
