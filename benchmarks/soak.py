@@ -3,7 +3,7 @@
 Not part of `make test` (its short variant is tests/server/test_soak.py). Loopback only, on the tiny
 random model (the soak checks correctness and resources, not speed); stops by itself after --rounds.
 Exit status 1 when any request failed or was lost, the server did not go idle, RSS grew by more than
---max-rss-growth-mib from the first round to the last, or (when appliance.metrics exists) the
+--max-rss-growth-mib from the first round to the last, or (when appliance.telemetry.metrics exists) the
 server's request counters disagree with the clients'. Rewrites its section of docs/reliability.md.
 
     .venv/bin/python benchmarks/soak.py [--rounds 6] [--clients 8] [--requests-per-client 60] \\
@@ -92,7 +92,7 @@ def _section(a: argparse.Namespace, report, seconds: float, growth: float, metri
     rows = "\n".join(f"| {r.index} | {r.requests} | {r.ok} | {r.disconnected} | {r.refused_404} | {r.failures} | "
                      f"{r.admin_ops} | {r.config_edits} | {r.rss_mib:.0f} |" for r in report.rounds)
     load = os.getloadavg()
-    mline = ("not checked (appliance.metrics does not exist in this build)" if metrics is None
+    mline = ("not checked (appliance.telemetry.metrics does not exist in this build)" if metrics is None
              else "match the clients' counts" if not metrics else f"MISMATCH: {metrics}")
     return f"""{BEGIN}
 Last run: {date.today().isoformat()}, `.venv/bin/python {cmd}`, {platform.machine()} with {os.cpu_count()} cores

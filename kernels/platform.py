@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -63,42 +62,3 @@ def pdl_available(device: torch.device) -> bool:
     if device.type != "cuda" or interpreter_active():
         return False
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# The kernels whose variants depend on a step's layout (tile buckets, bodies, splits): (module, function).
-# Looked up among the modules already imported, not imported here (they import this module): a kernel
-# whose module was never imported has compiled nothing.
-_LAYOUT_KERNELS = (
-    ("kernels.lora_shrink", "_lora_shrink_kernel"), ("kernels.lora_expand", "_lora_expand_kernel"),
-    ("kernels.lora_expand", "_lora_expand_gemv_kernel"), ("kernels.lora_apply", "_lora_fused_gemv_kernel"),
-    ("kernels.lora_apply", "_lora_fused_tma_kernel"), ("kernels.lora_gemm", "_lora_gemm_kernel"),
-    ("kernels.silu_mul_lora", "_silu_mul_lora_kernel"), ("kernels.silu_mul_lora", "_silu_mul_lora_tile_kernel"),
-    ("kernels.paged_attention", "_paged_decode_kernel"),
-)
-
-
-def compiled_keys() -> Optional[set[str]]:
-    """"kernel name @ device: specialization key" of every variant of the appliance's Triton kernels this
-    process has compiled so far; None under the interpreter (nothing is compiled) or on a triton whose
-    JIT keeps its cache elsewhere. A phase that compiled something can say which variant a warm-up missed."""
-    if interpreter_active():
-        return None
-    out: set[str] = set()
-    for module_name, fn_name in _LAYOUT_KERNELS:
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        fn = getattr(module, fn_name)
-        caches = getattr(fn, "device_caches", None)  # triton >= 3.3: device -> (kernel cache, ...)
-        if caches is None:
-            return None
-        for device, entry in caches.items():
-            out.update(f"{fn.fn.__name__} @ {device}: {k}" for k in entry[0])
-    return out
-
-
-def compiled_variants() -> Optional[int]:
-    """How many variants `compiled_keys` names (None likewise). Engine warm-up and the bench read it
-    before and after, to see what a phase compiled."""
-    keys = compiled_keys()
-    return None if keys is None else len(keys)

@@ -15,7 +15,7 @@ from appliance.bench.adapters import adapter_numel
 from appliance.engine.engine import LLMEngine
 from appliance.engine.request import SamplingParams
 from appliance.models.weights import hf_weight_shapes
-from kernels.platform import compiled_keys
+from appliance.engine.kernel_variants import compiled_keys
 
 
 @dataclass

@@ -22,7 +22,7 @@ from appliance.bench.offline import greedy
 from appliance.bench.workload import percentile
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import LLMEngine
-from appliance.engine.stats import EngineEvents
+from appliance.telemetry.stats import EngineEvents
 
 
 @dataclass
@@ -86,7 +86,7 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
     single: also run the very same arrivals and prompts with every request on this one adapter, on the
     same engine right after (no slot churn: it stays resident), under "single", and the ratio of the
     two p99 TTFTs as "ttft_p99_vs_single"."""
-    from kernels.platform import compiled_keys
+    from appliance.engine.kernel_variants import compiled_keys
 
     aeng = AsyncEngine(engine)
     loads: dict[str, list[float]] = {"cpu": [], "gpu": [], "cpu_failed": [], "gpu_failed": []}

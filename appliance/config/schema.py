@@ -89,7 +89,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # Requests waiting beyond this are refused with 429 (the server maps QueueFullError).
     max_waiting_requests: int = 1024
-    # Debug only: a forward step whose input tokens hold this id raises inside the model (engine/faults.py),
+    # Debug only: a forward step whose input tokens hold this id raises inside the model (telemetry/faults.py),
     # to exercise the failure path end to end. null = off; never set it on a server that serves users.
     fault_injection_token_id: Optional[int] = None
     # Decode attention: triton = the Triton paged kernel (kernels/paged_attention.py), torch = its
@@ -325,7 +325,7 @@ class LoRAConfig:
 
 @dataclass
 class MetricsConfig:
-    """Prometheus metrics on GET /metrics (appliance/metrics.py)."""
+    """Prometheus metrics on GET /metrics (appliance/telemetry/metrics.py)."""
 
     enabled: bool = True
     # true: /metrics needs `Authorization: Bearer <one of server.api_keys>` like the inference routes.

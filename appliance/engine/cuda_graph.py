@@ -41,21 +41,41 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
 from appliance.engine.scheduler import SchedulerOutput
+from appliance.engine.step import StepBatch
 from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.layers import LoRAContext
 from appliance.models.attention import AttentionMetadata
 from kernels.segments import LoRASegments, sorted_segments_device
 
 if TYPE_CHECKING:
-    from appliance.engine.model_runner import ModelRunner
-    from appliance.parallel.group import DecodeHeader
+    from appliance.lora.manager import LoRAManager
+    from appliance.models.llama import LlamaModel
+    from appliance.parallel.group import DecodeHeader, TPGroup
 
 log = logging.getLogger(__name__)
+
+
+class DecodeRunner(Protocol):
+    """What StaticDecode reads of the runner that owns it (ModelRunner), so this file need not import it."""
+
+    device: torch.device
+    model: "LlamaModel"
+    kv_cache: torch.Tensor
+    block_size: int
+    max_model_len: int
+    pad_block: int
+    attention_backend: str
+    lora: Optional["LoRAManager"]
+    tp: Optional["TPGroup"]
+
+    def decode_splits(self, batch: int, len_bound: int) -> int: ...
+
+    def host_batch(self, plan: SchedulerOutput, allow_pending: bool = False) -> StepBatch: ...
 
 
 @dataclass
@@ -99,7 +119,7 @@ class DecodeStep:
 
 
 class StaticDecode:
-    def __init__(self, runner: "ModelRunner", sizes: list[int], capture: bool,
+    def __init__(self, runner: DecodeRunner, sizes: list[int], capture: bool,
                  lora: Optional[LoRAContext] = None) -> None:
         """lora: the wrapped model's LoRA context (None = LoRA off). Rank 0 (and tp_size 1) also needs
         runner.lora, the manager that maps each sequence's adapter to its slot."""

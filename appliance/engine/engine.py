@@ -39,7 +39,7 @@ from appliance.engine.sampler import sample, sample_on_device
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.models.weights import read_hf_config
 from appliance.engine.sequence import Sequence, SeqStatus
-from appliance.engine.stats import EngineSnapshot, FinishedRequest, LoRASnapshot, StatsRecorder
+from appliance.telemetry.stats import EngineSnapshot, FinishedRequest, LoRASnapshot, StatsRecorder
 from appliance.engine.tokenizer import (
     IdsOnlyTokenizer,
     IncrementalDetokenizer,
@@ -122,7 +122,7 @@ class LLMEngine:
         self._seed_rng = torch.Generator().manual_seed(cfg.model.seed)
         self.failed_steps = 0  # total, since start
         if cfg.engine.fault_injection_token_id is not None:
-            from appliance.engine.faults import install_token_fault
+            from appliance.telemetry.faults import install_token_fault
 
             log.warning("engine.fault_injection_token_id=%d: steps whose input holds it will fail (debug)",
                         cfg.engine.fault_injection_token_id)

@@ -12,7 +12,6 @@ replays its decode graphs (collectives inside) with the rows rank 0 staged.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -21,12 +20,12 @@ from appliance.config.schema import ApplianceConfig, ConfigError, EngineConfig
 from appliance.engine.cuda_graph import StaticDecode
 from appliance.engine.memory import check_weights_fit, lora_buffer_bytes, plan_kv_blocks, weight_bytes
 from appliance.engine.scheduler import SchedulerOutput
+from appliance.engine.step import StepBatch, StepInputs
 from appliance.models.attention import AttentionMetadata, PrefillSeq
 from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, random_model, read_hf_config
 
 if TYPE_CHECKING:
-    from appliance.lora.batch import LoRAStepLayout
     from appliance.lora.layers import LoRAContext
     from appliance.lora.manager import LoRAManager
     from appliance.parallel.group import TPGroup
@@ -75,29 +74,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
-
-
-@dataclass
-class StepBatch:
-    """One step as host lists: what `inputs` turns into tensors, and what TP rank 0 broadcasts."""
-
-    input_ids: list[int]  # [T]
-    positions: list[int]  # [T]
-    slot_mapping: list[int]  # [T]: KV cache slot of each token
-    prefills: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, context_len, block table)
-    num_prefill_tokens: int
-    decode_tables: list[list[int]]  # [D, max_blocks], padded with 0
-    decode_context_lens: list[int]  # [D]
-    logits_indices: list[int]  # [N]
-    lora: Optional["LoRAStepLayout"] = None  # the adapters' segments; None = no adapter token
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N]: row of each sampling sequence's last token in the step
 
 
 class ModelRunner:

@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Optional, Protocol
 from appliance.config.schema import EngineConfig
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.sequence import Sequence, SeqStatus
-from appliance.engine.stats import WAIT_REASONS, StatsRecorder, WaitReason
+from appliance.telemetry.stats import WAIT_REASONS, StatsRecorder, WaitReason
 
 
 @dataclass

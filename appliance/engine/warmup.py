@@ -17,7 +17,7 @@ limits) and runs each once through the normal forward on synthetic inputs:
 
 Nothing it does is visible afterwards: K/V go to the runner's padding block, decode rows read block 0
 (free at start, whatever it holds), the LoRA slots are only read, and the logits are dropped. A layout
-not in the plan still compiles on first use; the bench counts those (`kernels.platform.compiled_variants`).
+not in the plan still compiles on first use; the bench counts those (`engine/kernel_variants.py`).
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def plan_warmup(max_tokens: int, max_model_len: int, max_seqs: int, num_slots: i
 
 def run_warmup(runner: "ModelRunner", steps: list[WarmupStep], token_id: int) -> WarmupReport:
     """Run each step once through the runner's forward (TP: broadcast to the other ranks as well)."""
-    from appliance.engine.model_runner import StepBatch
-    from kernels.platform import compiled_variants
+    from appliance.engine.kernel_variants import compiled_variants
+    from appliance.engine.step import StepBatch
 
     bs = runner.block_size
     pad_slot = runner.pad_block * bs

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 import torch
 
 from appliance.config.schema import ConfigError, LoRAConfig
-from appliance.engine.stats import LoadTier, StatsRecorder
+from appliance.telemetry.stats import LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, adapter_weights, load_adapter_weights, read_adapter
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.cache import HostCache
@@ -433,7 +433,7 @@ class LoRAManager:
         and, on CUDA with overlap, pinned. Touches no engine state: with overlap loading it runs on a
         reader thread."""
         if self.cfg.fault_injection_read_delay_s > 0:
-            from appliance.engine.faults import slow_read
+            from appliance.telemetry.faults import slow_read
 
             slow_read(self.cfg.fault_injection_read_delay_s)
         return self._pinned(load_adapter_weights(spec, self.dtype, self.cfg, self.args))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from appliance.engine.model_runner import StepBatch
+from appliance.engine.step import StepBatch
 from appliance.lora.adapter import AdapterSpec
 
 

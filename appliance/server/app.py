@@ -35,7 +35,7 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
-from appliance.metrics import BuildInfo, Metrics
+from appliance.telemetry.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
 from appliance.server import protocol
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
@@ -259,12 +259,12 @@ class _Api:
         return JSONResponse(items if req.batched else items[0])
 
     def _generate_stream(self, group: RequestGroup) -> AsyncIterator[str]:
-        def item(i: int, out: RequestOutput) -> Optional[dict]:
+        events = protocol.GenerateEvents(len(group.choices))
+
+        def item(i: int, out: RequestOutput) -> Optional[str]:
             if not (out.text or out.token_ids or out.finished):
                 return None
-            d = protocol.generate_item(group.job_request_id(i), group.choices[i])
-            d["index"] = i
-            return d
+            return events.event(group.job_request_id(i), i, group.choices[i], out.token_ids)
 
         return _sse_stream(group, [], item, None)
 
@@ -384,13 +384,15 @@ async def _until_disconnected(receive: Receive) -> None:
 def _openai_stream(group: RequestGroup, head: list[str], chunk: Callable[[int, str, Optional[str]], dict],
                    usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
     """An OpenAI stream: a chunk per update that carries text or a finish (see _sse_stream)."""
-    def event(i: int, out: RequestOutput) -> Optional[dict]:
-        return chunk(i, out.text, group.choices[i].finish_reason) if out.text or out.finished else None
+    def event(i: int, out: RequestOutput) -> Optional[str]:
+        if not (out.text or out.finished):
+            return None
+        return protocol.sse(chunk(i, out.text, group.choices[i].finish_reason))
 
     return _sse_stream(group, head, event, usage)
 
 
-async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int, RequestOutput], Optional[dict]],
+async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int, RequestOutput], Optional[str]],
                       usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
     """The SSE events of one stream: `head`, the event of each update (None = nothing to send), the
     usage chunk when asked, then [DONE]. An error mid-stream becomes an error event before [DONE];
@@ -400,9 +402,9 @@ async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int
             yield ev
         async for i, out in group.updates():
             _raise_if_failed(group.choices[i])
-            data = event(i, out)
-            if data is not None:
-                yield protocol.sse(data)
+            ev = event(i, out)
+            if ev is not None:
+                yield ev
         if usage is not None:
             yield protocol.sse(usage())
         yield protocol.SSE_DONE

@@ -579,8 +579,30 @@ def generate_item(rid: str, choice: Choice) -> dict:
                           "finish_reason": choice.finish_reason}}
 
 
+# One encoder for every event: building one per call costs about as much as encoding a small chunk.
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {_encode(data)}\n\n"
+
+
+class GenerateEvents:
+    """The SSE events of one streamed /generate: `generate_item` plus `index` per update, with each
+    choice's cumulative `output_ids` kept encoded and extended by the new ids (encoding the whole list
+    on every event makes a stream quadratic in its length)."""
+
+    def __init__(self, n: int) -> None:
+        self._ids = [""] * n
+
+    def event(self, rid: str, index: int, choice: Choice, new_ids: list[int]) -> str:
+        if new_ids:
+            add = ",".join(map(str, new_ids))
+            self._ids[index] = f"{self._ids[index]},{add}" if self._ids[index] else add
+        meta = _encode({"id": rid, "prompt_tokens": choice.prompt_tokens,
+                        "completion_tokens": choice.completion_tokens, "finish_reason": choice.finish_reason})
+        return (f'data: {{"text":{_encode(choice.text)},"output_ids":[{self._ids[index]}],'
+                f'"meta_info":{meta},"index":{index}}}\n\n')
 
 
 SSE_DONE = "data: [DONE]\n\n"

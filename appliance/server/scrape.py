@@ -1,4 +1,4 @@
-"""GET /metrics: the Prometheus scrape of appliance/metrics.py, on the server's own port.
+"""GET /metrics: the Prometheus scrape of appliance/telemetry/metrics.py, on the server's own port.
 
 Each scrape first asks the engine thread for its state (AsyncEngine.stats: waits for the step in
 progress, then hands over the events so far and a snapshot), so the page is exact as of the scrape:
@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import EngineStoppedError
-from appliance.metrics import CONTENT_TYPE, Metrics
+from appliance.telemetry.metrics import CONTENT_TYPE, Metrics
 from appliance.server.auth import ApiKeyAuth
 
 

@@ -18,7 +18,7 @@ import requests
 import yaml
 
 from tests.conftest import REPO, config_tree
-from tests.metrics.helpers import free_port, require_tool
+from tests.telemetry.helpers import free_port, require_tool
 
 DOCKERFILE = REPO / "Dockerfile"
 COMPOSE = REPO / "docker/compose.yaml"

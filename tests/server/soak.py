@@ -462,15 +462,15 @@ class Soak:
 
 
 def has_metrics() -> bool:
-    """Whether this checkout has appliance/metrics.py. Not importlib.util.find_spec: an editable install
+    """Whether this checkout has appliance/telemetry/metrics.py. Not importlib.util.find_spec: an editable install
     of another checkout in the same venv answers for a module this one lacks."""
     import appliance
 
-    return (Path(appliance.__file__).parent / "metrics.py").is_file()
+    return (Path(appliance.__file__).parent / "telemetry" / "metrics.py").is_file()
 
 
 def metrics_problems(url: str, counts: Counts) -> list[str]:
-    """Compare the server's request counters (appliance.metrics, GET /metrics) with the client's counts.
+    """Compare the server's request counters (appliance.telemetry.metrics, GET /metrics) with the client's counts.
 
     Every request that reached the engine finished exactly once: completed ones with stop or length,
     a disconnected one with abort (or with length, when it had finished before the abort arrived).

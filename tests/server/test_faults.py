@@ -2,7 +2,7 @@
 it concerns, with a clear error in the OpenAI shape, and the server goes on serving correct answers.
 
 - An exception inside a forward step: the engine's debug setting engine.fault_injection_token_id makes
-  the real model forward raise when a step's input holds that token (engine/faults.py). The request
+  the real model forward raise when a step's input holds that token (telemetry/faults.py). The request
   that holds it gets 500 (or a stream error event); the others of that step are rerun alone and
   answered, peft-exact, as are later requests.
 - An adapter's files broken after it was registered, while it is on disk only (not in the CPU tier):

@@ -14,7 +14,7 @@ import requests
 
 from appliance.engine.tokenizer import Tokenizer
 from tests.lora.test_lora_engine import ADAPTERS, NEW, PROMPTS, make_adapter, peft_greedy
-from tests.metrics.helpers import scrape
+from tests.telemetry.helpers import scrape
 from tests.server.conftest import ServerThread, start_server
 
 ADMIN = {"Authorization": "Bearer secret"}

@@ -3,7 +3,7 @@
 One soak runs for the module (2 rounds of 6 clients x 12 requests over the base model and 8 adapters,
 3 GPU slots, a CPU tier of 4, admin and YAML churn, and an attacker beside them); the tests below
 each check one property of it.
-The metrics check is a separate step that is skipped only while appliance.metrics does not exist.
+The metrics check is a separate step that is skipped only while appliance.telemetry.metrics does not exist.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def test_soak_resident_memory_is_stable(soak: tuple[Soak, SoakReport]) -> None:
 
 
 def test_soak_metrics_match_client_counts(soak: tuple[Soak, SoakReport]) -> None:
-    """Separate step: skipped only while appliance.metrics does not exist (its branch is not merged)."""
+    """Separate step: skipped only while appliance.telemetry.metrics does not exist (its branch is not merged)."""
     if not has_metrics():
-        pytest.skip("appliance.metrics does not exist yet: the metrics comparison turns on with it")
+        pytest.skip("appliance.telemetry.metrics does not exist yet: the metrics comparison turns on with it")
     run, report = soak
     assert metrics_problems(run.srv.url, report.counts) == []

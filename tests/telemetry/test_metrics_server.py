@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 import requests
 
-from tests.metrics.helpers import (MODEL, Scrape, adapters_state, complete, load, lora_server,
+from tests.telemetry.helpers import (MODEL, Scrape, adapters_state, complete, load, lora_server,
                                    make_adapters, promtool_check_metrics, scrape, scrape_text)
 from tests.server.conftest import ServerThread, start_server
 

@@ -1,13 +1,13 @@
-"""appliance/metrics.py without a server: label bounds, the reconciler's API, events onto collectors."""
+"""appliance/telemetry/metrics.py without a server: label bounds, the reconciler's API, events onto collectors."""
 
 from __future__ import annotations
 
 import pytest
 
 from appliance.config.schema import MetricsConfig
-from appliance.engine.stats import AdapterLoad, EngineEvents, EngineSnapshot, FinishedRequest, LoRASnapshot
-from appliance.metrics import AdapterLabels, BuildInfo, Metrics
-from tests.metrics.helpers import Scrape, promtool_check_metrics
+from appliance.telemetry.stats import AdapterLoad, EngineEvents, EngineSnapshot, FinishedRequest, LoRASnapshot
+from appliance.telemetry.metrics import AdapterLabels, BuildInfo, Metrics
+from tests.telemetry.helpers import Scrape, promtool_check_metrics
 
 
 def make(max_labels: int = 32, lora: bool = True) -> Metrics:

@@ -1,6 +1,6 @@
 """Every Prometheus collector of the appliance, and the mapping of engine stats onto them.
 
-The engine emits plain stats (engine/stats.py): events after every loop iteration (`record_events`,
+The engine emits plain stats (telemetry/stats.py): events after every loop iteration (`record_events`,
 called on the engine thread) and a snapshot of its state at each scrape (`record_snapshot`). The
 reconciler reports through `record_reconcile` and `record_config_reload`. Nothing else writes here.
 
@@ -26,7 +26,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from appliance.config.schema import MetricsConfig
-from appliance.engine.stats import WAIT_REASONS, EngineEvents, EngineSnapshot
+from appliance.telemetry.stats import WAIT_REASONS, EngineEvents, EngineSnapshot
 
 # The classic text format. Every name here is a legacy (ASCII) name, for which generate_latest's output
 # is exactly format 0.0.4, the version every Prometheus (Debian's 2.42 included) knows by this header.

@@ -2,7 +2,7 @@
 
 Plain dataclasses, no prometheus: the engine, scheduler and LoRA manager record events where they
 happen into one `StatsRecorder` (on the engine thread). The async engine hands the events to its sink
-(appliance/metrics.py) after every loop iteration, and a scrape asks the engine thread for a fresh
+(appliance/telemetry/metrics.py) after every loop iteration, and a scrape asks the engine thread for a fresh
 `EngineSnapshot`, so gauges are read between two steps and always consistent with each other.
 
 Adapter labels are registered adapter names (never request input): a request whose model is unknown

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tests.conftest import REPO
-from tests.metrics.helpers import (MODEL, complete, free_port, load, lora_server, make_adapters,
+from tests.telemetry.helpers import (MODEL, complete, free_port, load, lora_server, make_adapters,
                                    require_tool, scrape)
 from tests.server.conftest import ServerThread
 

@@ -1,0 +1,39 @@
+"""Which variants of the layout-dependent Triton kernels this process has compiled: the warm-up and the
+bench compare the set before and after a phase, to see what it compiled."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kernels import lora_apply, lora_expand, lora_gemm, lora_shrink, paged_attention, silu_mul_lora
+from kernels.platform import interpreter_active
+
+# The kernels whose variants depend on a step's layout (tile buckets, bodies, splits).
+LAYOUT_KERNELS = (
+    lora_shrink._lora_shrink_kernel, lora_expand._lora_expand_kernel, lora_expand._lora_expand_gemv_kernel,
+    lora_apply._lora_fused_gemv_kernel, lora_apply._lora_fused_tma_kernel, lora_gemm._lora_gemm_kernel,
+    silu_mul_lora._silu_mul_lora_kernel, silu_mul_lora._silu_mul_lora_tile_kernel,
+    paged_attention._paged_decode_kernel,
+)
+
+
+def compiled_keys() -> Optional[set[str]]:
+    """"kernel name @ device: specialization key" of every variant of `LAYOUT_KERNELS` this process has
+    compiled so far; None under the interpreter (nothing is compiled) or on a triton whose JIT keeps its
+    cache elsewhere. A phase that compiled something can say which variant a warm-up missed."""
+    if interpreter_active():
+        return None
+    out: set[str] = set()
+    for fn in LAYOUT_KERNELS:
+        caches = getattr(fn, "device_caches", None)  # triton >= 3.3: device -> (kernel cache, ...)
+        if caches is None:
+            return None
+        for device, entry in caches.items():
+            out.update(f"{fn.fn.__name__} @ {device}: {k}" for k in entry[0])
+    return out
+
+
+def compiled_variants() -> Optional[int]:
+    """How many variants `compiled_keys` names (None likewise)."""
+    keys = compiled_keys()
+    return None if keys is None else len(keys)
