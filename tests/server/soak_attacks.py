@@ -103,6 +103,7 @@ class Attacker:
         self.max_concurrent, self.counts, self.seed = max_concurrent, counts, seed
         self.session = requests.Session()
         self.churned: list[str] = []  # label_churn's names, in order
+        self.ran: set[str] = set()  # attack classes run so far (every one runs in the first round)
         self._lock = threading.Lock()
         self._log = _SecretLog(setup.secret)
         logging.getLogger().addHandler(self._log)
@@ -112,16 +113,16 @@ class Attacker:
 
     # ------------------------------------------------------------------ driving
     def run_round(self, rnd: int, done: threading.Event) -> None:
-        """Attack classes in turn until `done`, and at least once each this round."""
+        """Attack classes in turn until `done`; the first round goes on until each class ran once."""
         rng = random.Random(f"{self.seed}-attack-{rnd}")
-        i, ran = 0, set()
-        while not done.is_set() or len(ran) < len(ATTACK_CLASSES):
+        i = rnd  # later rounds start elsewhere in the cycle
+        while not done.is_set() or len(self.ran) < len(ATTACK_CLASSES):
             cls = ATTACK_CLASSES[i % len(ATTACK_CLASSES)]
             try:
                 getattr(self, f"_{cls}")(rng)
             except (requests.RequestException, OSError, ValueError, AssertionError) as e:
                 self._fail(cls, f"{type(e).__name__}: {e}")
-            ran.add(cls)
+            self.ran.add(cls)
             i += 1
         for leak in self._log.leaks:
             self._fail("env_secret", f"the secret's value was logged: {leak}")
