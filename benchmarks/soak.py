@@ -109,8 +109,8 @@ def _section(a: argparse.Namespace, report, seconds: float, growth: float, metri
 Last run: {date.today().isoformat()}, `.venv/bin/python {cmd}`, {platform.machine()} with {os.cpu_count()} cores
 (load average {load[0]:.1f} at the end), {seconds:.0f} s of traffic. Tiny random Llama (2 layers), {a.adapters}
 peft adapters (half churned through the admin API, half through YAML hot reload), {a.slots} GPU slots,
-CPU tier of {a.cpu_cache}, {a.clients} clients x {a.requests_per_client} requests per round, and the attack
-mix beside them (tests/server/soak_attacks.py) unless `--no-attacks`.
+CPU tier of {a.cpu_cache}, {a.clients} clients x {a.requests_per_client} requests per round, {"without the attack mix"
+ if a.no_attacks else "with the attack mix beside them (tests/server/soak_attacks.py)"}.
 
 | round | requests | ok | disconnected | 404 (unloaded) | failed | admin ops | config edits | RSS MiB |
 |---|---|---|---|---|---|---|---|---|
