@@ -110,6 +110,7 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: Optional[list] = None) -> None:
         await super().startup(sockets)
         self._start_hot_reload()
+        self.state.started = True  # GET /ready: the startup adapters were loaded with the engine
 
     async def shutdown(self, sockets: Optional[list] = None) -> None:
         await self._stop_hot_reload()
