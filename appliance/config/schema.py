@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from appliance.lora.names import adapter_key, name_problem
-
-if TYPE_CHECKING:
-    import torch
 
 # Where `appliance model prepare` writes the embedded default model unless model.path says otherwise.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -124,10 +121,6 @@ class EngineConfig:
             sizes.append(n)
             n *= 2
         return sizes + [self.max_num_seqs]
-
-    def warmup_on(self, device_type: str) -> bool:
-        """Whether the start-up warm-up runs on a device of this type (`warmup` null = cuda only)."""
-        return self.warmup if self.warmup is not None else device_type == "cuda"
 
     def check(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -241,7 +234,7 @@ class LoRAConfig:
     # per sequence tile. csgmv: adapter tokens sorted by slot and cut into chunks, for high concurrency.
     # triton and csgmv need a CUDA device (or TRITON_INTERPRET=1 on CPU, slow: tests only). auto:
     # on a CUDA device triton, except inside the decode CUDA graphs with enough rows per slot, which take
-    # csgmv's slot-sorted chunks (sorted_decode); torch elsewhere (resolved_backend).
+    # csgmv's slot-sorted chunks (engine/runtime.py sorted_decode); torch elsewhere.
     backend: str = "auto"
     # csgmv: most tokens of one adapter per chunk (one kernel program's rows).
     max_chunk_size: int = 16
@@ -275,21 +268,6 @@ class LoRAConfig:
     drain_wait_threshold_s: float = 0.0
     # Directories adapters may be loaded from (after resolving symlinks and `..`).
     adapter_roots: list[str] = field(default_factory=list)
-
-    def resolved_backend(self, device: "torch.device") -> str:
-        """The backend that runs on `device`: auto = triton on CUDA (the kernels and the decode CUDA
-        graphs), torch elsewhere (no Triton compiler on CPU); any other value as given."""
-        if self.backend != "auto":
-            return self.backend
-        return "triton" if device.type == "cuda" else "torch"
-
-    def sorted_decode(self, device: "torch.device") -> bool:
-        """Whether the decode CUDA graphs may sort their rows by slot into csgmv's chunks (at sizes with
-        enough rows per slot, appliance/engine/cuda_graph.py): backend csgmv, and auto on CUDA. There
-        one-token segments re-read an adapter once per row that uses it; sorted, once per chunk
-        (docs/performance.md). Prefill keeps triton's per-request segments; triton as given keeps
-        one-token segments in the graphs."""
-        return self.backend == "csgmv" or (self.backend == "auto" and device.type == "cuda")
 
     def resolved_targets(self) -> tuple[str, ...]:
         return LORA_TARGETS if list(self.target_modules) == ["all"] else tuple(self.target_modules)

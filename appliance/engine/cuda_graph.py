@@ -12,7 +12,7 @@ so with async scheduling (engine/async_step.py) a step can decode on tokens the 
 - attention: the Triton decode kernel reads the lengths on the device; its split-K count is fixed per
   size from max_model_len (ModelRunner.decode_splits);
 - LoRA (backends triton/csgmv): a fixed grid of one-token segments with max_len 1; rows without an
-  adapter exit at once. Backends csgmv and auto (on CUDA; LoRAConfig.sorted_decode) at sizes with at
+  adapter exit at once. Backends csgmv and auto (on CUDA; engine/runtime.py sorted_decode) at sizes with at
   least SORTED_MIN_ROWS_PER_SLOT rows a slot instead sort the rows by slot inside the graph
   (kernels/segments.sorted_segments_device: chunks of lora.max_chunk_size rows of one slot on a segment
   grid fixed by the size), so a slot's A and B are read once per chunk instead of once per row; base
@@ -97,7 +97,7 @@ class DecodeBuffers:
     slot_ranks: torch.Tensor  # [S] int32: rank of each LoRA slot (0 = empty)
 
 
-# Backends csgmv and auto on CUDA (LoRAConfig.sorted_decode): graph sizes with at least this many rows per
+# Backends csgmv and auto on CUDA (engine/runtime.py sorted_decode): graph sizes with at least this many rows per
 # LoRA slot (lora.max_loras_per_batch) sort their rows by slot inside the graph; smaller ones keep one
 # segment per row (the fused kernel, which wins when most rows have their own adapter). Measured: sorted
 # chunks win from 4 rows a slot, one segment per row still wins at 2.
@@ -293,7 +293,7 @@ class StaticDecode:
 
     def sorted_layout(self, b: int) -> bool:
         """Whether size b's LoRA launches take the slot-sorted layout (lora.backend csgmv, or auto on
-        CUDA: LoRAConfig.sorted_decode; enough rows a slot)."""
+        CUDA: engine/runtime.py sorted_decode; enough rows a slot)."""
         ctx = self.lora
         return (ctx is not None and ctx.sorted_decode and ctx.num_slots > 0
                 and b >= SORTED_MIN_ROWS_PER_SLOT * ctx.num_slots)

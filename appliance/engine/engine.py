@@ -108,8 +108,9 @@ class LLMEngine:
                 from appliance.parallel.lora import AdapterSync
 
                 sync = AdapterSync(self.tp.group, self.tp.layout)
-            self.lora = Manager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
-                                self.runner.device, stats=self.stats, args=self.runner.args, tp=sync)
+            self.lora = Manager(cfg.lora, self.runner.runtime.lora, self.runner.model, cfg.model.name,
+                                self.runner.dtype, self.runner.device, stats=self.stats, args=self.runner.args,
+                                tp=sync)
             self.runner.lora = self.lora
             self._load_configured_adapters(cfg)
         overlap = self.lora is not None and cfg.lora.overlap_loading
@@ -131,13 +132,12 @@ class LLMEngine:
         self.runner.setup_decode_graphs(cfg.engine)
         # Then the eager steps' kernel variants (the capture compiled the graphs' own).
         self.warmup: Optional[WarmupReport] = None
-        if cfg.engine.warmup_on(self.runner.device.type):
+        if self.runner.runtime.warmup:
             self.warmup = self._warm_up(cfg)
         # Async scheduling applies to steps over the static decode buffers (module docstring); null = on
         # wherever those are set up (cuda graphs) at tp_size 1. Under TP the other ranks would need the
         # sampled tokens, which only rank 0 has (the config check refuses true with tp_size > 1).
-        a = cfg.engine.async_scheduling
-        self.async_scheduling = (self.runner.static_decode is not None and self.tp is None) if a is None else a
+        self.async_scheduling = self.runner.runtime.async_scheduling
         self._inflight: Optional[LaunchedStep] = None
 
     def _warm_up(self, cfg: ApplianceConfig) -> WarmupReport:

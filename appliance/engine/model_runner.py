@@ -19,6 +19,7 @@ import torch
 from appliance.config.schema import ApplianceConfig, ConfigError, EngineConfig
 from appliance.engine.cuda_graph import StaticDecode
 from appliance.engine.memory import check_weights_fit, lora_buffer_bytes, plan_kv_blocks, weight_bytes
+from appliance.engine.runtime import resolve_device, resolve_runtime
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.engine.step import StepBatch, StepInputs
 from appliance.models.attention import AttentionMetadata, PrefillSeq
@@ -33,55 +34,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"model.device: {name!r} asked for, but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def resolve_triton_or_torch(key: str, name: str, device: torch.device) -> str:
-    """An `auto|triton|torch` setting (engine.attention_backend, engine.fused_kernels) -> "triton" |
-    "torch": auto is triton on cuda where Triton runs; an explicit triton must be able to run here."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_reason(device) is None else "torch"
-    if name == "triton":
-        why = _triton_reason(device)
-        if why is not None:
-            raise ConfigError(f"{key}: 'triton' cannot run here: {why}")
-    return name
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    return resolve_triton_or_torch("engine.attention_backend", name, device)
-
-
-def resolve_fused_kernels(name: str, device: torch.device) -> str:
-    return resolve_triton_or_torch("engine.fused_kernels", name, device)
-
-
-def _triton_reason(device: torch.device) -> Optional[str]:
-    from kernels.platform import triton_unavailable_reason
-
-    return triton_unavailable_reason(device)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 class ModelRunner:
     def __init__(self, cfg: ApplianceConfig, model_path: str, tp: Optional["TPGroup"] = None) -> None:
         # tp: this rank's tensor-parallel group (None: tp_size 1, no process group, no collectives).
         self.tp = tp
         self.device = resolve_device(cfg.model.device) if tp is None else tp.device
-        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.runtime = resolve_runtime(cfg, self.device, 1 if tp is None else tp.size)
+        self.dtype = self.runtime.torch_dtype
         hf_cfg = read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(hf_cfg)
         max_pos = self.args.max_position_embeddings
@@ -111,8 +70,8 @@ class ModelRunner:
                                                   cfg.model.seed)
         else:
             self.model = load_model(model_path, self.dtype, self.device, self.max_model_len)
-        self.attention_backend = resolve_attention_backend(cfg.engine.attention_backend, self.device)
-        self.fused_kernels = resolve_fused_kernels(cfg.engine.fused_kernels, self.device)
+        self.attention_backend = self.runtime.attention_backend
+        self.fused_kernels = self.runtime.fused_kernels
         self.model.use_fused_kernels(self.fused_kernels == "triton")
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 0)
@@ -155,7 +114,7 @@ class ModelRunner:
         # scratch cache, so the KV cache gets what is left of gpu_memory_utilization after their peaks.
         step_peak = self._profile_peak(self._profile_batch(min(e.max_num_batched_tokens, self.max_model_len),
                                                            e.max_num_seqs))
-        graphs = 0 if self.graphs_off_reason(e) is not None else self._profile_peak(
+        graphs = 0 if not self.runtime.decode_graphs else self._profile_peak(
             self._profile_batch(0, max(e.graph_batch_sizes())))
         lora = 0
         if cfg.lora.enabled:  # its slot buffers are allocated after sizing (lora/layers.py)
@@ -206,23 +165,9 @@ class ModelRunner:
         del self.kv_cache, x, hidden, probs
         return peak
 
-    def graphs_off_reason(self, e: EngineConfig) -> Optional[str]:
-        """None when decode steps can be captured as CUDA graphs, else why not."""
-        if e.enforce_eager:
-            return "engine.enforce_eager is true"
-        if self.device.type != "cuda":
-            return f"the model runs on {self.device}"
-        if self.attention_backend != "triton":
-            return "engine.attention_backend is torch (its gather is sized by a host int)"
-        if self.lora is not None and self.lora.backend == "torch":
-            return "lora.backend torch groups tokens on the host per step"
-        if e.fault_injection_token_id is not None:
-            return "engine.fault_injection_token_id checks the inputs on the host"
-        return None
-
     def setup_decode_graphs(self, e: EngineConfig) -> None:
         """Capture the decode graphs when they apply; called by the engine once LoRA is wired."""
-        why = self.graphs_off_reason(e)
+        why = self.runtime.decode_graphs_off
         if why is not None:
             log.info("decode steps run eagerly: %s", why)
             return

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import torch
 
-from appliance.config.schema import ConfigError, LoRAConfig
+from appliance.config.schema import LoRAConfig
+from appliance.engine.runtime import LoRARuntime
 from appliance.telemetry.stats import LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, adapter_weights, load_adapter_weights, read_adapter
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
@@ -73,9 +74,10 @@ class KeyState:
 
 
 class LoRAManager:
-    def __init__(self, cfg: LoRAConfig, model: LlamaModel, base_name: str, dtype: torch.dtype,
-                 device: torch.device, stats: Optional[StatsRecorder] = None,
+    def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, base_name: str,
+                 dtype: torch.dtype, device: torch.device, stats: Optional[StatsRecorder] = None,
                  args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None) -> None:
+        # runtime: lora.* with auto resolved for this device at start (engine/runtime.py).
         self.cfg = cfg
         # Loads (disk -> cpu, cpu -> gpu) and evictions of both tiers, for metrics.
         self.stats = stats if stats is not None else StatsRecorder()
@@ -94,28 +96,13 @@ class LoRAManager:
         self._key_numbers = itertools.count()
         self.host = HostCache(cfg.max_loaded_loras, self._read_weights,
                               on_evict=lambda _: self.stats.eviction("cpu", "lru"))
-        self.backend = cfg.resolved_backend(device)  # lora.backend, auto resolved for this device
-        if self.backend != "torch":
-            from kernels.platform import triton_unavailable_reason
-
-            why = triton_unavailable_reason(device)
-            if why is not None:
-                raise ConfigError(f"lora.backend: {cfg.backend!r} cannot run here: {why}")
+        self.backend = runtime.backend
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, self.backend, cfg.max_chunk_size,
-                                           cfg.sorted_decode(device))
+                                           runtime.sorted_decode)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
-        aside = cfg.decode_side_stream
-        if aside is None:  # where it was measured to pay: one CUDA device
-            aside = device.type == "cuda" and tp is None
-        self.ctx.prefill_gemm = None if cfg.prefill_gemm == "auto" else cfg.prefill_gemm
-        if cfg.prefill_gemm == "triton" and self.backend != "torch":
-            from kernels.lora_gemm import platform_reason
-
-            why = platform_reason(device, next(model.parameters()).dtype)
-            if why is not None:
-                raise ConfigError(f"lora.prefill_gemm: 'triton' cannot run here: {why}; use auto or cublas")
-        if aside and self.backend != "torch":
+        self.ctx.prefill_gemm = runtime.prefill_gemm
+        if runtime.decode_side_stream:
             self.ctx.decode_aside = True
             self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.config.schema import ConfigError, ParallelConfig
+from appliance.engine.runtime import parallel_backend
 
 log = logging.getLogger(__name__)
 
@@ -184,9 +185,7 @@ def rank_device(model_device: str, rank: int) -> torch.device:
 
 def init_group(cfg: ParallelConfig, rank: int, device: torch.device, timeout_s: float = 600.0) -> TPGroup:
     """Join the group of cfg.tp_size ranks at tcp://master_addr:master_port (rank 0 hosts the store)."""
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("parallel.backend: nccl needs CUDA devices; use gloo (or auto) on cpu")
+    backend = parallel_backend(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from appliance.config.schema import LoRAConfig
+from appliance.engine.runtime import LoRARuntime
 from appliance.lora.adapter import AdapterError, AdapterSpec, load_adapter_weights
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
@@ -86,16 +87,16 @@ class WorkerAdapters:
     The tier holds lora.max_loaded_loras shards (least recently used leave first); a fill whose shard
     left it reads the files again, as rank 0's HostCache does."""
 
-    def __init__(self, cfg: LoRAConfig, model: LlamaModel, layout: TPLayout, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, layout: TPLayout,
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.cfg = cfg
         self.layout = layout
         self.dtype = dtype
         self.device = device
-        self.backend = cfg.resolved_backend(device)
+        self.backend = runtime.backend
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, self.backend, cfg.max_chunk_size,
-                                           cfg.sorted_decode(device))
+                                           runtime.sorted_decode)
         self.specs: dict[str, AdapterSpec] = {}  # every key rank 0 holds
         self.shards: OrderedDict[str, Weights] = OrderedDict()
 

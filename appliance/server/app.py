@@ -142,7 +142,7 @@ class _Api:
                                     cfg.server.max_stop_chars, cfg.server.max_prompts_per_request)
         self.created = int(time.time())
         ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
-        self.state = ServerState(Reconciler(cfg, ops, source))
+        self.state = ServerState(Reconciler(cfg, ops, source, runtime=engine.engine.runner.runtime.view()))
         self.admin = AdminApi(ops, cfg, self._read_json)
         self.admin.reconciler = self.state.reconciler
 
