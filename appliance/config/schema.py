@@ -86,9 +86,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # Requests waiting beyond this are refused with 429 (the server maps QueueFullError).
     max_waiting_requests: int = 1024
-    # Debug only: a forward step whose input tokens hold this id raises inside the model (telemetry/faults.py),
-    # to exercise the failure path end to end. null = off; never set it on a server that serves users.
-    fault_injection_token_id: Optional[int] = None
     # Decode attention: triton = the Triton paged kernel (kernels/paged_attention.py), torch = its
     # pure-torch twin; auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
     attention_backend: str = "auto"
@@ -138,9 +135,6 @@ class EngineConfig:
         for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be >= 1, got {getattr(self, key)}")
-        if self.fault_injection_token_id is not None and self.fault_injection_token_id < 0:
-            raise ConfigError(f"engine.fault_injection_token_id: must be >= 0 or null, got "
-                              f"{self.fault_injection_token_id}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"engine.num_kv_blocks: must be >= 1 or null, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gib <= 0:
@@ -260,9 +254,6 @@ class LoRAConfig:
     # 4096-8192 tokens (to 16384 for outputs at most 4096 wide: o_proj, down_proj), where it measured
     # faster (docs/performance.md), else cublas.
     prefill_gemm: str = "auto"
-    # Debug only: every cold read (disk -> CPU tier) sleeps this long first, as a slow disk would, to
-    # exercise overlap loading end to end. 0 = off; never set it on a server that serves users.
-    fault_injection_read_delay_s: float = 0.0
     # > 0: once a request waited this long for a slot, stop admitting new requests of one resident
     # unpinned adapter so its slot frees.
     drain_wait_threshold_s: float = 0.0
@@ -294,9 +285,6 @@ class LoRAConfig:
             raise ConfigError(f"lora.max_chunk_size: must be in 1..4096, got {self.max_chunk_size}")
         if not 1 <= self.loader_threads <= 64:
             raise ConfigError(f"lora.loader_threads: must be in 1..64, got {self.loader_threads}")
-        if self.fault_injection_read_delay_s < 0:
-            raise ConfigError(f"lora.fault_injection_read_delay_s: must be >= 0 (0 = off), got "
-                              f"{self.fault_injection_read_delay_s}")
         if self.drain_wait_threshold_s < 0:
             raise ConfigError(f"lora.drain_wait_threshold_s: must be >= 0, got {self.drain_wait_threshold_s}")
 
@@ -414,6 +402,25 @@ class ReconcileConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Debug only: fault injection (telemetry/faults.py) that exercises failure paths end to end; never set
+    on a server that serves users."""
+
+    # A forward step whose input tokens hold this id raises inside the model. null = off.
+    fault_injection_token_id: Optional[int] = None
+    # Every cold adapter read (disk -> CPU tier) sleeps this long first, as a slow disk would. 0 = off.
+    fault_injection_read_delay_s: float = 0.0
+
+    def check(self) -> None:
+        if self.fault_injection_token_id is not None and self.fault_injection_token_id < 0:
+            raise ConfigError(f"debug.fault_injection_token_id: must be >= 0 or null, got "
+                              f"{self.fault_injection_token_id}")
+        if self.fault_injection_read_delay_s < 0:
+            raise ConfigError(f"debug.fault_injection_read_delay_s: must be >= 0 (0 = off), got "
+                              f"{self.fault_injection_read_delay_s}")
+
+
+@dataclass
 class ApplianceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -422,6 +429,7 @@ class ApplianceConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     # The wanted adapters, name -> settings: loaded at start, then kept in step by the reconciler.
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
 
@@ -448,6 +456,7 @@ class ApplianceConfig:
             raise ConfigError("engine.async_scheduling: not available with parallel.tp_size > 1 yet; "
                               "set it to null or false")
         self.reconcile.check()
+        self.debug.check()
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")
         for name in self.adapters:
@@ -500,3 +509,4 @@ def register_configs() -> None:
     cs.store(group="metrics", name="metrics_schema", node=MetricsConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="reconcile", name="reconcile_schema", node=ReconcileConfig)
+    cs.store(group="debug", name="debug_schema", node=DebugConfig)

@@ -25,21 +25,25 @@ from appliance.engine.step import StepBatch, StepInputs
 from appliance.models.attention import AttentionMetadata, PrefillSeq
 from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, random_model, read_hf_config
+from appliance.parallel.group import SingleRank, TPGroup
 
 if TYPE_CHECKING:
     from appliance.lora.layers import LoRAContext
     from appliance.lora.manager import LoRAManager
-    from appliance.parallel.group import TPGroup
     from appliance.parallel.launcher import TPLeader
 
 log = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, cfg: ApplianceConfig, model_path: str, tp: Optional["TPGroup"] = None) -> None:
-        # tp: this rank's tensor-parallel group (None: tp_size 1, no process group, no collectives).
-        self.tp = tp
-        self.device = resolve_device(cfg.model.device) if tp is None else tp.device
-        self.runtime = resolve_runtime(cfg, self.device, 1 if tp is None else tp.size)
+    def __init__(self, cfg: ApplianceConfig, model_path: str, tp: Optional[TPGroup] = None,
+                 leader: Optional["TPLeader"] = None) -> None:
+        # tp: this rank's tensor-parallel group (None: tp_size 1, a SingleRank: no process group, no collectives).
+        # leader: TP rank 0's sender of each step's batch and the decode setup (parallel/launcher.py).
+        self.leader = leader
+        self.tp: TPGroup | SingleRank = tp if tp is not None else SingleRank(resolve_device(cfg.model.device))
+        tp = self.tp
+        self.device = tp.device
+        self.runtime = resolve_runtime(cfg, self.device, tp.size)
         self.dtype = self.runtime.torch_dtype
         hf_cfg = read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(hf_cfg)
@@ -56,9 +60,9 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.engine.num_kv_blocks is None:
             # Before loading: weights that alone exceed the budget get an error with the numbers, not an OOM.
             check_weights_fit(torch.cuda.mem_get_info(self.device)[1], cfg.engine.gpu_memory_utilization,
-                              weight_bytes(self.args, torch.finfo(self.dtype).bits // 8, 1 if tp is None else tp.size),
+                              weight_bytes(self.args, torch.finfo(self.dtype).bits // 8, tp.size),
                               str(self.dtype).removeprefix("torch."))
-        if tp is not None:
+        if tp.size > 1:
             from appliance.parallel.layout import TPLayout
             from appliance.parallel.shard import load_shard
 
@@ -76,9 +80,7 @@ class ModelRunner:
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 0)
         self.lora: Optional["LoRAManager"] = None  # set by the engine when lora.enabled (after sizing)
-        self.num_blocks = self._num_kv_blocks(cfg)
-        if tp is not None:
-            self.num_blocks = tp.min_int(self.num_blocks)  # block ids mean the same on every rank
+        self.num_blocks = tp.min_int(self._num_kv_blocks(cfg))  # block ids mean the same on every rank
         a = self.model.args  # this rank's heads (all of them without TP)
         # One tensor for the whole cache: [layers, k|v, blocks + 1, block_size, kv_heads, head_dim]. The
         # last block is nobody's: the padding rows of a static decode batch write their K/V there.
@@ -87,9 +89,6 @@ class ModelRunner:
                                     a.head_dim, dtype=self.dtype, device=self.device)
         # Decode-only steps over static buffers (CUDA graphs on cuda); set up by setup_decode_graphs.
         self.static_decode: Optional[StaticDecode] = None
-        # TP rank 0: sends each step's batch and the decode setup to the other ranks (set by the
-        # engine, parallel/launcher.py).
-        self.leader: Optional["TPLeader"] = None
         log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB); fused kernels %s", self.device,
                  self.dtype, self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.fused_kernels)
@@ -120,7 +119,7 @@ class ModelRunner:
         if cfg.lora.enabled:  # its slot buffers are allocated after sizing (lora/layers.py)
             lora = lora_buffer_bytes(self.args, list(cfg.lora.resolved_targets()), cfg.lora.max_loras_per_batch,
                                      cfg.lora.max_lora_rank, torch.finfo(self.dtype).bits // 8,
-                                     1 if self.tp is None else self.tp.size)
+                                     self.tp.size)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         plan = plan_kv_blocks(total, free - lora, e.gpu_memory_utilization, step_peak, graphs,
@@ -284,8 +283,6 @@ class ModelRunner:
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
         """The model over `batch` on every rank: rank 0 broadcasts it first under tensor parallelism."""
-        if self.tp is None:
-            return self.forward(batch)  # type: ignore[return-value]
 
         def step() -> Optional[torch.Tensor]:
             if self.leader is not None:
@@ -295,15 +292,8 @@ class ModelRunner:
         return self._on_all_ranks(step)
 
     def _on_all_ranks(self, step: Callable[[], Optional[torch.Tensor]]) -> torch.Tensor:
-        """Run a step; under TP a failure on rank 0 ends every rank (tp.fail)."""
-        if self.tp is None:
-            out = step()
-        else:
-            try:
-                out = step()
-            except Exception as e:  # noqa: BLE001 - the ranks' collectives are out of step: cannot go on
-                self.tp.fail(f"the step on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
-                             "cannot resynchronise")
+        """Run a step; under TP a failure on rank 0 ends every rank (TPGroup.in_step)."""
+        out = self.tp.in_step(step)
         assert out is not None
         return out
 
@@ -330,4 +320,4 @@ class ModelRunner:
         x = self.inputs(batch)
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
         logits = self.model.compute_logits(hidden[x.logits_indices])
-        return logits if self.tp is None else self.tp.gather_last_dim(logits)
+        return self.tp.gather_last_dim(logits)

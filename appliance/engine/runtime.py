@@ -48,7 +48,7 @@ def resolve_runtime(cfg: ApplianceConfig, device: torch.device, tp_size: int = 1
     attention = resolve_triton_or_torch("engine.attention_backend", cfg.engine.attention_backend, device)
     fused = resolve_triton_or_torch("engine.fused_kernels", cfg.engine.fused_kernels, device)
     lora = resolve_lora(cfg.lora, device, dtype, tp_size) if cfg.lora.enabled else None
-    off = graphs_off_reason(cfg.engine, device, attention, None if lora is None else lora.backend)
+    off = graphs_off_reason(cfg, device, attention, None if lora is None else lora.backend)
     a = cfg.engine.async_scheduling
     return Runtime(device=str(device), dtype=str(dtype).removeprefix("torch."), attention_backend=attention,
                    fused_kernels=fused, decode_graphs=off is None, decode_graphs_off=off,
@@ -110,10 +110,10 @@ def warmup_on(e: EngineConfig, device_type: str) -> bool:
     return e.warmup if e.warmup is not None else device_type == "cuda"
 
 
-def graphs_off_reason(e: EngineConfig, device: torch.device, attention_backend: str,
+def graphs_off_reason(cfg: ApplianceConfig, device: torch.device, attention_backend: str,
                       lora_backend: Optional[str]) -> Optional[str]:
     """None when decode steps can be captured as CUDA graphs, else why not."""
-    if e.enforce_eager:
+    if cfg.engine.enforce_eager:
         return "engine.enforce_eager is true"
     if device.type != "cuda":
         return f"the model runs on {device}"
@@ -121,8 +121,8 @@ def graphs_off_reason(e: EngineConfig, device: torch.device, attention_backend: 
         return "engine.attention_backend is torch (its gather is sized by a host int)"
     if lora_backend == "torch":
         return "lora.backend torch groups tokens on the host per step"
-    if e.fault_injection_token_id is not None:
-        return "engine.fault_injection_token_id checks the inputs on the host"
+    if cfg.debug.fault_injection_token_id is not None:
+        return "debug.fault_injection_token_id checks the inputs on the host"
     return None
 
 

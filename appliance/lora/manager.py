@@ -43,6 +43,7 @@ from appliance.lora.reader import BackgroundReader
 from appliance.lora.names import shown
 from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry, check_name
 from appliance.models.llama import LlamaModel, ModelArgs
+from appliance.parallel.lora import SingleRankSync
 
 if TYPE_CHECKING:
     from appliance.parallel.lora import AdapterSync
@@ -76,15 +77,18 @@ class KeyState:
 class LoRAManager:
     def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, base_name: str,
                  dtype: torch.dtype, device: torch.device, stats: Optional[StatsRecorder] = None,
-                 args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None) -> None:
-        # runtime: lora.* with auto resolved for this device at start (engine/runtime.py).
+                 args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None,
+                 read_delay_s: float = 0.0) -> None:
+        # runtime: lora.* with auto resolved for this device at start (engine/runtime.py);
+        # read_delay_s: debug.fault_injection_read_delay_s.
         self.cfg = cfg
+        self.read_delay_s = read_delay_s
         # Loads (disk -> cpu, cpu -> gpu) and evictions of both tiers, for metrics.
         self.stats = stats if stats is not None else StatsRecorder()
         # The full model's shapes (adapters are checked against them); under tensor parallelism
         # `model` is rank 0's shard and `tp` mirrors every load, fill and drop on the other ranks.
         self.args = args if args is not None else model.args
-        self.tp = tp
+        self.tp: AdapterSync | SingleRankSync = tp if tp is not None else SingleRankSync()
         self.base_name = base_name
         self.dtype = dtype
         self.device = device
@@ -161,13 +165,11 @@ class LoRAManager:
         resolved, spec, weights, read_s = prepared.resolved, prepared.spec, prepared.weights, prepared.read_s
         old_key = self.current[name] if old is not None else None
         key = f"{name}@{next(self._key_numbers)}"
-        if self.tp is not None:
-            self.tp.read(key, spec)  # every other rank reads its shard; any failure: none keeps it
+        self.tp.read(key, spec)  # every other rank reads its shard; any failure: none keeps it
         try:
             self._claim_pin(key, spec, weights, pinned, old, old_key)
         except Exception:
-            if self.tp is not None:
-                self.tp.drop(key)  # refused: the other ranks forget the shard they read
+            self.tp.drop(key)  # refused: the other ranks forget the shard they read
             raise
         fields = dict(path=str(resolved), pinned=pinned, checksum=spec.checksum, rank=spec.rank,
                       target_modules=spec.target_modules, base_model_name=spec.base_model_name)
@@ -379,9 +381,8 @@ class LoRAManager:
             return
 
         def copy() -> None:
-            load_adapter_into_slot(self.ctx, slot, weights if self.tp is None else self.tp.shard(weights))
-            if self.tp is not None:
-                self.tp.fill(slot, key)  # AdapterError when another rank fails: this slot is not valid
+            load_adapter_into_slot(self.ctx, slot, self.tp.shard(weights))
+            self.tp.fill(slot, key)  # AdapterError when another rank fails: this slot is not valid
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the copy's real duration, not its launch
 
@@ -419,10 +420,10 @@ class LoRAManager:
         since the adapter was registered), validated again, checked against the registered checksum
         and, on CUDA with overlap, pinned. Touches no engine state: with overlap loading it runs on a
         reader thread."""
-        if self.cfg.fault_injection_read_delay_s > 0:
+        if self.read_delay_s > 0:
             from appliance.telemetry.faults import slow_read
 
-            slow_read(self.cfg.fault_injection_read_delay_s)
+            slow_read(self.read_delay_s)
         return self._pinned(load_adapter_weights(spec, self.dtype, self.cfg, self.args))
 
     def _pinned(self, weights: Weights) -> Weights:
@@ -477,5 +478,4 @@ class LoRAManager:
         if key in self.host:
             self.host.drop(key)
         del self.keys[key]
-        if self.tp is not None:
-            self.tp.drop(key)
+        self.tp.drop(key)

@@ -81,6 +81,22 @@ class AdapterSync:
             raise AdapterError("; ".join(f"tensor-parallel rank {r}: {e}" for r, e in errors))
 
 
+class SingleRankSync:
+    """AdapterSync of tp_size 1: no other rank to mirror, the weights whole."""
+
+    def shard(self, weights: Weights) -> Weights:
+        return weights
+
+    def read(self, key: str, spec: AdapterSpec) -> None:
+        pass
+
+    def fill(self, slot: int, key: str) -> None:
+        pass
+
+    def drop(self, key: str) -> None:
+        pass
+
+
 class WorkerAdapters:
     """A worker rank's side: the wrapped shard's slot buffers and a CPU tier of shards.
 

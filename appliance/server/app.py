@@ -143,8 +143,7 @@ class _Api:
         self.created = int(time.time())
         ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
         self.state = ServerState(Reconciler(cfg, ops, source, runtime=engine.engine.runner.runtime.view()))
-        self.admin = AdminApi(ops, cfg, self._read_json)
-        self.admin.reconciler = self.state.reconciler
+        self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler)
 
     # ------------------------------------------------------------------------------ plain routes
     async def health(self, request: Request) -> Response:

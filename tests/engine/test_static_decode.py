@@ -96,5 +96,5 @@ def test_split_k_and_graph_choice_on_a_given_sm_count(tiny_model_dir: Path) -> N
     assert r.decode_splits(64, 8192) == 1  # 128 programs: no split
     assert r.decode_splits(16, 2048) == 4  # 32 programs <= 132 / 4: parts of 512 tokens
     assert r.decode_splits(1, 131072) == 64  # capped
-    e = default_config("engine.enforce_eager=true").engine
-    assert graphs_off_reason(e, r.device, r.attention_backend, None) == "engine.enforce_eager is true"
+    assert graphs_off_reason(default_config("engine.enforce_eager=true"), r.device, r.attention_backend,
+                             None) == "engine.enforce_eager is true"
