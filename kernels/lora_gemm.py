@@ -362,12 +362,14 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     o2 = out_offsets[2] if n > 2 else N
     num_pid_m = triton.cdiv(T, block_m)
     num_tiles = num_pid_m * triton.cdiv(N, block_n)
-    progs = num_tiles
     if persistent and fused and platform.interpreter_active():
         persistent = False  # the interpreter runs programs one after another: a wait would never end
+    # NUM_PROGS is a compile-time constant: 1 off the persistent grid (unused there), so the token count
+    # does not pick a new variant (a compile in the middle of serving) for every 128 rows.
+    progs, grid = 1, num_tiles
     if persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4
-        progs = min(num_tiles, sms)
+        progs = grid = min(num_tiles, sms)
     # row tiles' "h written" flags; without FUSED_SHRINK never read (no memset)
     flags = torch.zeros(num_pid_m, dtype=torch.int32, device=x.device) if fused else slot_ranks
     block_nr = max(16, triton.next_power_of_2(n * R))
@@ -381,7 +383,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         as_desc = TensorDescriptor.from_tensor(A.view(S * n * R, K), [block_nr, block_ks])
     else:
         xs_desc = as_desc = x_desc  # not read without FUSED_SHRINK
-    _lora_gemm_kernel[(progs,)](
+    _lora_gemm_kernel[(grid,)](
         x_desc, TensorDescriptor.from_tensor(weight, [block_n, block_k]),
         TensorDescriptor.from_tensor(y, [block_m, block_n]),
         h4, xs_desc, as_desc, B, scalings if scalings is not None else slot_ranks, row_slots, slot_ranks, flags,

@@ -178,6 +178,13 @@ class ServerConfig:
     # Prompts of one request in the engine at once; the rest enter as those finish, so a large
     # batch is admitted in pieces and other requests interleave with it.
     prompts_in_flight_per_request: int = 64
+    # Unknown fields in an OpenAI request body: false = served, with a warning in the log and the
+    # X-Appliance-Ignored-Fields header; true = 400 naming the field. Known fields this server does
+    # not implement are refused either way.
+    strict_fields: bool = False
+    # GET /health_generate (a liveness probe through the engine): 503 unless one token is generated
+    # within this many seconds. It queues like any request, so allow for the queue at peak load.
+    health_generate_timeout_s: float = 10.0
     log_level: str = "info"
 
     def check(self) -> None:
@@ -199,6 +206,8 @@ class ServerConfig:
                 raise ConfigError(f"server.{key}: must be >= 1, got {getattr(self, key)}")
         if self.shutdown_timeout_s < 0:
             raise ConfigError(f"server.shutdown_timeout_s: must be >= 0, got {self.shutdown_timeout_s}")
+        if not self.health_generate_timeout_s > 0:
+            raise ConfigError(f"server.health_generate_timeout_s: must be > 0, got {self.health_generate_timeout_s}")
         if any(not k for k in self.api_keys):
             raise ConfigError("server.api_keys: keys must not be empty strings")
         if self.admin_key is not None and not self.admin_key:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from appliance.engine.engine import LLMEngine
 from appliance.engine.request import (
@@ -26,6 +26,9 @@ from appliance.engine.request import (
 from appliance.telemetry.stats import EngineEvents, EngineSnapshot
 
 log = logging.getLogger(__name__)
+
+# Receives a request's updates, then at most one error, on the caller's event loop.
+OnOutput = Callable[[Union[RequestOutput, BaseException]], None]
 
 
 class AsyncEngine:
@@ -42,8 +45,8 @@ class AsyncEngine:
         self._to_abort: list[str] = []
         # Callables to run on the engine thread between steps (admin operations such as adapter loads).
         self._calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
-        # request_id -> (event loop, queue) to deliver updates on the caller's loop.
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request_id -> (event loop, callback) to deliver updates on the caller's loop.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OnOutput]] = {}
         self._accepting = True
         self._stop = False
         self._dead: Optional[BaseException] = None
@@ -127,23 +130,8 @@ class AsyncEngine:
         `adapter` is the LoRA adapter as the client named it (None = base model); the engine
         resolves it when it takes the request (AdapterNotFoundError if it is not loaded then).
         """
-        params.validate()
-        self.engine.check_request(prompt_token_ids, params)
-        rid = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            if not self._accepting or self._dead is not None:
-                raise EngineStoppedError("the engine is shutting down" if self._dead is None
-                                         else f"the engine stopped: {self._dead}")
-            if self.engine.num_waiting + len(self._to_add) >= self.engine.config.max_waiting_requests:
-                raise QueueFullError(
-                    f"too many waiting requests (engine.max_waiting_requests="
-                    f"{self.engine.config.max_waiting_requests})")
-            if rid in self._streams:
-                raise ValueError(f"duplicate request id {rid}")
-            self._streams[rid] = (asyncio.get_running_loop(), queue)
-            self._to_add.append((rid, list(prompt_token_ids), params, adapter, time.monotonic()))
-            self._wakeup.notify_all()
+        rid = self.submit(prompt_token_ids, params, queue.put_nowait, request_id, adapter)
         finished = False
         try:
             while True:
@@ -157,6 +145,33 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, on_output: OnOutput,
+               request_id: Optional[str] = None, adapter: Optional[str] = None) -> str:
+        """Hand a request to the engine; `on_output` then gets each update, and at most one error
+        (after which nothing more), as calls on the caller's event loop. Returns the request id.
+
+        The callback form of `generate` for callers that multiplex many requests (the HTTP server):
+        no task or queue per request, so an update costs the loop one call. Raises RequestError,
+        QueueFullError, EngineStoppedError at once; the caller aborts with `abort(request_id)`.
+        """
+        params.validate()
+        self.engine.check_request(prompt_token_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        with self._lock:
+            if not self._accepting or self._dead is not None:
+                raise EngineStoppedError("the engine is shutting down" if self._dead is None
+                                         else f"the engine stopped: {self._dead}")
+            if self.engine.num_waiting + len(self._to_add) >= self.engine.config.max_waiting_requests:
+                raise QueueFullError(
+                    f"too many waiting requests (engine.max_waiting_requests="
+                    f"{self.engine.config.max_waiting_requests})")
+            if rid in self._streams:
+                raise ValueError(f"duplicate request id {rid}")
+            self._streams[rid] = (asyncio.get_running_loop(), on_output)
+            self._to_add.append((rid, list(prompt_token_ids), params, adapter, time.monotonic()))
+            self._wakeup.notify_all()
+        return rid
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` on the engine thread between two steps and return its result (or raise its error).
@@ -173,10 +188,16 @@ class AsyncEngine:
         return await fut
 
     def abort(self, request_id: str) -> None:
+        """Stop a request (no more updates); its id is free again at once."""
         with self._lock:
-            if self._streams.pop(request_id, None) is not None:
-                self._to_abort.append(request_id)
-                self._wakeup.notify_all()
+            if self._streams.pop(request_id, None) is None:
+                return
+            for k, pending in enumerate(self._to_add):
+                if pending[0] == request_id:  # the engine never saw it
+                    del self._to_add[k]
+                    return
+            self._to_abort.append(request_id)
+            self._wakeup.notify_all()
 
     # ----------------------------------------------------------------- engine thread
     def _run(self) -> None:
@@ -207,8 +228,6 @@ class AsyncEngine:
                 for rid in to_abort:
                     self.engine.abort(rid)
                 for rid, ids, params, adapter, arrival in to_add:
-                    if rid in to_abort:
-                        continue
                     try:
                         self.engine.add_request(rid, ids, params, arrival_time=arrival, adapter=adapter)
                     except EngineError as e:
@@ -229,8 +248,8 @@ class AsyncEngine:
             with self._lock:
                 streams, self._streams = self._streams, {}
                 calls, self._calls = self._calls, []
-            for loop, queue in streams.values():
-                _put(loop, queue, err)
+            for loop, on_output in streams.values():
+                _call(loop, on_output, err)
             for _, loop, fut in calls:
                 _resolve(loop, fut, error=err)
 
@@ -250,13 +269,13 @@ class AsyncEngine:
         with self._lock:
             stream = self._streams.pop(rid, None)
         if stream is not None:
-            _put(stream[0], stream[1], err)
+            _call(stream[0], stream[1], err)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's updates to their streams: one wake-up of each caller's event loop per step,
         not one per request (64 streams at ~140 tokens/s each are thousands of loop wake-ups a second,
         on the thread that also parses requests and writes every response)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OnOutput, RequestOutput]]] = {}
         with self._lock:
             for out in outputs:
                 stream = self._streams.get(out.request_id)
@@ -288,13 +307,13 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any =
         pass  # the caller's loop is closed
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+def _put_all(items: list[tuple[OnOutput, RequestOutput]]) -> None:
+    for on_output, out in items:
+        on_output(out)
 
 
-def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item: object) -> None:
+def _call(loop: asyncio.AbstractEventLoop, on_output: OnOutput, item: RequestOutput | BaseException) -> None:
     try:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        loop.call_soon_threadsafe(on_output, item)
     except RuntimeError:
         pass  # the caller's loop is closed: nobody is listening any more

@@ -48,6 +48,7 @@ from appliance.engine.tokenizer import (
     has_tokenizer,
     partial_stop_len,
 )
+from appliance.engine.kernel_variants import CompileWatch
 from appliance.engine.warmup import WarmupReport, plan_warmup, run_warmup
 
 if TYPE_CHECKING:
@@ -132,6 +133,8 @@ class LLMEngine:
         self.warmup: Optional[WarmupReport] = None
         if self.runner.runtime.warmup:
             self.warmup = self._warm_up(cfg)
+            if self.warmup.compiled is not None:
+                self.runner.compile_watch = CompileWatch()
         # Async scheduling applies to steps over the static decode buffers (module docstring); null = on
         # wherever those are set up (cuda graphs) at tp_size 1. Under TP the other ranks would need the
         # sampled tokens, which only rank 0 has (the config check refuses true with tp_size > 1).

@@ -37,3 +37,33 @@ def compiled_variants() -> Optional[int]:
     """How many variants `compiled_keys` names (None likewise)."""
     keys = compiled_keys()
     return None if keys is None else len(keys)
+
+
+def variant_count() -> Optional[int]:
+    """The number of variants `compiled_keys` would name, without building the keys (cheap per step)."""
+    if interpreter_active():
+        return None
+    n = 0
+    for fn in LAYOUT_KERNELS:
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            return None
+        n += sum(len(entry[0]) for entry in caches.values())
+    return n
+
+
+class CompileWatch:
+    """Which variants a serving step compiled that the start-up warm-up did not: each costs a request
+    seconds of TTFT, so the runner logs them with the step's layout (the warm-up plan can then cover it)."""
+
+    def __init__(self) -> None:
+        self._keys = compiled_keys()
+        self._count = None if self._keys is None else len(self._keys)
+
+    def new_since_last(self) -> list[str]:
+        if self._count is None or variant_count() == self._count:
+            return []
+        keys = compiled_keys() or set()
+        new = sorted(keys - (self._keys or set()))
+        self._keys, self._count = keys, len(keys)
+        return new

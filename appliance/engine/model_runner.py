@@ -12,12 +12,14 @@ replays its decode graphs (collectives inside) with the rows rank 0 staged.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from appliance.config.schema import ApplianceConfig, ConfigError, EngineConfig
 from appliance.engine.cuda_graph import StaticDecode
+from appliance.engine.kernel_variants import CompileWatch
 from appliance.engine.memory import check_weights_fit, lora_buffer_bytes, plan_kv_blocks, weight_bytes
 from appliance.engine.runtime import resolve_device, resolve_runtime
 from appliance.engine.scheduler import SchedulerOutput
@@ -89,6 +91,8 @@ class ModelRunner:
                                     a.head_dim, dtype=self.dtype, device=self.device)
         # Decode-only steps over static buffers (CUDA graphs on cuda); set up by setup_decode_graphs.
         self.static_decode: Optional[StaticDecode] = None
+        # Set once the start-up warm-up compiled the kernels: eager steps then log what it missed.
+        self.compile_watch: Optional[CompileWatch] = None
         log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB); fused kernels %s", self.device,
                  self.dtype, self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.fused_kernels)
@@ -276,10 +280,20 @@ class ModelRunner:
             # Fills the LoRA info itself (fixed per-row layout); under TP sends the staged rows first.
             return self._on_all_ranks(lambda: sd.run(plan, sources))
         batch = self.host_batch(plan)
+        steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in
         if self.lora is not None:
-            steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in
             batch.lora = self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
-        return self._run(batch)
+        if self.compile_watch is None:
+            return self._run(batch)
+        t0 = time.perf_counter()
+        out = self._run(batch)
+        new = self.compile_watch.new_since_last()
+        if new:
+            log.warning("a step compiled %d Triton kernel variant(s) the start-up warm-up did not (%.1f s that "
+                        "its requests wait): %s; the step: prefill chunks %s, %d decode rows, adapters %s",
+                        len(new), time.perf_counter() - t0, "; ".join(new), [s.num_new_tokens for s in plan.prefills],
+                        len(plan.decodes), sorted({str(s.seq.adapter) for s in steps if s.seq.adapter is not None}))
+        return out
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
         """The model over `batch` on every rank: rank 0 broadcasts it first under tensor parallelism."""

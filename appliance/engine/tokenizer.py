@@ -51,13 +51,18 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of `messages` rendered by the model's chat template, ready for the reply."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `messages` rendered by the model's chat template, by default ready for the reply.
+        add_special_tokens is off by default: the template already wrote any BOS it wants."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The template already wrote any BOS it wants.
-        return self.encode(text, add_special_tokens=False)
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary writes it (e.g. 'Ġthe'), for /tokenize."""
+        return [str(t) for t in self.hf.convert_ids_to_tokens(list(ids))]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -84,8 +89,12 @@ class IdsOnlyTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            add_special_tokens: bool = False) -> list[int]:
         return self.encode("")
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return ["" for _ in ids]
 
 
 class IncrementalDetokenizer:

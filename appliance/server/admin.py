@@ -42,17 +42,15 @@ from appliance.lora.manager import LoRAManager
 from appliance.lora.names import name_problem, shown
 from appliance.lora.registry import AdapterEntry, LoRAStateError
 from appliance.server.auth import AdminAuth
-from appliance.server.errors import ApiError, bad_request, unknown_fields
-from appliance.server.protocol import opt_bool
+from appliance.server.errors import ApiError, bad_request
+from appliance.server.schemas.admin import LoadLoRAAdapterRequest, PinLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from appliance.server.schemas.base import M, validate
 
 if TYPE_CHECKING:
     from appliance.reconcile.controller import Reconciler
 
 T = TypeVar("T")
 
-_LOAD_KEYS = {"lora_name", "lora_path", "pinned", "load_inplace", "managed"}
-_UNLOAD_KEYS = {"lora_name"}
-_PIN_KEYS = {"lora_name", "pinned", "managed"}
 _STATE_CODES = {400: "invalid_lora_request", 404: "adapter_not_found", 409: "adapter_conflict"}
 
 
@@ -161,19 +159,19 @@ class AdminApi:
 
     # ------------------------------------------------------------------------------ routes
     async def load(self, request: Request) -> Response:
-        body = await self._body(request, _LOAD_KEYS)
-        name, path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
-        pinned, inplace = _opt_bool(body, "pinned"), _opt_bool(body, "load_inplace")
+        body = await self._body(request, LoadLoRAAdapterRequest)
+        name, path = _non_blank(body.lora_name, "lora_name"), _non_blank(body.lora_path, "lora_path")
+        inplace = bool(body.load_inplace)
         async with self.ops.lock:
-            view = await self.ops.load(name, path, pinned=pinned, inplace=inplace,
-                                       managed=_opt_bool(body, "managed"))
+            view = await self.ops.load(name, path, pinned=bool(body.pinned), inplace=inplace,
+                                       managed=bool(body.managed))
         verb = "reloaded in place" if inplace else "loaded"
         return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb} from {view['path']}.",
                              "adapter": view})
 
     async def unload(self, request: Request) -> Response:
-        body = await self._body(request, _UNLOAD_KEYS)
-        name = _required_str(body, "lora_name")
+        body = await self._body(request, UnloadLoRAAdapterRequest)
+        name = _non_blank(body.lora_name, "lora_name")
         async with self.ops.lock:
             in_flight = await self.ops.unload(name)
         tail = (f" {in_flight} request(s) still running on it finish first; its weights are freed then."
@@ -182,24 +180,17 @@ class AdminApi:
                              "in_flight": in_flight})
 
     async def pin(self, request: Request) -> Response:
-        body = await self._body(request, _PIN_KEYS)
-        name = _required_str(body, "lora_name")
-        if not isinstance(body.get("pinned"), bool):
-            raise bad_request("'pinned' must be true or false.", "pinned")
-        managed = body.get("managed")
-        if managed is not None and not isinstance(managed, bool):
-            raise bad_request("'managed' must be true or false.", "managed")
+        body = await self._body(request, PinLoRAAdapterRequest)
+        name = _non_blank(body.lora_name, "lora_name")
         async with self.ops.lock:
-            view = await self.ops.set_pinned(name, body["pinned"], managed)
+            view = await self.ops.set_pinned(name, body.pinned, body.managed)
         verb = "pinned to GPU slot %s" % view["slot"] if view["pinned"] else "unpinned"
         return JSONResponse({"success": True, "message": f"LoRA adapter '{name}' {verb}.", "adapter": view})
 
-    async def _body(self, request: Request, known: set[str]) -> dict:
-        """The admin key checked, then the JSON body read and its keys checked against `known`."""
+    async def _body(self, request: Request, model: type[M]) -> M:
+        """The admin key checked, then the JSON body read and validated by `model`."""
         self.auth.check(request)
-        body = await self.read_json(request)
-        _check_keys(body, known, request.url.path)
-        return body
+        return validate(model, await self.read_json(request), request.url.path)
 
     async def adapters(self, request: Request) -> Response:
         self.auth.check(request)
@@ -269,21 +260,7 @@ async def run_on_engine(engine: AsyncEngine, fn: Callable[[], T]) -> T:
 
 # ---------------------------------------------------------------------------------- body fields
 
-def _check_keys(body: dict, known: set[str], route: str) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise unknown_fields(unknown, known, route)
-
-
-def _required_str(body: dict, key: str) -> str:
-    v = body.get(key)
-    if v is None:
-        raise bad_request(f"Missing required field '{key}'.", key)
-    if not isinstance(v, str) or not v.strip():
+def _non_blank(v: str, key: str) -> str:
+    if not v.strip():
         raise bad_request(f"'{key}' must be a non-empty string.", key)
     return v
-
-
-def _opt_bool(body: dict, key: str) -> bool:
-    """An optional boolean field, false when absent (same check as the inference routes)."""
-    return bool(opt_bool(body, key, key))

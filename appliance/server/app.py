@@ -1,4 +1,5 @@
-"""HTTP routes: OpenAI-compatible /v1/*, the native /generate, /health, and the LoRA admin routes.
+"""HTTP routes: OpenAI-compatible /v1/*, the native /generate, the probes (probes.py), vLLM's utility
+routes (utility.py), and the LoRA admin routes (admin.py).
 
 Handlers parse and wire; protocol.py validates and builds the JSON, the engine does the work.
 Every error leaves as the OpenAI error shape (errors.py), bad input as a 400 naming the field.
@@ -17,9 +18,9 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from urllib.parse import quote
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,21 +45,15 @@ from appliance.server.errors import ApiError, bad_request, error_body
 from appliance.server.group import RequestGroup
 from appliance.server.limits import BodyLimits, ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
+from appliance.server.probes import Probes
+from appliance.server.state import ServerState
 from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
 from appliance.server.scrape import ScrapeApi
+from appliance.server.utility import UtilityApi
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class ServerState:
-    """Shared with run.py: set `draining` on SIGTERM so /health and new requests answer 503; run.py
-    also starts and stops hot reload around the reconciler."""
-
-    reconciler: Reconciler
-    draining: bool = False
 
 
 class _ClientGone(Exception):
@@ -73,8 +68,11 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
     # One limit shared by every inference route (server.max_concurrent_requests).
     limit = ConcurrencyLimit(cfg.server.max_concurrent_requests, api.body, api.admit)
     metrics = _metrics(engine, cfg)
+    utility = UtilityApi(api.tokenizer, engine.max_model_len, api.auth, api._read_json, api.resolve_model,
+                         cfg.server.strict_fields, ignored_header)
     routes = [
-        Route("/health", api.health, methods=["GET"]),
+        *Probes(engine, api.state, cfg.server.health_generate_timeout_s).routes(),
+        *utility.routes(),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", limit.wrap(request_response(api.completions)), methods=["POST"]),
         Route("/v1/chat/completions", limit.wrap(request_response(api.chat_completions)), methods=["POST"]),
@@ -139,20 +137,14 @@ class _Api:
         self.body = BodyLimits(cfg.server.max_request_body_bytes, cfg.server.body_timeout_s,
                                cfg.server.request_timeout_s)
         self.limits = RequestLimits(self.tokenizer, engine.max_model_len, cfg.server.max_stop_strings,
-                                    cfg.server.max_stop_chars, cfg.server.max_prompts_per_request)
+                                    cfg.server.max_stop_chars, cfg.server.max_prompts_per_request,
+                                    cfg.server.strict_fields)
         self.created = int(time.time())
         ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
         self.state = ServerState(Reconciler(cfg, ops, source, runtime=engine.engine.runner.runtime.view()))
         self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler)
 
     # ------------------------------------------------------------------------------ plain routes
-    async def health(self, request: Request) -> Response:
-        if self.state.draining:
-            raise ApiError(503, "The server is shutting down.", code="draining")
-        if not self.engine.healthy:
-            raise ApiError(503, "The engine is not running.", code="engine_stopped")
-        return JSONResponse({"status": "ok"})
-
     async def models(self, request: Request) -> Response:
         self.auth.check(request)
         base = self.cfg.model.name
@@ -202,27 +194,30 @@ class _Api:
         req, model = await self._parse(request, protocol.parse_completion)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         group = await self._start(request, req, rid, deadline)
+        headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
-            return _SSEResponse(self._completion_stream(group, created, model, req.include_usage))
+            return _SSEResponse(self._completion_stream(group, created, model, req), headers)
         choices = await self._collect(request, group)
-        return JSONResponse(protocol.completion_response(rid, created, model, choices))
+        return JSONResponse(protocol.completion_response(rid, created, model, choices), headers=headers)
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, model = await self._parse(request, protocol.parse_chat)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         group = await self._start(request, req, rid, deadline)
+        headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
-            return _SSEResponse(self._chat_stream(group, created, model, req.include_usage))
+            return _SSEResponse(self._chat_stream(group, created, model, req), headers)
         choices = await self._collect(request, group)
-        return JSONResponse(protocol.chat_response(rid, created, model, choices))
+        return JSONResponse(protocol.chat_response(rid, created, model, choices), headers=headers)
 
     def _completion_stream(self, group: RequestGroup, created: int, model: str,
-                           include_usage: bool) -> AsyncIterator[str]:
-        rid = group.request_id
+                           req: ParsedRequest) -> AsyncIterator[str]:
+        rid, include_usage = group.request_id, req.include_usage
 
         def chunk(i: int, text: str, finish: Optional[str]) -> dict:
-            return protocol.completion_chunk(rid, created, model, i, text, finish, include_usage)
+            return _with_usage(protocol.completion_chunk(rid, created, model, i, text, finish, include_usage),
+                               group, req)
 
         def usage() -> dict:
             return protocol.usage_chunk("text_completion", rid, created, model, group.choices)
@@ -230,15 +225,17 @@ class _Api:
         return _openai_stream(group, [], chunk, usage if include_usage else None)
 
     def _chat_stream(self, group: RequestGroup, created: int, model: str,
-                     include_usage: bool) -> AsyncIterator[str]:
-        rid = group.request_id
+                     req: ParsedRequest) -> AsyncIterator[str]:
+        rid, include_usage = group.request_id, req.include_usage
         # OpenAI opens each choice with the role.
-        head = [protocol.sse(protocol.chat_chunk(rid, created, model, i, {"role": "assistant", "content": ""},
-                                                 None, include_usage)) for i in range(len(group.choices))]
+        head = [protocol.sse(_with_usage(protocol.chat_chunk(rid, created, model, i,
+                                                             {"role": "assistant", "content": ""}, None,
+                                                             include_usage), group, req))
+                for i in range(len(group.choices))]
 
         def chunk(i: int, text: str, finish: Optional[str]) -> dict:
-            return protocol.chat_chunk(rid, created, model, i, {"content": text} if text else {}, finish,
-                                       include_usage)
+            return _with_usage(protocol.chat_chunk(rid, created, model, i, {"content": text} if text else {},
+                                                   finish, include_usage), group, req)
 
         def usage() -> dict:
             return protocol.usage_chunk("chat.completion.chunk", rid, created, model, group.choices)
@@ -258,12 +255,12 @@ class _Api:
         return JSONResponse(items if req.batched else items[0])
 
     def _generate_stream(self, group: RequestGroup) -> AsyncIterator[str]:
-        def item(i: int, out: RequestOutput) -> Optional[dict]:
+        events = protocol.GenerateEvents(len(group.choices))
+
+        def item(i: int, out: RequestOutput) -> Optional[str]:
             if not (out.text or out.token_ids or out.finished):
                 return None
-            d = protocol.generate_item(group.job_request_id(i), group.choices[i])
-            d["index"] = i
-            return d
+            return events.event(group.job_request_id(i), i, group.choices[i], out.token_ids)
 
         return _sse_stream(group, [], item, None)
 
@@ -345,8 +342,9 @@ class _SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[str], headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                           **(headers or {})})
         self._events = content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -354,6 +352,29 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._events.aclose()
+
+
+IGNORED_FIELDS_HEADER = "X-Appliance-Ignored-Fields"
+_MAX_LISTED = 16  # unknown fields named in the header and the log line; the rest counted
+
+
+def ignored_header(fields: list[str], rid: str) -> dict[str, str]:
+    """Unknown fields were not acted on (server.strict_fields is false): one warning line and a header.
+    Names are cut and percent-encoded, so a hostile key forges neither a header nor a log line."""
+    if not fields:
+        return {}
+    names = [quote(f, safe="[]._-") for f in fields[:_MAX_LISTED]]
+    more = len(fields) - len(names)
+    listed = ",".join(names) + (f",+{more}" if more else "")
+    log.warning("%s: ignored unknown field(s) %s (server.strict_fields=true refuses them)", rid, listed)
+    return {IGNORED_FIELDS_HEADER: listed}
+
+
+def _with_usage(chunk: dict, group: RequestGroup, req: ParsedRequest) -> dict:
+    """stream_options.continuous_usage_stats (vLLM): every chunk carries the usage so far."""
+    if req.continuous_usage:
+        chunk["usage"] = protocol.usage(group.choices)
+    return chunk
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -383,13 +404,15 @@ async def _until_disconnected(receive: Receive) -> None:
 def _openai_stream(group: RequestGroup, head: list[str], chunk: Callable[[int, str, Optional[str]], dict],
                    usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
     """An OpenAI stream: a chunk per update that carries text or a finish (see _sse_stream)."""
-    def event(i: int, out: RequestOutput) -> Optional[dict]:
-        return chunk(i, out.text, group.choices[i].finish_reason) if out.text or out.finished else None
+    def event(i: int, out: RequestOutput) -> Optional[str]:
+        if not (out.text or out.finished):
+            return None
+        return protocol.sse(chunk(i, out.text, group.choices[i].finish_reason))
 
     return _sse_stream(group, head, event, usage)
 
 
-async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int, RequestOutput], Optional[dict]],
+async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int, RequestOutput], Optional[str]],
                       usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
     """The SSE events of one stream: `head`, the event of each update (None = nothing to send), the
     usage chunk when asked, then [DONE]. An error mid-stream becomes an error event before [DONE];
@@ -399,9 +422,9 @@ async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int
             yield ev
         async for i, out in group.updates():
             _raise_if_failed(group.choices[i])
-            data = event(i, out)
-            if data is not None:
-                yield protocol.sse(data)
+            ev = event(i, out)
+            if ev is not None:
+                yield ev
         if usage is not None:
             yield protocol.sse(usage())
         yield protocol.SSE_DONE

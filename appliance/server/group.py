@@ -1,10 +1,10 @@
 """The engine requests behind one HTTP request (N prompts = N choices), run concurrently.
 
-Each job runs in its own task that owns its `AsyncEngine.generate` iterator, so cancelling the task
-(client gone, handler cancelled) closes the iterator, which aborts the request in the engine and
-frees its KV blocks. Updates from all jobs are merged, in arrival order, onto one queue. With a
-`Deadline` (server.request_timeout_s), waiting for an update past it raises ApiError 504, and the
-caller's `cancel()` aborts the engine requests.
+Each job is submitted with a callback that puts its updates, in arrival order, on the group's one
+queue: no task or queue per job, so a token costs the event loop one call and one wake-up of the
+handler. `cancel()` (client gone, handler cancelled, deadline) aborts every unfinished job in the
+engine, which frees its KV blocks. With a `Deadline` (server.request_timeout_s), a timer puts a 504
+on the queue when it passes, and the caller's `cancel()` aborts the engine requests.
 
 At most `window` jobs (server.prompts_in_flight_per_request) are in the engine at once, the next one
 entering as one finishes, in order: a batch of hundreds of prompts is admitted in pieces, so requests
@@ -22,23 +22,24 @@ from appliance.engine.request import RequestOutput
 from appliance.server.limits import Deadline
 from appliance.server.protocol import Choice, Job
 
-_Item = tuple[int, Union[RequestOutput, Exception]]
+_Item = tuple[int, Union[RequestOutput, BaseException]]
 
 
 class RequestGroup:
     def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str,
                  deadline: Optional[Deadline] = None, window: int = 0) -> None:
         self._engine = engine
-        # 0 = every job at once. asyncio.Semaphore wakes its waiters in FIFO order: jobs enter in order.
-        self._window = asyncio.Semaphore(window) if 0 < window < len(jobs) else None
-        self._first = len(jobs) if self._window is None else window
+        self._window = window if 0 < window < len(jobs) else len(jobs)  # 0 = every job at once
         self._deadline = deadline
         self._jobs = jobs
         self.request_id = request_id
         self.choices = [Choice(prompt_tokens=len(j.prompt_ids)) for j in jobs]
         self._finished = [False] * len(jobs)
+        self._running: set[int] = set()  # submitted, not finished, not failed
+        self._next_job = 0  # the next job to submit
+        self._cancelled = False
+        self._timer: Optional[asyncio.TimerHandle] = None
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
         self._buffer: list[tuple[int, RequestOutput]] = []  # updates read by start(), not yet yielded
         self._held: list[_Item] = []  # taken off the queue while merging, to hand out next
 
@@ -53,12 +54,17 @@ class RequestGroup:
         the group is aborted and the error is raised. A job of a later piece refused by the engine
         fails the answer the same way, or ends a started stream with an error event.
         """
-        self._tasks = [asyncio.create_task(self._run(i, job)) for i, job in enumerate(self._jobs)]
+        if self._deadline is not None and self._deadline.at is not None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._deadline.remaining() or 0.0, self._timed_out)
+        first = self._window
         started: set[int] = set()
         try:
-            while len(started) < self._first:
+            while self._next_job < first:
+                self._submit_next()
+            while len(started) < first:
                 i, item = await self._next()
-                if isinstance(item, Exception):
+                if isinstance(item, BaseException):
                     raise item
                 started.add(i)
                 self._buffer.append((i, item))
@@ -77,7 +83,7 @@ class RequestGroup:
             yield i, out
         while not all(self._finished):
             i, item = await self._next()
-            if isinstance(item, Exception):
+            if isinstance(item, BaseException):
                 raise item
             for i, out in self._merge_queued(i, item):
                 self._apply(i, out)
@@ -89,7 +95,7 @@ class RequestGroup:
         merged: list[tuple[int, RequestOutput]] = [(i, first)]
         while not self._held and not self._queue.empty():
             j, item = self._queue.get_nowait()
-            if isinstance(item, Exception):
+            if isinstance(item, BaseException):
                 self._held.append((j, item))
                 break
             last_i, last = merged[-1]
@@ -105,23 +111,19 @@ class RequestGroup:
         return self.choices
 
     def cancel(self) -> None:
-        """Abort every job still running. Synchronous on purpose: safe in a `finally` under a
-        cancelled scope (the tasks run their abort on the next loop iteration)."""
-        for t in self._tasks:
-            t.cancel()
-
-    async def close(self) -> None:
-        """Cancel every job and wait until each has aborted its engine request (so the request ids
-        are free again, e.g. to retry the group)."""
-        self.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Abort every job still running and submit no more (safe to call twice, and in a `finally`
+        under a cancelled scope: it does not await)."""
+        self._cancelled = True
+        if self._timer is not None:
+            self._timer.cancel()
+        running, self._running = self._running, set()
+        for i in running:
+            self._engine.abort(self.job_request_id(i))
 
     async def _next(self) -> _Item:
         if self._held:
             return self._held.pop(0)
-        if self._deadline is None:
-            return await self._queue.get()
-        return await self._deadline.wait(self._queue.get())
+        return await self._queue.get()
 
     def _apply(self, i: int, out: RequestOutput) -> None:
         c = self.choices[i]
@@ -133,19 +135,29 @@ class RequestGroup:
             c.finish_reason = out.finish_reason
             c.error = out.error
 
-    async def _run(self, i: int, job: Job) -> None:
-        if self._window is not None:
-            await self._window.acquire()
+    def _submit_next(self) -> None:
+        i = self._next_job
+        self._next_job += 1
+        job = self._jobs[i]
         try:
-            async for out in self._engine.generate(job.prompt_ids, job.params,
-                                                   request_id=self.job_request_id(i),
-                                                   adapter=job.adapter):
-                self._queue.put_nowait((i, out))
+            self._engine.submit(job.prompt_ids, job.params, lambda item: self._on_output(i, item),
+                                request_id=self.job_request_id(i), adapter=job.adapter)
         except Exception as e:  # noqa: BLE001 - handed to the handler, which answers it (or 500s)
             self._queue.put_nowait((i, e))
-        finally:
-            if self._window is not None:
-                self._window.release()
+        else:
+            self._running.add(i)
+
+    def _on_output(self, i: int, item: Union[RequestOutput, BaseException]) -> None:
+        if i not in self._running:
+            return  # cancelled meanwhile
+        self._queue.put_nowait((i, item))
+        if isinstance(item, BaseException) or item.finished:
+            self._running.discard(i)
+            if not self._cancelled and self._next_job < len(self._jobs):
+                self._submit_next()
+
+    def _timed_out(self) -> None:
+        self._queue.put_nowait((-1, self._deadline.error()))
 
 
 def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable, Optional, TypeVar
+from typing import Callable, Optional
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.server.errors import ApiError
 
-T = TypeVar("T")
 # Seconds a client should wait before retrying after a 429: a CPU step takes tens of ms, requests
 # seconds, so one second is the order in which capacity frees.
 RETRY_AFTER_S = 1
@@ -175,10 +174,7 @@ class Deadline:
     def remaining(self) -> Optional[float]:
         return None if self.at is None else max(0.0, self.at - time.monotonic())
 
-    async def wait(self, work: Awaitable[T]) -> T:
-        """`work` (the next engine update) within the deadline, else 504 (the caller aborts)."""
-        try:
-            return await asyncio.wait_for(work, self.remaining())
-        except asyncio.TimeoutError:
-            raise ApiError(504, f"The request took longer than server.request_timeout_s ({self.timeout_s:g} s) "
-                                "and was aborted.", code="timeout") from None
+    def error(self) -> ApiError:
+        """The 504 for a request past its deadline (the caller aborts it)."""
+        return ApiError(504, f"The request took longer than server.request_timeout_s ({self.timeout_s:g} s) "
+                             "and was aborted.", code="timeout")

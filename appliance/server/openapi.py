@@ -1,166 +1,121 @@
-"""The OpenAPI 3.0 description of the HTTP API, served at GET /openapi.json.
+"""The OpenAPI 3.1 description of the HTTP API, served at GET /openapi.json, generated from the
+pydantic models the routes validate with (server/schemas/): one schema validates and documents.
 
 The paths and methods come from the app's route table (build_app passes its routes), so a route can
 neither be missing from the document nor be described without existing: `build_openapi` fails on a
 route that has no entry in OPERATIONS (a test builds the app, so that fails in CI, not in production).
-The request bodies are described as the parsers in protocol.py and admin.py accept them; every error
-is the OpenAI error shape (errors.py). The fuzz test (tests/server/test_api_fuzz.py) generates requests
-from this document, valid and invalid ones, against a live server.
+Every error is the OpenAI error shape (errors.py). The fuzz test (tests/server/test_api_fuzz.py)
+generates requests from this document, valid and invalid ones, against a live server.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from appliance.config.schema import ApplianceConfig
+from appliance.server.schemas import admin, native, openai, utility
 
-_NULL_INT = {"type": "integer", "nullable": True}
-_NULL_NUM = {"type": "number", "nullable": True}
-_NULL_BOOL = {"type": "boolean", "nullable": True}
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
-_STOP = {"nullable": True, "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
-
-# Sampling fields shared by the OpenAI routes (protocol._sampling); null = absent.
-_SAMPLING = {
-    "temperature": {**_NULL_NUM, "minimum": 0}, "top_p": {**_NULL_NUM, "minimum": 0, "maximum": 1},
-    "top_k": {**_NULL_INT, "minimum": -1}, "seed": {**_NULL_INT, "minimum": 0},
-    "min_tokens": {**_NULL_INT, "minimum": 0}, "ignore_eos": _NULL_BOOL, "stop": _STOP,
-    "stop_token_ids": {**_TOKEN_IDS, "nullable": True}, "n": {**_NULL_INT, "minimum": 1, "maximum": 1},
-    "user": {"type": "string", "nullable": True}, "stream": _NULL_BOOL,
-    "stream_options": {"type": "object", "nullable": True,
-                       "properties": {"include_usage": _NULL_BOOL}},
-}
-
-SCHEMAS: dict[str, Any] = {
-    "Error": {
-        "type": "object", "required": ["error"],
-        "properties": {"error": {
-            "type": "object", "required": ["message", "type", "param", "code"],
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                           "param": {"type": "string", "nullable": True},
-                           "code": {"type": "string", "nullable": True}}}},
-    },
-    "CompletionRequest": {
-        "type": "object", "required": ["model", "prompt"],
-        "properties": {
-            "model": {"type": "string", "description": "the base model's name, an adapter's name, or "
-                                                       "<base>:<adapter>"},
-            "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                                 {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
-                                 {**_TOKEN_IDS, "minItems": 1},
-                                 {"type": "array", "minItems": 1, "items": {**_TOKEN_IDS, "minItems": 1}}]},
-            "max_tokens": {**_NULL_INT, "minimum": 1},
-            **_SAMPLING,
-        },
-    },
-    "ChatCompletionRequest": {
-        "type": "object", "required": ["model", "messages"],
-        "properties": {
-            "model": {"type": "string"},
-            "messages": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["role", "content"],
-                "properties": {
-                    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-                    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-                        "type": "object", "required": ["type", "text"],
-                        "properties": {"type": {"type": "string", "enum": ["text"]},
-                                       "text": {"type": "string"}}}}]},
-                    "name": {"type": "string", "nullable": True}}}},
-            "max_tokens": {**_NULL_INT, "minimum": 1},
-            "max_completion_tokens": {**_NULL_INT, "minimum": 1},
-            **_SAMPLING,
-        },
-    },
-    "GenerateRequest": {
-        "type": "object", "additionalProperties": False,
-        "description": "exactly one of text and input_ids",
-        "properties": {
-            "text": {"oneOf": [{"type": "string", "minLength": 1},
-                               {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}]},
-            "input_ids": {"oneOf": [{**_TOKEN_IDS, "minItems": 1},
-                                    {"type": "array", "minItems": 1, "items": {**_TOKEN_IDS, "minItems": 1}}]},
-            "sampling_params": {"type": "object", "nullable": True, "additionalProperties": False,
-                                "properties": {"max_new_tokens": {**_NULL_INT, "minimum": 1},
-                                               "min_new_tokens": {**_NULL_INT, "minimum": 0},
-                                               **{k: _SAMPLING[k] for k in ("temperature", "top_p", "top_k",
-                                                                            "seed", "ignore_eos", "stop",
-                                                                            "stop_token_ids")}}},
-            "stream": _NULL_BOOL,
-            "model": {"type": "string", "nullable": True},
-            "lora_path": {"nullable": True, "oneOf": [
-                {"type": "string"}, {"type": "array", "items": {"type": "string", "nullable": True}}]},
-        },
-    },
-    "LoadAdapterRequest": {
-        "type": "object", "additionalProperties": False, "required": ["lora_name", "lora_path"],
-        "properties": {"lora_name": {"type": "string", "minLength": 1},
-                       "lora_path": {"type": "string", "minLength": 1},
-                       "pinned": _NULL_BOOL, "load_inplace": _NULL_BOOL},
-    },
-    "UnloadAdapterRequest": {
-        "type": "object", "additionalProperties": False, "required": ["lora_name"],
-        "properties": {"lora_name": {"type": "string", "minLength": 1}},
-    },
-    "PinAdapterRequest": {
-        "type": "object", "additionalProperties": False, "required": ["lora_name", "pinned"],
-        "properties": {"lora_name": {"type": "string", "minLength": 1}, "pinned": {"type": "boolean"}},
-    },
-    "Object": {"type": "object"},
-}
-
-_JSON_OR_SSE = {"application/json": {"schema": {"$ref": "#/components/schemas/Object"}},
-                "text/event-stream": {"schema": {"type": "string"}}}
+_REF = "#/components/schemas/{model}"
 
 
-def _op(summary: str, body: Optional[str] = None, stream: bool = False, auth: Optional[str] = None,
-        tag: str = "inference") -> dict[str, Any]:
-    op: dict[str, Any] = {
-        "summary": summary, "tags": [tag],
-        "responses": {
-            "200": {"description": "success (an SSE stream when `stream` is true)" if stream else "success",
-                    "content": _JSON_OR_SSE if stream else
-                    {"application/json": {"schema": {"$ref": "#/components/schemas/Object"}}}},
-            "default": {"description": "an error, in the OpenAI error shape",
-                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
-        },
-    }
-    if body is not None:
-        op["requestBody"] = {"required": True, "content": {
-            "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}}
-    if auth is not None:
-        op["security"] = [{auth: []}]
-    return op
+@dataclass(frozen=True)
+class Op:
+    summary: str
+    body: Optional[type[BaseModel]] = None  # the request model
+    answer: Optional[type[BaseModel]] = None  # the 200 body (None: any JSON object)
+    stream: bool = False  # `stream: true` answers SSE events
+    auth: Optional[str] = None  # "apiKey" | "adminKey"
+    tag: str = "inference"
+    media: str = "application/json"
 
 
 # (method, path) -> operation. Aliases (/v1/load_lora_adapter ...) share their entry.
-_LOAD = _op("Load an adapter, or reload it in place", "LoadAdapterRequest", auth="adminKey", tag="admin")
-_UNLOAD = _op("Unload an adapter", "UnloadAdapterRequest", auth="adminKey", tag="admin")
-_PIN = _op("Pin or unpin a loaded adapter", "PinAdapterRequest", auth="adminKey", tag="admin")
-OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
-    ("GET", "/health"): _op("Liveness: 200 while serving, 503 while draining or when the engine stopped",
-                            tag="operations"),
-    ("GET", "/v1/models"): _op("The base model and every loaded adapter", auth="apiKey"),
-    ("POST", "/v1/completions"): _op("OpenAI completions", "CompletionRequest", stream=True, auth="apiKey"),
-    ("POST", "/v1/chat/completions"): _op("OpenAI chat completions", "ChatCompletionRequest", stream=True,
-                                          auth="apiKey"),
-    ("POST", "/generate"): _op("Native generate (SGLang-style), single or batch", "GenerateRequest",
-                               stream=True, auth="apiKey"),
+_LOAD = Op("Load an adapter, or reload it in place", admin.LoadLoRAAdapterRequest, auth="adminKey", tag="admin")
+_UNLOAD = Op("Unload an adapter", admin.UnloadLoRAAdapterRequest, auth="adminKey", tag="admin")
+_PIN = Op("Pin or unpin a loaded adapter", admin.PinLoRAAdapterRequest, auth="adminKey", tag="admin")
+OPERATIONS: dict[tuple[str, str], Op] = {
+    ("GET", "/health"): Op("Liveness (cheap): 200 while serving, 503 while draining or when the engine "
+                           "stopped", answer=utility.Status, tag="operations"),
+    ("GET", "/ready"): Op("Readiness: 200 once listening with the startup adapters loaded, 503 while "
+                          "starting or draining", answer=utility.Status, tag="operations"),
+    ("GET", "/health_generate"): Op("Liveness through the engine: 200 only if a one-token generation "
+                                    "finished within server.health_generate_timeout_s, else 503",
+                                    answer=utility.Status, tag="operations"),
+    ("GET", "/version"): Op("The appliance version", answer=utility.Version, tag="operations"),
+    ("POST", "/tokenize"): Op("Token ids of a prompt, or of messages through the chat template (vLLM)",
+                              utility.TokenizeRequest, utility.TokenizeResponse, auth="apiKey"),
+    ("POST", "/detokenize"): Op("The text of token ids (vLLM)", utility.DetokenizeRequest,
+                                utility.DetokenizeResponse, auth="apiKey"),
+    ("GET", "/v1/models"): Op("The base model and every loaded adapter", answer=openai.ModelList, auth="apiKey"),
+    ("POST", "/v1/completions"): Op("OpenAI completions", openai.CompletionRequest, openai.CompletionResponse,
+                                    stream=True, auth="apiKey"),
+    ("POST", "/v1/chat/completions"): Op("OpenAI chat completions (a stream: chat.completion.chunk events)",
+                                         openai.ChatCompletionRequest, openai.ChatCompletionResponse,
+                                         stream=True, auth="apiKey"),
+    ("POST", "/generate"): Op("Native generate (SGLang-style), single or batch (a list of items)",
+                              native.GenerateRequest, native.GenerateItem, stream=True, auth="apiKey"),
     ("POST", "/load_lora_adapter"): _LOAD, ("POST", "/v1/load_lora_adapter"): _LOAD,
     ("POST", "/unload_lora_adapter"): _UNLOAD, ("POST", "/v1/unload_lora_adapter"): _UNLOAD,
     ("POST", "/pin_lora_adapter"): _PIN, ("POST", "/v1/pin_lora_adapter"): _PIN,
-    ("GET", "/v1/adapters"): _op("Live state of every adapter, the GPU slot pool and the CPU tier",
-                                 auth="adminKey", tag="admin"),
-    ("GET", "/v1/status"): _op("Config generation, conditions, last reconcile", auth="adminKey", tag="admin"),
-    ("GET", "/openapi.json"): _op("This document", tag="operations"),
+    ("GET", "/v1/adapters"): Op("Live state of every adapter, the GPU slot pool and the CPU tier",
+                                auth="adminKey", tag="admin"),
+    ("GET", "/v1/status"): Op("Config generation, conditions, last reconcile", auth="adminKey", tag="admin"),
+    ("GET", "/openapi.json"): Op("This document", tag="operations"),
     # Described only where the app has the route (the metrics subsystem adds it).
-    ("GET", "/metrics"): {"summary": "Prometheus metrics (text exposition format)", "tags": ["operations"],
-                          "responses": {"200": {"description": "metrics",
-                                                "content": {"text/plain": {"schema": {"type": "string"}}}}}},
+    ("GET", "/metrics"): Op("Prometheus metrics (text exposition format)", tag="operations", media="text/plain"),
 }
+
+_STREAMED = {openai.CompletionResponse: openai.CompletionResponse, openai.ChatCompletionResponse:
+             openai.ChatCompletionChunk, native.GenerateItem: native.GenerateItem}
+
+
+def _schemas() -> dict[str, Any]:
+    """Every model's JSON Schema under components/schemas, nested models as shared $refs."""
+    models: list[tuple[type[BaseModel], Any]] = [(utility.ErrorResponse, "serialization")]
+    for op in OPERATIONS.values():
+        if op.body is not None:
+            models.append((op.body, "validation"))
+        if op.answer is not None:
+            models.append((op.answer, "serialization"))
+    models += [(m, "serialization") for m in _STREAMED.values()]
+    _, doc = models_json_schema(list(dict.fromkeys(models)), ref_template=_REF)
+    return {**doc.get("$defs", {}), "Object": {"type": "object"}}
+
+
+def _ref(model: Optional[type[BaseModel]]) -> dict[str, Any]:
+    return {"$ref": _REF.format(model="Object" if model is None else model.__name__)}
+
+
+def _operation(op: Op) -> dict[str, Any]:
+    if op.media != "application/json":
+        ok: dict[str, Any] = {op.media: {"schema": {"type": "string"}}}
+    else:
+        ok = {"application/json": {"schema": _ref(op.answer)}}
+    if op.stream:
+        item = _STREAMED[op.answer] if op.answer is not None else None
+        ok["text/event-stream"] = {"schema": {"type": "string", "description": "`data: <" + (
+            item.__name__ if item else "object") + " JSON>` events, then `data: [DONE]`"}}
+    out: dict[str, Any] = {
+        "summary": op.summary, "tags": [op.tag],
+        "responses": {
+            "200": {"description": "success (an SSE stream when `stream` is true)" if op.stream else "success",
+                    "content": ok},
+            "default": {"description": "an error, in the OpenAI error shape",
+                        "content": {"application/json": {"schema": _ref(utility.ErrorResponse)}}},
+        },
+    }
+    if op.body is not None:
+        out["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(op.body)}}}
+    if op.auth is not None:
+        out["security"] = [{op.auth: []}]
+    return out
 
 
 def build_openapi(routes: Sequence[BaseRoute], cfg: ApplianceConfig) -> dict[str, Any]:
@@ -175,9 +130,10 @@ def build_openapi(routes: Sequence[BaseRoute], cfg: ApplianceConfig) -> dict[str
             if op is None:
                 raise KeyError(f"route {method} {r.path} has no entry in appliance/server/openapi.py "
                                "OPERATIONS: describe it there")
-            paths.setdefault(r.path, {})[method.lower()] = {**op, "operationId": _operation_id(method, r.path)}
+            paths.setdefault(r.path, {})[method.lower()] = {**_operation(op),
+                                                            "operationId": _operation_id(method, r.path)}
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {"title": "appliance", "version": _version(),
                  "description": f"Multi-LoRA LLM server serving {cfg.model.name}. Errors use the OpenAI "
                                 "error shape. Limits: server.max_request_body_bytes (413), "
@@ -185,7 +141,7 @@ def build_openapi(routes: Sequence[BaseRoute], cfg: ApplianceConfig) -> dict[str
                                 "Retry-After), server.request_timeout_s (408/504)."},
         "paths": paths,
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": _schemas(),
             "securitySchemes": {
                 "apiKey": {"type": "http", "scheme": "bearer",
                            "description": "one of server.api_keys (not needed when that list is empty)"},

@@ -24,7 +24,8 @@ import uvicorn
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.reconcile.controller import ConfigSource
-from appliance.server.app import ServerState, build_app
+from appliance.server.app import build_app
+from appliance.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: Optional[list] = None) -> None:
         await super().startup(sockets)
         self._start_hot_reload()
+        self.state.started = True  # GET /ready: the startup adapters were loaded with the engine
 
     async def shutdown(self, sockets: Optional[list] = None) -> None:
         await self._stop_hot_reload()

@@ -202,3 +202,22 @@ def test_unfit_without_host_descriptors(monkeypatch: pytest.MonkeyPatch) -> None
     x, W, A, B, offs, ts, r = case(torch.float32, [4], [0], [16], 16, [16, 16], 16)
     monkeypatch.setattr(lg, "descriptors_available", lambda: False)
     assert "TMA descriptors" in lg.unfit_reason(x, W, offs)
+
+
+def test_compile_time_constants_do_not_follow_the_token_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every new set of constexprs is a compile (seconds on a GPU) in the middle of serving: off the
+    persistent grid, 130 and 1000 tokens (neither divisible by 16) must launch the same variant."""
+    import kernels.lora_gemm as lg
+
+    seen: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append({k: v for k, v in kw.items() if k.isupper()})
+
+    monkeypatch.setattr(lg, "_lora_gemm_kernel", Recorder())
+    for T in (130, 1000):
+        x, W, A, B, offs, token_slots, ranks = case(torch.float32, [T - 30, 30], [0, -1], [8], 64, [32], 8)
+        run("triton", x, W, A, B, offs, token_slots, ranks, [T - 30, 30], [0, -1],
+            tiles=GemmTiles(32, 32, 32, num_warps=4, num_stages=1, group_m=2, persistent=False))
+    assert len(seen) == 2 and seen[0] == seen[1], seen

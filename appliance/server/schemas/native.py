@@ -1,0 +1,61 @@
+"""Request and response models of the native /generate (SGLang's shape). Our own API: an unknown key
+is a 400 whatever server.strict_fields says (a typo here is never meant)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from appliance.server.schemas.base import Closed, array_or_object, one_message
+from appliance.server.schemas.openai import SEED_MAX, Number, Stop, TokenIds
+
+
+class GenerateSamplingParams(Closed):
+    max_new_tokens: Optional[int] = Field(None, ge=1, description="default 128, capped to the context left")
+    min_new_tokens: Optional[int] = Field(None, ge=0)
+    temperature: Optional[Number] = Field(None, ge=0)
+    top_p: Optional[Number] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 = off")
+    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
+    ignore_eos: Optional[bool] = None
+    stop: Optional[Stop] = None
+    stop_token_ids: Optional[TokenIds] = None
+
+
+_Text = Annotated[str, Field(min_length=1)]
+_Ids = Annotated[TokenIds, Field(min_length=1)]
+
+
+class GenerateRequest(Closed):
+    """POST /generate: exactly one of `text` and `input_ids`, one input or a batch (a list)."""
+
+    text: Optional[Annotated[Union[_Text, Annotated[list[_Text], Field(min_length=1)]],
+                             one_message("must be a string or a non-empty array of strings.")]] = None
+    input_ids: Optional[Annotated[Union[_Ids, Annotated[list[_Ids], Field(min_length=1)]],
+                                  one_message("must be an array of integer token ids, or a non-empty array "
+                                              "of them.")]] = None
+    sampling_params: Optional[array_or_object(GenerateSamplingParams, list[GenerateSamplingParams])] = Field(
+        None, description="one object for every input, or (batch) an array of one object per input")
+    stream: Optional[bool] = Field(None, description="SSE events with cumulative text / output_ids per index")
+    model: Optional[str] = Field(None, description="the base model or an adapter for every input")
+    lora_path: Optional[Annotated[Union[str, list[Optional[str]]],
+                                  one_message("must be an adapter name, null, or (for a batch) an array of "
+                                              "one adapter name or null per input.")]] = Field(
+        None, description="(SGLang) the adapter by name, for every input or one per input")
+
+
+class GenerateMetaInfo(BaseModel):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: Optional[str]
+
+
+class GenerateItem(BaseModel):
+    """One result; a batch answers a list of them, a stream one per event (with `index`)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+    index: Optional[int] = Field(None, description="streams only: which input")

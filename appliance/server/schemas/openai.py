@@ -1,0 +1,219 @@
+"""Request and response models of the OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+The request models are what the routes validate (one `model_validate` per request, base.validate) and
+what GET /openapi.json describes. Fields that OpenAI or vLLM define and this server does not implement
+yet are declared, so the document names them, and refused with a 400 when set to anything but their
+default (UNSUPPORTED_*): never silently ignored. The response models document the answers;
+protocol.py builds them as plain dicts on the hot path, and tests/server check live answers against
+these models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Callable, Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from appliance.server.schemas.base import Open, one_message
+
+SEED_MAX = 2**63 - 1
+
+ModelName = Annotated[str, Field(description="the base model's name, an adapter's name, or <base>:<adapter>")]
+TokenIds = list[Annotated[int, Field(ge=0)]]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+Stop = Annotated[Union[str, list[str]], one_message("must be a string or an array of strings."),
+                 Field(description="stop strings (server.max_stop_strings, server.max_stop_chars)")]
+
+
+class StreamOptions(Open):
+    include_usage: Optional[bool] = Field(None, description="a last chunk with the usage, choices []")
+    continuous_usage_stats: Optional[bool] = Field(
+        None, description="(vLLM) the usage so far on every chunk")
+
+
+class Sampling(Open):
+    """The sampling fields both OpenAI routes take (null = absent)."""
+
+    model: ModelName
+    temperature: Optional[Number] = Field(None, ge=0)
+    top_p: Optional[Number] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, description="(vLLM) -1 or 0 = off")
+    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
+    min_tokens: Optional[int] = Field(None, ge=0, description="(vLLM)")
+    ignore_eos: Optional[bool] = Field(None, description="(vLLM)")
+    stop: Optional[Stop] = None
+    stop_token_ids: Optional[TokenIds] = Field(None, description="(vLLM)")
+    n: Optional[int] = Field(None, ge=1, description="only 1 is supported")
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = Field(None, description="only with stream: true")
+    user: Optional[str] = Field(None, description="accepted; not used")
+    # Known, not implemented: refused unless absent or at their default (UNSUPPORTED_*).
+    logit_bias: Optional[dict[str, Number]] = Field(None, description="not supported")
+    presence_penalty: Optional[Number] = Field(None, description="not supported (only 0)")
+    frequency_penalty: Optional[Number] = Field(None, description="not supported (only 0)")
+    repetition_penalty: Optional[Number] = Field(None, description="(vLLM) not supported (only 1)")
+    min_p: Optional[Number] = Field(None, description="(vLLM) not supported (only 0)")
+    response_format: Optional[dict[str, Any]] = Field(None, description='only {"type": "text"}')
+    guided_json: Optional[Union[str, dict[str, Any]]] = Field(None, description="(vLLM) not supported")
+    guided_regex: Optional[str] = Field(None, description="(vLLM) not supported")
+    guided_choice: Optional[list[str]] = Field(None, description="(vLLM) not supported")
+    guided_grammar: Optional[str] = Field(None, description="(vLLM) not supported")
+
+
+CompletionPrompt = Annotated[
+    Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+          Annotated[TokenIds, Field(min_length=1)], Annotated[list[Annotated[TokenIds, Field(min_length=1)]],
+                                                              Field(min_length=1)]],
+    one_message("must be a string, an array of strings, an array of token ids, or an array of arrays of "
+                "token ids (and not empty)."),
+]
+
+
+class CompletionRequest(Sampling):
+    """POST /v1/completions."""
+
+    prompt: CompletionPrompt
+    max_tokens: Optional[int] = Field(None, ge=1, description="default 16, capped to the context left")
+    echo: Optional[bool] = Field(None, description="not supported (only false)")
+    logprobs: Optional[int] = Field(None, description="not supported")
+    best_of: Optional[int] = Field(None, description="not supported (only 1)")
+    suffix: Optional[str] = Field(None, description='not supported (only "")')
+
+
+class TextPart(Open):
+    type: Literal["text"]
+    text: str
+
+
+Content = Annotated[Union[str, list[TextPart]],
+                    one_message('must be a string or an array of {"type": "text", "text": <string>} parts; '
+                                "only text content is supported.")]
+
+
+class ChatMessage(Open):
+    role: Literal["system", "developer", "user", "assistant"] = Field(description='"developer" = "system"')
+    content: Content
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = Field(None, description="not supported")
+
+
+class ChatCompletionRequest(Sampling):
+    """POST /v1/chat/completions: `messages` rendered with the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Optional[int] = Field(None, ge=1, description="default: the rest of the context")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="wins over max_tokens")
+    logprobs: Optional[bool] = Field(None, description="not supported (only false)")
+    top_logprobs: Optional[int] = Field(None, description="not supported (only 0)")
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (only [])")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description='not supported (only "none")')
+    parallel_tool_calls: Optional[bool] = Field(None, description="accepted; no tools are called")
+    audio: Optional[dict[str, Any]] = Field(None, description="not supported")
+    modalities: Optional[list[str]] = Field(None, description='only ["text"]')
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="(vLLM) not supported (only {})")
+
+
+def _never(v: Any) -> bool:
+    return False
+
+
+def _equals(default: Any) -> Callable[[Any], bool]:
+    return lambda v: v == default
+
+
+_SHARED: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": _equals({}), "presence_penalty": _equals(0), "frequency_penalty": _equals(0),
+    "repetition_penalty": _equals(1), "min_p": _equals(0), "response_format": _equals({"type": "text"}),
+    "guided_json": _never, "guided_regex": _never, "guided_choice": _never, "guided_grammar": _never,
+}
+UNSUPPORTED_COMPLETION = {**_SHARED, "echo": _equals(False), "logprobs": _never, "best_of": _equals(1),
+                          "suffix": _equals("")}
+UNSUPPORTED_CHAT = {**_SHARED, "logprobs": _equals(False), "top_logprobs": _equals(0), "tools": _equals([]),
+                    "tool_choice": _equals("none"), "audio": _never, "modalities": _equals(["text"]),
+                    "chat_template_kwargs": _equals({})}
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Optional[Literal["stop", "length"]]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = Field(None, description="on a stream: null but on the last chunk (include_usage)")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a chat stream; the stream ends with `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: Optional[str]
+    max_model_len: Optional[int] = Field(None, description="the base model's card only")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
