@@ -35,10 +35,6 @@ from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
 
 
-# The fused kernel runs when the (token, slice) programs cover the SMs FUSE_MIN_WAVES times over;
-# below, shrink (K split into planes of partial sums) + expand is faster (measured on the 8B projections).
-FUSE_MIN_WAVES = 1.5
-
 
 @triton.jit
 def _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2, cols_per_prog):
@@ -173,7 +169,8 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
 
     x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
     slot_ranks, out_offsets, scalings as for lora_shrink / lora_expand. Returns y.
-    fused: one launch (needs every segment one token long); None = when it applies and pays.
+    fused: one launch (needs every segment one token long); None = whenever every segment is one token
+    (whether it pays on a device is the caller's choice: appliance/lora/backend/policy.py).
     Unfused: lora_shrink then lora_expand; for one-token segments the shrink's K splits go to planes
     of partial sums that the expand adds (no memset, no atomics); split_k overrides the number of
     splits (benchmarks).
@@ -186,7 +183,7 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     on CUDA where tma_unfit_reason allows, True = required (how the CPU tests reach it).
     """
     if fused is None:
-        fused = fuses(segs, A, x.device)
+        fused = segs.max_len == 1
     if not fused:
         if pdl is None:
             pdl = pdl_available(x.device)
@@ -268,7 +265,7 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
     block_n = block_n_for(offs, min(block_n or d_bn, 256, max(16, triton.next_power_of_2(widest))))
     check_tile(block_k=block_k, block_n=block_n)
     # Whole slices: one program a (token, slice), streaming its A slice once, in 256-column steps. Where
-    # this body runs (>= FUSE_MIN_WAVES pairs an SM) column splits (more programs, each streaming A
+    # this body runs (enough pairs to fill the SMs) column splits (more programs, each streaming A
     # again) and 128-column steps measured slower.
     if cols_per_prog is None:
         cols_per_prog = triton.cdiv(widest, block_n) * block_n
@@ -286,21 +283,6 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, num_warps=num_warps or d_w,
     )
     return y
-
-
-def fuses(segs: LoRASegments, A: torch.Tensor, device: torch.device) -> bool:
-    """Whether lora_apply (fused=None) takes the one-launch kernel for this step: one-token segments whose
-    (token, slice) pairs fill the SMs (see _fuse_pays); else it runs lora_shrink then lora_expand."""
-    return segs.max_len == 1 and _fuse_pays(segs.num_segs * A.shape[1], device)
-
-
-def _fuse_pays(pairs: int, device: torch.device) -> bool:
-    """Fuse only when the (token, slice) programs cover every SM FUSE_MIN_WAVES times over: with fewer,
-    one program streams a whole A slice alone, where shrink + expand's K splits spread A over many
-    programs."""
-    if device.type != "cuda":
-        return True  # interpreter: the fused path is the one the CPU tests exercise
-    return pairs >= FUSE_MIN_WAVES * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _auto_cols_per_prog(programs: int, widest: int, block_n: int, device: torch.device) -> int:

@@ -12,7 +12,7 @@ so with async scheduling (engine/async_step.py) a step can decode on tokens the 
 - attention: the Triton decode kernel reads the lengths on the device; its split-K count is fixed per
   size from max_model_len (ModelRunner.decode_splits);
 - LoRA (backends triton/csgmv): a fixed grid of one-token segments with max_len 1; rows without an
-  adapter exit at once. Backends csgmv and auto (on CUDA; LoRAConfig.sorted_decode) at sizes with at
+  adapter exit at once. Backends csgmv and auto (on CUDA; engine/runtime.py sorted_decode) at sizes with at
   least SORTED_MIN_ROWS_PER_SLOT rows a slot instead sort the rows by slot inside the graph
   (kernels/segments.sorted_segments_device: chunks of lora.max_chunk_size rows of one slot on a segment
   grid fixed by the size), so a slot's A and B are read once per chunk instead of once per row; base
@@ -50,12 +50,13 @@ from appliance.engine.step import StepBatch
 from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.layers import LoRAContext
 from appliance.models.attention import AttentionMetadata
+from appliance.parallel.group import TPGroup
 from kernels.segments import LoRASegments, sorted_segments_device
 
 if TYPE_CHECKING:
     from appliance.lora.manager import LoRAManager
     from appliance.models.llama import LlamaModel
-    from appliance.parallel.group import DecodeHeader, TPGroup
+    from appliance.parallel.group import DecodeHeader, SingleRank
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class DecodeRunner(Protocol):
     pad_block: int
     attention_backend: str
     lora: Optional["LoRAManager"]
-    tp: Optional["TPGroup"]
+    tp: "TPGroup | SingleRank"
 
     def decode_splits(self, batch: int, len_bound: int) -> int: ...
 
@@ -97,7 +98,7 @@ class DecodeBuffers:
     slot_ranks: torch.Tensor  # [S] int32: rank of each LoRA slot (0 = empty)
 
 
-# Backends csgmv and auto on CUDA (LoRAConfig.sorted_decode): graph sizes with at least this many rows per
+# Backends csgmv and auto on CUDA (engine/runtime.py sorted_decode): graph sizes with at least this many rows per
 # LoRA slot (lora.max_loras_per_batch) sort their rows by slot inside the graph; smaller ones keep one
 # segment per row (the fused kernel, which wins when most rows have their own adapter). Measured: sorted
 # chunks win from 4 rows a slot, one segment per row still wins at 2.
@@ -185,9 +186,7 @@ class StaticDecode:
         if plan.prefills or b is None:
             raise ValueError(f"static decode takes decode-only steps of at most {self.max_size} sequences")
         step = self._stage(plan, b, sources)
-        tp = self.runner.tp
-        if tp is not None:
-            tp.broadcast_decode(step.ints(), self._staged(step))
+        self.runner.tp.broadcast_decode(step.ints(), self._staged(step))  # a no-op at tp_size 1
         logits = self._launch(step)
         assert logits is not None
         return logits[:n]
@@ -196,7 +195,7 @@ class StaticDecode:
     def follow(self, head: "DecodeHeader") -> None:
         """A TP rank other than 0: take rank 0's staged rows of the step `head` announced and run it."""
         tp = self.runner.tp
-        assert tp is not None and tp.rank != 0
+        assert isinstance(tp, TPGroup) and tp.rank != 0
         step = DecodeStep(*head.fields)
         self._next_staging()
         tp.receive_into(head, self._staged(step))
@@ -293,7 +292,7 @@ class StaticDecode:
 
     def sorted_layout(self, b: int) -> bool:
         """Whether size b's LoRA launches take the slot-sorted layout (lora.backend csgmv, or auto on
-        CUDA: LoRAConfig.sorted_decode; enough rows a slot)."""
+        CUDA: engine/runtime.py sorted_decode; enough rows a slot)."""
         ctx = self.lora
         return (ctx is not None and ctx.sorted_decode and ctx.num_slots > 0
                 and b >= SORTED_MIN_ROWS_PER_SLOT * ctx.num_slots)
@@ -321,7 +320,7 @@ class StaticDecode:
         ids = d.tokens[d.token_index[:b]]
         hidden = r.model(ids, d.positions[:b], r.kv_cache, self._meta(b, max_len))
         logits = r.model.compute_logits(hidden)
-        return logits if r.tp is None else r.tp.gather_last_dim(logits)
+        return r.tp.gather_last_dim(logits)
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -333,10 +332,8 @@ class StaticDecode:
         d.context_lens.zero_()
         d.lora_slots.fill_(-1)
         pool = None
-        # Under TP the process group's watchdog thread polls its own events while we capture; only
-        # this thread's calls must be refused during the capture (the collectives themselves are
-        # captured: the warm-up below has already set up the communicator).
-        mode = "global" if r.tp is None else "thread_local"
+        # Under TP the collectives are captured too (the warm-up below has set up the communicator).
+        mode = r.tp.capture_error_mode
         variants = (True, False) if self.lora is not None else (False,)
         for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
             for with_lora in variants:  # the same order on every rank (their collectives must match)

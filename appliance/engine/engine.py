@@ -84,9 +84,7 @@ class LLMEngine:
             raise
 
     def _build(self, cfg: ApplianceConfig, model_path: Path) -> None:
-        self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group)
-        if self.tp is not None:
-            self.runner.leader = self.tp
+        self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group, leader=self.tp)
         self.tokenizer: Tokenizer | IdsOnlyTokenizer
         if cfg.model.init == "random" and not has_tokenizer(model_path):
             eos = read_hf_config(model_path).get("eos_token_id")
@@ -112,8 +110,9 @@ class LLMEngine:
                 from appliance.parallel.lora import AdapterSync
 
                 sync = AdapterSync(self.tp.group, self.tp.layout)
-            self.lora = Manager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
-                                self.runner.device, stats=self.stats, args=self.runner.args, tp=sync)
+            self.lora = Manager(cfg.lora, self.runner.runtime.lora, self.runner.model, cfg.model.name,
+                                self.runner.dtype, self.runner.device, stats=self.stats, args=self.runner.args,
+                                tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s)
             self.runner.lora = self.lora
             self._load_configured_adapters(cfg)
         overlap = self.lora is not None and cfg.lora.overlap_loading
@@ -125,25 +124,24 @@ class LLMEngine:
         # server replays the same sequence of unseeded samples.
         self._seed_rng = torch.Generator().manual_seed(cfg.model.seed)
         self.failed_steps = 0  # total, since start
-        if cfg.engine.fault_injection_token_id is not None:
+        if cfg.debug.fault_injection_token_id is not None:
             from appliance.telemetry.faults import install_token_fault
 
-            log.warning("engine.fault_injection_token_id=%d: steps whose input holds it will fail (debug)",
-                        cfg.engine.fault_injection_token_id)
-            install_token_fault(self.runner.model, cfg.engine.fault_injection_token_id)
+            log.warning("debug.fault_injection_token_id=%d: steps whose input holds it will fail (debug)",
+                        cfg.debug.fault_injection_token_id)
+            install_token_fault(self.runner.model, cfg.debug.fault_injection_token_id)
         # Last: the graphs capture the model as wrapped (LoRA) and with its hooks (no graphs under faults).
         self.runner.setup_decode_graphs(cfg.engine)
         # Then the eager steps' kernel variants (the capture compiled the graphs' own).
         self.warmup: Optional[WarmupReport] = None
-        if cfg.engine.warmup_on(self.runner.device.type):
+        if self.runner.runtime.warmup:
             self.warmup = self._warm_up(cfg)
             if self.warmup.compiled is not None:
                 self.runner.compile_watch = CompileWatch()
         # Async scheduling applies to steps over the static decode buffers (module docstring); null = on
         # wherever those are set up (cuda graphs) at tp_size 1. Under TP the other ranks would need the
         # sampled tokens, which only rank 0 has (the config check refuses true with tp_size > 1).
-        a = cfg.engine.async_scheduling
-        self.async_scheduling = (self.runner.static_decode is not None and self.tp is None) if a is None else a
+        self.async_scheduling = self.runner.runtime.async_scheduling
         self._inflight: Optional[LaunchedStep] = None
 
     def _warm_up(self, cfg: ApplianceConfig) -> WarmupReport:
@@ -151,7 +149,7 @@ class LLMEngine:
         steps = plan_warmup(e.max_num_batched_tokens, self.max_model_len, e.max_num_seqs,
                             cfg.lora.max_loras_per_batch if self.lora is not None else 0, e.graph_batch_sizes(),
                             eager_decode=self.runner.static_decode is None)
-        token = 1 if e.fault_injection_token_id == 0 else 0  # never the fault-injection token
+        token = 1 if cfg.debug.fault_injection_token_id == 0 else 0  # never the fault-injection token
         return run_warmup(self.runner, steps, token)
 
     def _load_configured_adapters(self, cfg: ApplianceConfig) -> None:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Segment lengths either side of the launchers' tile buckets: shrink 16 / 256 / 512 rows, expand 16 / 32,
-# lora_linear from 64 tokens (CUDA, kernels/lora_linear.MIN_TOKENS_CUDA). Longer ones are clipped to the
+# lora_linear from 64 tokens (CUDA, lora/backend/policy.MIN_TOKENS_CUDA). Longer ones are clipped to the
 # step's token budget.
 PREFILL_LENGTHS = (2, 16, 17, 32, 33, 63, 64, 255, 256, 257, 512, 513)
 LONG_CONTEXT = 1024  # decode rows' context for the split attention kernel (>= 2 parts of 512)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.config.schema import ConfigError, ParallelConfig
+from appliance.engine.runtime import parallel_backend
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,21 @@ class TPGroup:
     def __post_init__(self) -> None:
         self._msg = torch.zeros(self.inline_ints, dtype=torch.long)  # reused: one message at a time
 
+    # Under TP the process group's watchdog thread polls its own events during a CUDA-graph capture:
+    # only the capturing thread's calls must be refused.
+    capture_error_mode = "thread_local"
+
     def fail(self, reason: str) -> NoReturn:
         self.on_failure(reason)
         raise AssertionError("unreachable")  # on_failure never returns
+
+    def in_step(self, step: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """Run a step; a failure on rank 0 ends every rank (the ranks' collectives are out of step)."""
+        try:
+            return step()
+        except Exception as e:  # noqa: BLE001 - cannot resynchronise
+            self.fail(f"the step on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
+                      "cannot resynchronise")
 
     # ------------------------------------------------------------------ model collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,6 +179,32 @@ class TPGroup:
             dist.destroy_process_group()
 
 
+@dataclass
+class SingleRank:
+    """The rank-1 group of tp_size 1: no process group, every collective the identity, a failing step's
+    exception raised as it is (the engine reruns the step request by request)."""
+
+    device: torch.device
+    rank: int = 0
+    size: int = 1
+    capture_error_mode = "global"
+
+    def in_step(self, step: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        return step()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        return x
+
+    def min_int(self, n: int) -> int:
+        return n
+
+    def broadcast_decode(self, fields: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        pass
+
+
 def rank_device(model_device: str, rank: int) -> torch.device:
     """The device of `rank` (its index among the ranks of its host): cuda:rank on CUDA (model.device
     auto or cuda), cpu otherwise."""
@@ -184,9 +223,7 @@ def rank_device(model_device: str, rank: int) -> torch.device:
 
 def init_group(cfg: ParallelConfig, rank: int, device: torch.device, timeout_s: float = 600.0) -> TPGroup:
     """Join the group of cfg.tp_size ranks at tcp://master_addr:master_port (rank 0 hosts the store)."""
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("parallel.backend: nccl needs CUDA devices; use gloo (or auto) on cpu")
+    backend = parallel_backend(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from appliance.config.schema import LoRAConfig
+from appliance.engine.runtime import LoRARuntime
 from appliance.lora.adapter import AdapterError, AdapterSpec, load_adapter_weights
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
@@ -80,22 +81,38 @@ class AdapterSync:
             raise AdapterError("; ".join(f"tensor-parallel rank {r}: {e}" for r, e in errors))
 
 
+class SingleRankSync:
+    """AdapterSync of tp_size 1: no other rank to mirror, the weights whole."""
+
+    def shard(self, weights: Weights) -> Weights:
+        return weights
+
+    def read(self, key: str, spec: AdapterSpec) -> None:
+        pass
+
+    def fill(self, slot: int, key: str) -> None:
+        pass
+
+    def drop(self, key: str) -> None:
+        pass
+
+
 class WorkerAdapters:
     """A worker rank's side: the wrapped shard's slot buffers and a CPU tier of shards.
 
     The tier holds lora.max_loaded_loras shards (least recently used leave first); a fill whose shard
     left it reads the files again, as rank 0's HostCache does."""
 
-    def __init__(self, cfg: LoRAConfig, model: LlamaModel, layout: TPLayout, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, layout: TPLayout,
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.cfg = cfg
         self.layout = layout
         self.dtype = dtype
         self.device = device
-        self.backend = cfg.resolved_backend(device)
+        self.backend = runtime.backend
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, self.backend, cfg.max_chunk_size,
-                                           cfg.sorted_decode(device))
+                                           runtime.sorted_decode)
         self.specs: dict[str, AdapterSpec] = {}  # every key rank 0 holds
         self.shards: OrderedDict[str, Weights] = OrderedDict()
 

@@ -43,8 +43,8 @@ def run_worker(cfg: ApplianceConfig, rank: int) -> None:
     runner = ModelRunner(cfg, str(Path(cfg.model.path).expanduser()), tp=group)
     adapters: Optional[WorkerAdapters] = None
     if cfg.lora.enabled:
-        adapters = WorkerAdapters(cfg.lora, runner.model, TPLayout(runner.args, rank, group.size), runner.dtype,
-                                  runner.device)
+        adapters = WorkerAdapters(cfg.lora, runner.runtime.lora, runner.model, TPLayout(runner.args, rank, group.size),
+                                  runner.dtype, runner.device)
     log.info("rank %d ready on %s", rank, device)
     follow(group, runner, adapters)
     if device.type == "cuda":

@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 from urllib.parse import quote
@@ -47,6 +46,7 @@ from appliance.server.group import RequestGroup
 from appliance.server.limits import BodyLimits, ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
 from appliance.server.probes import Probes
+from appliance.server.state import ServerState
 from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
 from appliance.server.scrape import ScrapeApi
 from appliance.server.utility import UtilityApi
@@ -54,16 +54,6 @@ from appliance.server.utility import UtilityApi
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class ServerState:
-    """Shared with run.py: set `draining` on SIGTERM so /health and new requests answer 503; run.py
-    also starts and stops hot reload around the reconciler."""
-
-    reconciler: Reconciler
-    draining: bool = False
-    started: bool = False  # set by run.py once uvicorn listens (GET /ready)
 
 
 class _ClientGone(Exception):
@@ -151,9 +141,8 @@ class _Api:
                                     cfg.server.strict_fields)
         self.created = int(time.time())
         ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
-        self.state = ServerState(Reconciler(cfg, ops, source))
-        self.admin = AdminApi(ops, cfg, self._read_json)
-        self.admin.reconciler = self.state.reconciler
+        self.state = ServerState(Reconciler(cfg, ops, source, runtime=engine.engine.runner.runtime.view()))
+        self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler)
 
     # ------------------------------------------------------------------------------ plain routes
     async def models(self, request: Request) -> Response:
