@@ -1,20 +1,11 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
-Every step has a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs). Running
-sequences go first, oldest first: one token each when decoding, or the next chunk of a prompt that is
-being prefilled in pieces. Then waiting sequences join, in arrival order, while budgets and KV blocks
-last. When a running sequence needs a block and none is free, the newest running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue, to be recomputed later (its generated
-tokens are kept and re-prefilled with the prompt). Nothing is ever dropped.
-
-With overlap loading, `adapter_ready` gates admission before the slot: a request whose adapter's
-weights are still being read or copied stays waiting (reason "load") and the scan goes on.
-
-With async scheduling a running sequence may have a sampled token the host has not read yet
-(`Sequence.num_pending`): it counts, so the sequence decodes on it in the next step; one whose pending
-token is its last by length (`finishing`) is not scheduled again.
-
-Pure Python, no torch: tested in milliseconds.
+Each step has a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs). Running
+sequences go first, oldest first (a decode token, or the next prompt chunk); then waiting ones in
+arrival order while budgets and KV blocks last. Out of blocks, the newest running sequence is
+preempted to the front of the queue and recomputed later; nothing is dropped. `adapter_ready` keeps a
+request whose adapter is still loading waiting (reason "load"). A pending async token
+(`Sequence.num_pending`) counts as decoded. Pure Python, no torch.
 """
 
 from __future__ import annotations
