@@ -1,13 +1,8 @@
 """The CPU tier: at most `capacity` adapters' weights in host memory, least recently used leave first.
 
-Pure policy, generic over the weights type T: the loader (reading and validating a PEFT directory) is
-passed in, so this file needs no torch and is tested with plain objects. An evicted adapter stays
-registered; its next `get` reads it from disk again.
-
-Keys are built by the caller, and must change whenever the weights behind a name change: use
-AdapterEntry.cache_key ("<name>@<generation>"). An in-place reload bumps the generation, so the old
-weights can never be returned for the new generation; the caller `drop`s the old key (or lets LRU age it
-out while requests still running on the old weights finish).
+Pure policy, generic over the weights type (the loader is passed in). Keys must change whenever the
+weights behind a name change (AdapterEntry.cache_key, "<name>@<generation>"), so an in-place reload
+can never be served the old weights; the caller drops the old key or lets LRU age it out.
 """
 
 from __future__ import annotations
