@@ -4,9 +4,9 @@
     h[t, i*R + j] = x[t] @ A[slot(t), i, j]ᵀ  (j < r)
 
 i(c) is output column c's slice, r = rank[slot(t)], slot(t) = row_slots[t] (-1: base, no delta). One
-launch writes y once: column tile 0 of each row tile computes h first and raises a flag; every tile
-adds the delta after its own K loop once that flag is up. A wait is bounded (SPIN_LIMIT), after which
-the tile computes h itself with the same bits, so out-of-order block dispatch cannot deadlock.
+launch writes y once: given A, column tile 0 of each row tile computes h first and raises a flag, and
+every tile adds the delta after its own K loop once that flag is up (given h, no flags). A wait is
+bounded (SPIN_LIMIT), then the tile computes h itself with the same bits: no deadlock on any block order.
 Design and figures: docs/architecture.md "LoRA kernels", docs/performance.md.
 """
 

@@ -5,7 +5,7 @@ sequences go first, oldest first (a decode token, or the next prompt chunk); the
 arrival order while budgets and KV blocks last. Out of blocks, the newest running sequence is
 preempted to the front of the queue and recomputed later; nothing is dropped. `adapter_ready` keeps a
 request whose adapter is still loading waiting (reason "load"). A pending async token
-(`Sequence.num_pending`) counts as decoded. Pure Python, no torch.
+(`Sequence.num_pending`) counts, so the next step decodes on it. Pure Python, no torch.
 """
 
 from __future__ import annotations
