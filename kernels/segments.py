@@ -136,9 +136,7 @@ def sorted_segments_device(row_slots: torch.Tensor, num_slots: int, chunk: int) 
     return LoRASegments(starts, lens, slots, token_index, chunk, static_sorted=True)
 
 
-# Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,
-# so views packed back to back would compile a kernel once per (segment count mod 4) pattern, and
-# those first-seen compiles would land inside requests.
+# Views start 16-byte aligned: Triton specializes pointers on it, so packed views would compile mid-request.
 _ALIGN = 4  # int32 elements
 
 

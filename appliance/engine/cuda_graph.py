@@ -56,9 +56,7 @@ class DecodeRunner(Protocol):
 class DecodeBuffers:
     """Static device buffers for the largest batch size Bm; a size b uses the first b rows."""
 
-    # The step's input ids are gathered inside the graph, tokens[token_index[:b]]: rows [0, Bm) of
-    # `tokens` hold the last step's sampled tokens (written on the device, `publish`: async scheduling
-    # decodes on them before the host has read them), rows [Bm, 2 Bm) the ids staged from the host.
+    # Input ids = tokens[token_index[:b]]: rows [0, Bm) the last step's samples (on the device), [Bm, 2 Bm) staged ids.
     tokens: torch.Tensor  # [2 Bm] long
     token_index: torch.Tensor  # [Bm] long: the row of `tokens` each input row reads
     positions: torch.Tensor  # [Bm] long
@@ -119,7 +117,7 @@ class StaticDecode:
             seg_lens=torch.ones(bm, **i32),
             slot_ranks=torch.zeros(num_slots, **i32),
         )
-        # Two pinned staging sets used in turn: under async scheduling a step's copies must not wait for the previous step's.
+        # Two pinned staging sets in turn: under async scheduling a step's copies must not wait for the last one's.
         pin = dev.type == "cuda"
         self._h64s = [torch.zeros(4 * bm, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._h32s = [torch.zeros(2 * bm + num_slots + bm * self.max_blocks, dtype=torch.int32, pin_memory=pin)

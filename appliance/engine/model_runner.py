@@ -264,9 +264,7 @@ class ModelRunner:
         """Run one step; logits [N, vocab] (model dtype) for the sampling sequences, prefills then decodes.
         sources: for a static step, where each decode row's pending input token is (StaticDecode.run)."""
         if self.lora is not None:
-            # LLMEngine.step loads newly assigned adapters first (a failed read fails only that
-            # adapter's requests, which needs the engine's bookkeeping) and empties plan.slot_loads.
-            # A caller that runs a plan directly (tests, benchmarks) gets them loaded here, all or nothing.
+            # LLMEngine.step already loaded plan.slot_loads; direct callers (tests) load here, all or nothing.
             failed = self.lora.ensure_loaded(plan.slot_loads)
             if failed:
                 raise RuntimeError(f"adapter weights could not be loaded: {failed}")

@@ -135,9 +135,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting sequences only when nobody had to be preempted this step (else we would thrash).
-        # A sequence whose adapter gets no slot stays waiting and the scan goes on: base requests and
-        # requests of resident adapters are not blocked behind it.
+        # Admit only when nobody was preempted this step (else we thrash); a sequence without a slot
+        # stays waiting and the scan goes on, so base and resident-adapter requests are not blocked.
         self._update_drain()
         j = 0
         # Why the scan below stops; the waiting requests it never reaches are held up by the same thing.

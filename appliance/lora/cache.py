@@ -112,10 +112,8 @@ class HostCache(Generic[T]):
                           loads=self.loads, evictions=self.evictions)
 
     def _evict_over_capacity(self, keep: str | None) -> None:
-        # Capacity is a soft bound: pinned and held entries are never evicted, and neither is `keep`, the entry a
-        # `get` is returning right now (dropping it would make every following `get` re-read the disk).
-        # If those alone exceed capacity the cache stays over it rather than break a pin; the config
-        # keeps this rare (pinned adapters <= max_loras_per_batch - 1 < max_loaded_loras).
+        # Soft bound: pinned, held and `keep` (being returned) entries are never evicted, so the cache may
+        # stay over capacity rather than break a pin (the config keeps that rare).
         for key in list(self._items):
             if len(self._items) <= self.capacity:
                 break
