@@ -2,18 +2,9 @@
 
     y[t] = x[t] @ Wᵀ + scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ  (slices i)
 
-The add-after order (y = x @ Wᵀ, then lora_expand reads y, adds, writes it back) moves y through
-HBM twice more than the base GEMM does, which alone exceeds the LoRA target of 10 % of the GEMM's
-time for qkv_proj and o_proj. Here the order is turned round:
-lora_shrink (h, fp32), then lora_expand in write mode (y = the delta, written once and never read;
-base tokens' rows zeroed), then cuBLAS accumulates the base product into y (beta = 1). A
-compute-bound GEMM reads C in its epilogue almost for free, so the delta's cost falls to one write
-of y plus the shrink's read of x. (Shrink and expand in one kernel, x read and y written by one
-pass, measured no faster.)
-
-Rounding differs from the add-after order by one step: the delta is rounded to y's dtype when
-written, then cuBLAS adds the fp32 base product to it and rounds once (instead of rounding the base
-product, then base + delta).
+The add-after order moves y through HBM twice more than the GEMM; here lora_shrink, then lora_expand
+in write mode (y = the delta, base rows zeroed), then cuBLAS accumulates x @ Wᵀ into y, reading C in
+its epilogue almost free. Rounding differs by one step: the delta is rounded to y's dtype first.
 """
 
 from __future__ import annotations
@@ -39,17 +30,10 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, A: torch.Tensor, B: torch
                 gemm: str = "cublas") -> torch.Tensor:
     """y = x @ weightᵀ + the multi-LoRA delta of every slice (lora_apply's math), as a new [T, out] tensor.
 
-    x [T, in], weight [out, in] (no bias: the caller keeps the add-after order for biased linears),
-    A [S, n, R, in], B [S, out, R], all one dtype (fp32/bf16/fp16); segs from kernels/segments.py's
-    builders (they list the base tokens' rows); slot_ranks [S] int32; out_offsets [n + 1];
-    scalings [S] fp32 or None. split_k, partials: the shrink's K split (None = its launcher's choice)
-    and how the splits combine (True: planes of partial sums, False: atomics; None = planes up to
-    PLANES_MAX_OUT output columns); overrides for benchmarks. pdl: the expand launched as a
-    programmatic dependent of the shrink (its launch under the shrink's tail; None = where the device
-    has PDL). gemm: "cublas" (the delta written, then cuBLAS accumulates) or "triton" (kernels/lora_gemm.py:
-    one launch, the shrink as tiles of its grid and the delta in the epilogue of its GEMM; needs
-    segs.row_slots; split_k, partials and pdl do not apply). Which one pays for a step is the caller's
-    choice (appliance/lora/backend/policy.py).
+    x [T, in], weight [out, in] (no bias), A [S, n, R, in], B [S, out, R], one dtype; segs must list base
+    rows; slot_ranks [S] int32; out_offsets [n + 1]; scalings [S] fp32 or None. split_k/partials/pdl
+    override the shrink's K split, its combine (planes or atomics) and PDL; gemm "triton" runs
+    kernels/lora_gemm.py instead of cuBLAS. Which pays is appliance/lora/backend/policy.py's choice.
     """
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"lora_linear: x must be [T, in] and weight [out, in], got {tuple(x.shape)}, "

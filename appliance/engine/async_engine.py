@@ -53,10 +53,8 @@ class AsyncEngine:
         # Receives the engine's stats events after every loop iteration, on the engine thread
         # (appliance/telemetry/metrics.py); None = they are dropped, so they never pile up.
         self._stats_sink: Optional[Callable[[EngineEvents], None]] = None
-        # Overlap loading: when every waiting request waits for a background read and nothing runs,
-        # the loop sleeps instead of spinning (`_idle`); each finished read bumps `_reads_done` and
-        # wakes it. The counter closes the race of a read ending while the step that saw it in
-        # flight was still running.
+        # Overlap loading: the loop sleeps while every waiter waits on a read; `_reads_done` closes the
+        # race of a read ending during the step that saw it in flight.
         self._idle = False
         self._reads_done = 0
         if engine.lora is not None:

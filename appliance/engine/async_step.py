@@ -1,15 +1,10 @@
 """A launched step whose sampled tokens are still on their way to the host (async scheduling).
 
-With `engine.async_scheduling`, a decode step over the static buffers (engine/cuda_graph.py) is
-launched, its tokens are sampled on the device and copied to pinned host memory behind an event, and
-the engine returns to the host work of the next step (scheduling, staging, launching it) before it
-reads them. The next step's rows take their input tokens from the device (StaticDecode.publish), so
-the GPU runs step N + 1 while the host detokenises, checks stops and streams step N's tokens. Without
-it the GPU waits for the host between every two steps, a sizeable part of a graphed decode step.
-
-The cost: a sequence that ends at step N on a stop token or string has already been given a row of
-step N + 1, whose token is dropped. One that ends by length is known to end (`Sequence.finishing`) and
-is not scheduled again.
+With `engine.async_scheduling` a graphed decode step samples on the device and copies its tokens to
+pinned memory behind an event; the engine schedules and launches step N + 1 (whose rows read their
+inputs on the device, StaticDecode.publish) before it reads step N's tokens, so the GPU does not wait
+for the host. Cost: a sequence stopped by a stop token at step N already holds a row of step N + 1,
+whose token is dropped; one ending by length is known in advance (`Sequence.finishing`).
 """
 
 from __future__ import annotations

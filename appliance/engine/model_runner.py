@@ -1,12 +1,9 @@
 """The only place that builds device tensors: loads the model, owns the KV cache, runs a step.
 
-Per step it turns the scheduler's plan into a `StepBatch` of host lists, then into flattened input ids,
-positions and AttentionMetadata (built once, passed down), runs the model and returns logits (model dtype) for
-the sequences that sample. Decode-only steps go through StaticDecode (engine/cuda_graph.py) when it is
-set up: static buffers, replayed as CUDA graphs on cuda. Under tensor parallelism (`tp`,
-appliance/parallel/) the model is this rank's shard, rank 0 broadcasts each StepBatch and the other ranks
-run `forward` on it (parallel/worker.py); every rank builds the same StaticDecode when rank 0 does and
-replays its decode graphs (collectives inside) with the rows rank 0 staged.
+Per step it turns the scheduler's plan into a `StepBatch`, then into flat inputs and AttentionMetadata
+(built once, passed down), and returns logits for the sequences that sample. Decode-only steps go
+through StaticDecode (engine/cuda_graph.py) when set up. Under tensor parallelism rank 0 broadcasts
+each StepBatch and every rank runs `forward` on its shard (parallel/worker.py).
 """
 
 from __future__ import annotations
@@ -191,10 +188,8 @@ class ModelRunner:
             self.static_decode = None
 
     def decode_splits(self, batch: int, len_bound: int) -> int:
-        """Split-K parts of the Triton decode kernel: 1 unless batch x KV heads programs fill at most a
-        quarter of the SMs (with more, the combine costs more than the split gains), else parts of 512
-        tokens of the length bound (at most 64). Parts past a context exit at once, so a short context
-        in a graph sized for max_model_len only pays the combine. Host ints only."""
+        """Split-K parts of the Triton decode kernel: 1 unless the batch's programs fill at most a
+        quarter of the SMs, else 512-token parts of the length bound (at most 64). Host ints only."""
         programs = batch * self.model.args.num_kv_heads  # this rank's KV heads
         if self._sms == 0 or programs == 0 or 4 * programs > self._sms:
             return 1  # cpu, a step without decodes, or enough programs already
@@ -269,9 +264,7 @@ class ModelRunner:
         """Run one step; logits [N, vocab] (model dtype) for the sampling sequences, prefills then decodes.
         sources: for a static step, where each decode row's pending input token is (StaticDecode.run)."""
         if self.lora is not None:
-            # LLMEngine.step loads newly assigned adapters first (a failed read fails only that
-            # adapter's requests, which needs the engine's bookkeeping) and empties plan.slot_loads.
-            # A caller that runs a plan directly (tests, benchmarks) gets them loaded here, all or nothing.
+            # LLMEngine.step already loaded plan.slot_loads; direct callers (tests) load here, all or nothing.
             failed = self.lora.ensure_loaded(plan.slot_loads)
             if failed:
                 raise RuntimeError(f"adapter weights could not be loaded: {failed}")

@@ -1,26 +1,13 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
-Every step has a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs). Running
-sequences go first, oldest first: one token each when decoding, or the next chunk of a prompt that is
-being prefilled in pieces. Then waiting sequences join, in arrival order, while budgets and KV blocks
-last. When a running sequence needs a block and none is free, the newest running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue, to be recomputed later (its generated
-tokens are kept and re-prefilled with the prompt). Nothing is ever dropped.
-
-With overlap loading, `adapter_ready` gates admission before the slot: a request whose adapter's
-weights are still being read or copied stays waiting (reason "load") and the scan goes on.
-
-Parallel samples of one prompt (`n`): a sequence with a `prompt_source` stays waiting until that
-sequence has computed the prompt's full blocks (all but the block of its last token), then shares
-them (ref counts) and computes only the rest, its own copy of the partial last block included, so no
-block is ever written by two sequences. If the source finished or was preempted, it waits for the
-recompute, or (finished) computes the prompt itself.
-
-With async scheduling a running sequence may have a sampled token the host has not read yet
-(`Sequence.num_pending`): it counts, so the sequence decodes on it in the next step; one whose pending
-token is its last by length (`finishing`) is not scheduled again.
-
-Pure Python, no torch: tested in milliseconds.
+Each step has a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs). Running
+sequences go first, oldest first (a decode token, or the next prompt chunk); then waiting ones in
+arrival order while budgets and KV blocks last. Out of blocks, the newest running sequence is
+preempted to the front of the queue and recomputed later; nothing is dropped. `adapter_ready` keeps a
+request whose adapter is still loading waiting (reason "load"). A pending async token
+(`Sequence.num_pending`) counts, so the next step decodes on it. A sample with a `prompt_source` (`n`)
+waits until that sequence computed the prompt's full blocks, then shares them and computes only the
+rest, its own partial last block included: no block is written by two sequences. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -150,9 +137,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting sequences only when nobody had to be preempted this step (else we would thrash).
-        # A sequence whose adapter gets no slot stays waiting and the scan goes on: base requests and
-        # requests of resident adapters are not blocked behind it.
+        # Admit only when nobody was preempted this step (else we thrash); a sequence without a slot
+        # stays waiting and the scan goes on, so base and resident-adapter requests are not blocked.
         self._update_drain()
         j = 0
         # Why the scan below stops; the waiting requests it never reaches are held up by the same thing.

@@ -50,9 +50,7 @@ class Sequence:
     text: str = ""  # all output text decoded so far (stop strings are searched here)
     sent_chars: int = 0  # how much of `text` has been handed to the caller
     sent_tokens: int = 0  # how many output tokens have been handed to the caller
-    # Async scheduling (engine.async_scheduling): tokens sampled by launched steps whose values the host
-    # has not read yet. They count as tokens (the next step is scheduled on them) but have no id here;
-    # a step over static buffers takes them from the device (engine/cuda_graph.py).
+    # Async scheduling: tokens sampled on the device but not yet read; they count, but have no id here.
     num_pending: int = 0
     # Its last pending token ends it by length (max_tokens or the context): it is not scheduled again.
     finishing: bool = False

@@ -1,13 +1,9 @@
 """LoRA wrappers around the model's linears, and the slot buffers they own.
 
-`apply_lora(model, ...)` replaces each targeted projection (qkv_proj, o_proj, gate_up_proj, down_proj)
-with a `LoRALinear` whose backend (appliance/lora/backend/, chosen once) runs the base linear and adds
-the adapters' deltas for the step's tokens. The model file does not change: the wrappers read the
-step's `LoRABatchInfo` from a shared `LoRAContext` that the model runner fills once per step.
-
-Slot buffers per wrapped projection (S slots, n slices, R = max_lora_rank):
-    A [S, n, R, in], B [S, out, R]; an adapter's module of rank r < R fills [:r] and leaves zeros,
-    a projection the adapter does not target stays all zero (its delta is exactly 0).
+`apply_lora` replaces each targeted projection with a `LoRALinear` whose backend (lora/backend/,
+chosen once) runs the base linear and adds the step's deltas, read from the shared `LoRAContext` the
+runner fills once per step, so the model file does not change. Slot buffers: A [S, n, R, in],
+B [S, out, R]; rank r < R fills [:r], untargeted projections stay zero (delta exactly 0).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The engine's LoRA subsystem: registry + CPU tier + GPU slot pool + the wrapped model's slot buffers.
 
-Requests carry an adapter *key* `name@N`, fixed when the request is added. Every load, in-place reloads
-included, makes a new key (N never repeats, even when a name is unloaded and loaded again), so
-requests already in flight finish on the old weights (old key) while new ones get the new weights. A key stays alive while any request uses it; unloading removes the name
-from the registry at once (new requests get 404) and retires the key, which is dropped from the slot
-pool and the CPU tier once its last request is done.
-
-Control decisions (which slot, which victim) are made by the pure-Python pool; this class only wires
-them to tensors. It runs on the engine thread; the HTTP layer reaches it through the async engine.
-
-Overlap loading (lora.overlap_loading): the scheduler asks `adapter_ready(key)` before it gives a
-request a slot. A key missing from the CPU tier starts a background read (lora/reader.py) and its
-requests wait (reason "load") while everything else keeps running; `poll_loads`, at the start of each
-step, puts finished reads into the CPU tier or reports the failed ones (the engine fails only their
-requests). On CUDA the CPU tier holds pinned tensors and a key in host memory is given a slot ahead of
-its requests (`SlotPool.reserve`) and copied in on a side stream (lora/copier.py); its requests join
-the batch once the copy has completed. Keys make this safe across unloads and reloads: a read carries
-the key it was started for, and the outcome of a key dropped meanwhile is discarded.
+Requests carry a key `name@N` fixed when added; every load (reloads included) makes a new N, so
+requests in flight finish on the old weights. Unloading removes the name at once (404) and retires the
+key, dropped from slots and CPU tier after its last request. Decisions come from the pure-Python pool;
+this class wires them to tensors, on the engine thread. With overlap loading, `adapter_ready` starts
+background reads and side-stream copies while other requests run; outcomes of dropped keys are discarded.
 """
 
 from __future__ import annotations
@@ -232,11 +220,8 @@ class LoRAManager:
         return out
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:
-        """Pin or unpin a loaded adapter without reloading it (same weights, same key).
-
-        Pinning takes a GPU slot now (loading the weights into it when needed) and keeps the weights
-        in the CPU tier; it is refused, with nothing changed, at the pin limit or with no slot free.
-        Asking for the state the adapter already has is a no-op.
+        """Pin or unpin a loaded adapter without reloading it (same weights, same key). Pinning takes a
+        slot now; refused with nothing changed at the pin limit or with no slot free; same state: no-op.
         """
         entry = self.registry.get(name)  # 404 when unknown
         if entry.pinned == pinned:
@@ -415,11 +400,8 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ internals
     def _read_cold(self, spec: AdapterSpec) -> Weights:
-        """A cold read: the files are read once more through descriptors confined to
-        lora.adapter_roots (the dir or its files may have been replaced by symlinks leading out of them
-        since the adapter was registered), validated again, checked against the registered checksum
-        and, on CUDA with overlap, pinned. Touches no engine state: with overlap loading it runs on a
-        reader thread."""
+        """A cold read: files re-read through descriptors confined to lora.adapter_roots (they may have
+        been swapped for symlinks since), revalidated and checksum-checked. Touches no engine state."""
         if self.read_delay_s > 0:
             from appliance.telemetry.faults import slow_read
 

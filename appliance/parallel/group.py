@@ -1,16 +1,10 @@
 """The tensor-parallel process group of one rank: set up from `parallel.*`, and its collectives.
 
 Two groups over the same ranks: `device` for the model's collectives (nccl on cuda, gloo on cpu) and
-`control`, always gloo on the host, for what rank 0 broadcasts (each step's batch, adapter operations)
-and what it gathers back (their results). Keeping control messages on the host means a step's inputs
-never make a GPU round trip before the forward, as vLLM's cpu_group does.
-
-Every control message is one broadcast of a fixed buffer of `inline_ints` int64s: [kind, number of
-fields, fields..., payload]. Kind OBJECT is followed by one object (torch's broadcast_object_list:
-pickled, two more broadcasts); kind DECODE, the message of every decode token, carries a static decode
-step's staged int tensors in the same buffer (engine/cuda_graph.py), or in broadcasts of their own
-when they do not fit (long block tables). A gloo broadcast costs about the same whatever its size, so
-a decode step is one broadcast, not one per tensor.
+`control`, gloo on the host, for what rank 0 broadcasts and gathers back, so a step's inputs never
+make a GPU round trip. A control message is one broadcast of a fixed `inline_ints` int64 buffer
+[kind, n fields, fields..., payload]; DECODE carries the staged decode rows inline (a gloo broadcast
+costs about the same whatever its size), OBJECT is followed by a pickled object.
 """
 
 from __future__ import annotations
@@ -160,12 +154,9 @@ class TPGroup:
         return out
 
     def quiesce(self, timeout_s: float = 10.0) -> None:
-        """Before destroy, on CPU ranks: meet every rank in a barrier so that no rank tears its gloo
-        groups down (or exits) while a peer still uses them; torch 2.13's gloo then aborts a process
-        ("terminate called without an active exception"): 4-5 of 16 runs in tests/parallel/test_tp_group.py
-        without a barrier, 0 of 46 with it, and once a rank-0 server on SIGTERM in the two-node test.
-        CUDA workers leave with os._exit right after Stop (parallel/worker.py): nothing to meet there.
-        A peer that never arrives (dead) costs timeout_s and a warning, then teardown goes on."""
+        """Before destroy, on CPU ranks: a barrier so no rank tears its gloo groups down while a peer
+        still uses them (gloo then aborts the process). CUDA workers os._exit after Stop instead.
+        A dead peer costs timeout_s and a warning, then teardown goes on."""
         if self.device.type == "cuda" or not dist.is_initialized():
             return
         try:

@@ -1,17 +1,10 @@
 """LoRA under tensor parallelism, the S-LoRA way, and adapter operations kept atomic across ranks.
 
-Sharding (TPLayout gives the ranges; weights as load_adapter_weights returns them,
-"layers.{i}.{proj}" -> (A [r, in], B·scale [out, r])):
-- column-parallel q/k/v/gate/up: A whole (x is replicated), B's rows of this rank's output range;
-- row-parallel o/down: A's columns of this rank's input range, B whole. Each rank's x_r·A_rᵀ is a
-  partial sum of x·Aᵀ. S-LoRA all-reduces those rank-sized partials before B; since B is linear,
-  Σ_r (x_r A_rᵀ) Bᵀ = (Σ_r x_r A_rᵀ) Bᵀ, so each rank adds its partial delta to its partial base output
-  and the block's one all-reduce (parallel/shard.py) sums both: the same result with no collective
-  of its own, and the LoRA kernels stay the fused one-call shrink+expand of tp_size=1.
-
-Atomic operations: rank 0 reads an adapter first (a bad file fails there, nothing sent). Then every
-other rank reads and verifies its copy (`ReadAdapter`, answered); if any fails, all drop it and the
-load is refused with that rank's error, registry unchanged. Slot fills are answered the same way.
+Column-parallel q/k/v/gate/up keep A whole and take B's rows of the rank's output range; row-parallel
+o/down take A's columns of the input range and B whole. Since B is linear, each rank adds its partial
+delta to its partial base output and the block's one all-reduce sums both: no collective of its own.
+Atomic: rank 0 reads first (a bad file sends nothing), then every rank reads and verifies its copy;
+if any fails, all drop it and the load is refused with that rank's error. Slot fills likewise.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Which kernel path pays for a step's shape (host ints only, no sync). Thresholds were measured on an
-H200 with the Llama-3.1-8B projections: docs/performance.md."""
+"""Which kernel path pays for a step's shape (host ints only, no sync); thresholds: docs/performance.md."""
 
 from __future__ import annotations
 

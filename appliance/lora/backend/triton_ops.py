@@ -79,12 +79,9 @@ class TritonBackend(LoRABackend):
     @staticmethod
     def _base_and_shrink(p: Projection, x: torch.Tensor, info: LoRABatchInfo,
                          side: Optional["torch.cuda.Stream"]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The base output and the shrink's h (K-split planes); with a side stream the shrink runs on it
-        beside the GEMM (None, e.g. on cpu: the same kernels on one stream).
-
-        h is allocated on the side stream and read on this one after the join; its block returns to the
-        side stream's pool once dropped, and the next use of that stream waits for everything enqueued
-        here by then, h's reader included (also inside a CUDA-graph capture: fork and join are edges)."""
+        """The base output and the shrink's h (K-split planes), the shrink beside the GEMM on `side` if given.
+        h is allocated on the side stream and read here after the join; that stream's next use waits
+        for h's reader (also under graph capture: fork and join are edges)."""
         segs = info.segments
         if side is None:
             return p.base(x), lora_shrink(x, p.A, segs, info.slot_ranks, partials=True)
