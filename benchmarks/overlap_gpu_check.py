@@ -3,7 +3,7 @@
 A small shape-only Llama (random weights, float32, so greedy tokens do not depend on how requests are
 batched), synthetic PEFT adapters, a CPU tier of 2 for 6 adapters, 2 GPU slots: every adapter but the
 last two loaded starts cold. The same requests run on an engine without overlap loading and on one with
-it (background reads slowed by lora.fault_injection_read_delay_s, pinned CPU tier, side-stream copies);
+it (background reads slowed by debug.fault_injection_read_delay_s, pinned CPU tier, side-stream copies);
 the greedy tokens must be identical, the copies must have gone through the side stream, and tokens must
 have been generated while reads were in flight. Exit status 1 on any mismatch.
 
@@ -44,7 +44,7 @@ def engine(shape: Path, root: Path, overlap: bool, delay: float) -> LLMEngine:
         "model.dtype=float32", f"model.device={DEVICE}", "model.max_model_len=512", "engine.num_kv_blocks=256",
         "lora.enabled=true", "lora.max_lora_rank=16", "lora.max_loras_per_batch=2", "lora.max_loaded_loras=2",
         f"lora.adapter_roots=[{root}]", f"lora.overlap_loading={str(overlap).lower()}",
-        f"lora.fault_injection_read_delay_s={delay}"]))
+        f"debug.fault_injection_read_delay_s={delay}"]))
 
 
 def run(eng: LLMEngine, dirs: dict[str, Path], jobs: list[tuple[str | None, list[int]]]) -> tuple[dict, dict]:

@@ -2,20 +2,9 @@
 
     y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ
 
-for every slice i and adapter token t, r = rank of the slot: what lora_shrink followed by
-lora_expand computes, with the same rounding (h in fp32, rounded to the weights' dtype before the
-expand). When every segment is one token (decode with distinct adapters) one launch does it all:
-a program takes one token and one slice (the pointer body, on small steps, one range of its columns),
-streams A[slot, i] against x to get h_i in registers, then streams B[slot, slice i] and adds into
-y. No h round trip through memory, no zeroing, no atomics, one launch instead of two or three.
-Two bodies of that kernel: on sm90+ (tma_unfit_reason) every load goes through the copy engine
-(TMA descriptors), which the compiler pipelines STAGES deep; elsewhere plain pointer loads, which it
-does not pipeline in these loops (one tile in flight per program).
-Longer segments, and steps with fewer than ~1.5 (token, slice) pairs per SM (a program would stream
-a whole A slice alone), go through lora_shrink + lora_expand; for one-token segments the shrink's K
-splits then leave planes of partial sums that the expand adds (no memset, no atomics), and on
-sm90+ the expand is a programmatic dependent of the shrink, loading B while the shrink reads A
-(kernels/lora_expand.py).
+with lora_shrink + lora_expand's rounding. When every segment is one token, one fused launch does it:
+a program per (token, slice) keeps h_i in registers (no h round trip, no zeroing, no atomics). Its TMA
+body (sm90+) gets pipelined loads; the pointer body does not. Otherwise shrink then expand.
 """
 
 from __future__ import annotations
@@ -34,10 +23,6 @@ from kernels.segment_tile import segment_row, segment_tile
 from kernels.platform import pdl_available
 from kernels.segments import LoRASegments, check_tile
 
-
-# The fused kernel runs when the (token, slice) programs cover the SMs FUSE_MIN_WAVES times over;
-# below, shrink (K split into planes of partial sums) + expand is faster (measured on the 8B projections).
-FUSE_MIN_WAVES = 1.5
 
 
 @triton.jit
@@ -100,14 +85,9 @@ def _lora_fused_tma_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
-    """_lora_fused_gemv_kernel with its weight loads through the copy engine: the compiler pipelines
-    descriptor loads STAGES deep in these loops, where it leaves plain pointer loads one tile at a
-    time (no shared-memory stages), so a program keeps several A tiles, then several B tiles, in
-    flight instead of one. y moves through plain loads and stores: a bulk store of a [1, BLOCK_N]
-    tile would wait for the previous one to leave shared memory at every step. Rows of A past
-    the slot's rank (and B's rank columns) are loaded and masked out in registers; column tiles never
-    cross a slice boundary (the launcher's BLOCK_N divides them; y's edge is masked, or clipped by
-    the copy engine)."""
+    """_lora_fused_gemv_kernel with weight loads through the copy engine, which the compiler pipelines
+    STAGES deep. y uses plain loads and stores (a bulk store would wait on the previous one each step).
+    Rank padding is masked in registers; column tiles never cross a slice boundary."""
     seg, m0, slot, rank, i, c_lo, c_hi = _fused_program(seg_len_ptr, seg_slot_ptr, rank_ptr, OUT, o1, o2,
                                                        cols_per_prog)
     if (c_lo >= c_hi) | (rank == 0):
@@ -135,18 +115,15 @@ def _lora_fused_tma_kernel(
         tl.store(y_row + cols, out, mask=cols < c_hi)
 
 
-# The TMA body's tiles (block_k, block_n, stages, warps): the best measured on the Llama-3.1-8B
-# projections at 256 tokens on 256 adapters.
+# The TMA body's tiles (block_k, block_n, stages, warps), tuned on Llama-3.1-8B projections.
 TMA_TILES = (256, 256, 4, 4)
 
 
 def tma_unfit_reason(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                      out_offsets: Sequence[int]) -> Optional[str]:
-    """None when the fused kernel's TMA body takes these operands, else why not: triton's host-side
-    descriptors; on CUDA an sm90+ GPU and bf16/fp16 (fp32 through descriptors gave garbage in
-    lora_gemm with triton 3.6); A and B contiguous with a power-of-two max rank whose row of B is a
-    multiple of 16 bytes; x and y row-major with rows on 16-byte boundaries; a column tile >= 16
-    dividing every slice boundary."""
+    """None when the fused kernel's TMA body takes these operands, else why not: platform_reason
+    (sm90+, bf16/fp16), contiguous A and B with a power-of-two max rank, 16-byte-aligned rows, and a
+    column tile >= 16 dividing every slice boundary."""
     reason = platform_reason(x.device, x.dtype)
     if reason is not None:
         return reason
@@ -171,22 +148,14 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tenso
                tma: Optional[bool] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * (x[t] @ A[slot(t), i, :r]ᵀ) @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, in place.
 
-    x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], all one dtype (fp32/bf16/fp16); segs,
-    slot_ranks, out_offsets, scalings as for lora_shrink / lora_expand. Returns y.
-    fused: one launch (needs every segment one token long); None = when it applies and pays.
-    Unfused: lora_shrink then lora_expand; for one-token segments the shrink's K splits go to planes
-    of partial sums that the expand adds (no memset, no atomics); split_k overrides the number of
-    splits (benchmarks).
-    block_k, block_n, cols_per_prog, num_warps, num_stages: fused-kernel overrides for benchmarks
-    (unfused with pdl, block_n is the expand's column block).
-    pdl (unfused only): the expand launched as a programmatic dependent of the shrink, loading its B
-    tiles while the shrink streams A (kernels/lora_expand.py); None = where the device has PDL.
-    True off such devices runs the same bodies in plain launches (how the CPU tests reach them).
-    tma (fused only): the kernel's body whose loads go through the copy engine (pipelined); None =
-    on CUDA where tma_unfit_reason allows, True = required (how the CPU tests reach it).
+    x [T, in], A [S, n, R, in], y [T, out], B [S, out, R], one dtype; segs, slot_ranks, out_offsets,
+    scalings as for lora_shrink / lora_expand. Returns y. fused: one launch (None = when every segment
+    is one token; whether it pays is appliance/lora/backend/policy.py's choice). split_k, block_*,
+    cols_per_prog, num_warps, num_stages: tile overrides. pdl (unfused) and tma (fused): None = where
+    the device supports it; True forces the same bodies, which is how the CPU tests reach them.
     """
     if fused is None:
-        fused = fuses(segs, A, x.device)
+        fused = segs.max_len == 1
     if not fused:
         if pdl is None:
             pdl = pdl_available(x.device)
@@ -267,9 +236,7 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
     block_k = min(block_k or d_bk, 256, max(16, triton.next_power_of_2(K)))
     block_n = block_n_for(offs, min(block_n or d_bn, 256, max(16, triton.next_power_of_2(widest))))
     check_tile(block_k=block_k, block_n=block_n)
-    # Whole slices: one program a (token, slice), streaming its A slice once, in 256-column steps. Where
-    # this body runs (>= FUSE_MIN_WAVES pairs an SM) column splits (more programs, each streaming A
-    # again) and 128-column steps measured slower.
+    # Whole slices per program (TMA body): column splits would stream A again.
     if cols_per_prog is None:
         cols_per_prog = triton.cdiv(widest, block_n) * block_n
     if cols_per_prog % block_n:
@@ -286,21 +253,6 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
         GATHER=segs.token_index is not None, HAS_SCALE=scalings is not None, num_warps=num_warps or d_w,
     )
     return y
-
-
-def fuses(segs: LoRASegments, A: torch.Tensor, device: torch.device) -> bool:
-    """Whether lora_apply (fused=None) takes the one-launch kernel for this step: one-token segments whose
-    (token, slice) pairs fill the SMs (see _fuse_pays); else it runs lora_shrink then lora_expand."""
-    return segs.max_len == 1 and _fuse_pays(segs.num_segs * A.shape[1], device)
-
-
-def _fuse_pays(pairs: int, device: torch.device) -> bool:
-    """Fuse only when the (token, slice) programs cover every SM FUSE_MIN_WAVES times over: with fewer,
-    one program streams a whole A slice alone, where shrink + expand's K splits spread A over many
-    programs."""
-    if device.type != "cuda":
-        return True  # interpreter: the fused path is the one the CPU tests exercise
-    return pairs >= FUSE_MIN_WAVES * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _auto_cols_per_prog(programs: int, widest: int, block_n: int, device: torch.device) -> int:

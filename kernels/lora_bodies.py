@@ -5,14 +5,10 @@
     rank_tile(ptrs, row_mask, ...) -> tile   [ROWS, BLOCK_R] of B or h, 0 past the rank   every body
     plane_sum(ptrs, row_mask, ...) -> tile   [ROWS, BLOCK_R] h: the shrink's K-split planes summed   tile bodies
 
-Callers: lora_shrink and lora_expand for one-token segments (BLOCK_M = 1), and lora_apply's fused
-kernel (both). One body per loop, so a tuning or rounding fix lands in every kernel at once.
-
-The GEMV bodies read the weights in their own layout (A: [BLOCK_N, BLOCK_K] tiles, K contiguous;
-B: [BLOCK_N, BLOCK_R] tiles, R contiguous) and reduce in fp32 registers: a one-token tl.dot would
-leave 15/16 of the tensor-core tile empty. Rank padding is read at most up to the next multiple of
-8 and set to 0 in registers before use (rank_tile), so NaN or garbage there cannot leak. The scale is
-folded into h by the caller.
+Shared by lora_shrink, lora_expand (BLOCK_M = 1) and lora_apply's fused kernel, so a tuning or
+rounding fix lands everywhere at once. The GEMV bodies read weights in their own layout and reduce in
+fp32 registers (a one-token tl.dot would leave the tensor-core tile mostly empty). The caller folds
+the scale into h.
 """
 
 from __future__ import annotations
@@ -23,17 +19,11 @@ import triton.language as tl
 
 @triton.jit
 def rank_tile(ptrs, row_mask, offs_r, rank, R8: tl.constexpr, CACHE: tl.constexpr):
-    """[ROWS, BLOCK_R] of B or of h, whose dim 1 (contiguous) is the rank (offs_r = arange(BLOCK_R)):
-    rows where row_mask, columns from `rank` on 0.
+    """[ROWS, BLOCK_R] of B or h (rank contiguous): rows where row_mask, columns from `rank` on 0.
 
-    Loaded up to the rank rounded up to a multiple of 8 where the buffers' max rank R is one (R8),
-    else up to the rank, then zeroed from the rank on: a mask constant over runs of 8 elements lets
-    the compiler issue 16-byte (bf16) loads, where a mask at the exact rank split every row of B into
-    2-byte loads, each its own request (an ahead-of-time sm90 compile: ld.global.b16 per element).
-    The padding may hold anything (NaN in B's, garbage in the shrink's h). CACHE: tl.load's
-    cache_modifier ("" for none), passed by every caller: triton 3.6 does not make a jit helper's
-    default argument a constexpr (a default "" failed to compile there, "'str' object has no
-    attribute 'type'", where triton 3.9's interpreter took it)."""
+    Loaded up to the rank rounded to 8 when R8, so the constant mask allows 16-byte loads; padding may
+    hold NaN and is zeroed in registers. CACHE is passed by every caller: some tritons do not make a
+    jit helper's default argument a constexpr."""
     if R8:
         cols = offs_r < tl.cdiv(rank, 8) * 8
     else:
@@ -45,14 +35,9 @@ def rank_tile(ptrs, row_mask, offs_r, rank, R8: tl.constexpr, CACHE: tl.constexp
 @triton.jit
 def plane_sum(ptrs, row_mask, offs_r, rank, n_parts, stride_hp, ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
               R8: tl.constexpr, UNROLL: tl.constexpr):
-    """sum over p < n_parts of rank_tile(ptrs + p * stride_hp, ...): the shrink's K-split planes of h
-    [ROWS, BLOCK_R], added in plane order (every kernel that reads planes adds them in that order, so
-    their roundings agree). UNROLL > 0 (>= n_parts): UNROLL masked loads unrolled, all issued before the
-    first add, where a loop over n_parts pays one memory round trip per plane before the tile's first B
-    step (the decode graphs' sorted chunks put up to 6 planes ahead of each program). A plane past
-    n_parts loads nothing and adds +0.0, which
-    leaves every sum as it was (it starts at +0.0). UNROLL = 0: the loop (tall prefill tiles, whose
-    UNROLL masked tiles would hold too many registers, and any plane count)."""
+    """sum over p < n_parts of rank_tile(ptrs + p * stride_hp, ...), in plane order so every reader's
+    rounding agrees. UNROLL > 0 (>= n_parts): all loads issued before the first add; planes past
+    n_parts add +0.0, a no-op. UNROLL = 0: a loop (tall tiles would hold too many registers unrolled)."""
     acc = tl.zeros((ROWS, BLOCK_R), dtype=tl.float32)
     if UNROLL > 0:
         for p in tl.static_range(UNROLL):
@@ -69,10 +54,8 @@ def gemv_shrink(x_row_ptr, a_rows, row_mask, k_lo, k_hi, stride_xk, stride_ak,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """sum_k x[k] * A[n, k] over k_lo <= k < k_hi for the BLOCK_N rows a_rows (masked by row_mask).
 
-    Products are summed elementwise in a [BLOCK_N, BLOCK_K] fp32 tile and reduced over K once at the
-    end (no cross-thread reduction inside the loop). Double-buffering this loop (and gemv_expand's)
-    by hand, tile k+1 loaded before tile k's products, measured much slower: the compiler pipelines
-    these loads itself (num_stages)."""
+    Summed elementwise in fp32 and reduced over K once at the end; do not double-buffer by hand,
+    the compiler pipelines these loads itself (num_stages)."""
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -89,9 +72,7 @@ def gemv_expand(y_row_ptr, b_ptr, hv, offs_r, rank, c_lo, c_hi, stride_yo, strid
                 BLOCK_N: tl.constexpr, WRITE: tl.constexpr, R8: tl.constexpr):
     """y[c] (+)= sum_r B[c, r] * hv[r] for c_lo <= c < c_hi, BLOCK_N columns a step.
 
-    b_ptr: B of the slot; hv [BLOCK_R] fp32 (scale folded in, 0 beyond the rank); rank, R8: as
-    rank_tile's; WRITE: y is only
-    written (no read), else read, added in fp32, written back. c_lo >= c_hi: nothing."""
+    hv [BLOCK_R] fp32, scale folded in, 0 beyond the rank; WRITE: y is only written, never read."""
     for c0 in range(c_lo, c_hi, BLOCK_N):
         offs_c = c0 + tl.arange(0, BLOCK_N)
         c_mask = offs_c < c_hi

@@ -2,29 +2,13 @@
 
     y[t, o_i + c] += scale[slot(t)] * sum_{j < rank[slot(t)]} h[t, i*R + j] * B[slot(t), o_i + c, j]
 
-for every slice i of the fused output (columns o_i:o_{i+1}), adapter tokens t, in place, one launch.
-A program owns BLOCK_M rows of one segment and a range of output columns, which it walks slice by
-slice in BLOCK_N-wide steps: h of that slice stays in registers, and each step streams one B tile
-and one y tile (read, add, write), so the loop is software-pipelined and a program keeps several
-tiles in flight instead of one. The whole rank (<= 64) is one tile; columns j >= rank of the slot
-are masked, so padding up to max_lora_rank is never read. Base tokens have no segment
-(kernels/segments.py): their rows of y are not touched.
+for every slice i (columns o_i:o_{i+1}) and adapter token t, in place, one launch. A program owns
+BLOCK_M rows of one segment and a column range, walked slice by slice with h in registers so the B/y
+loop pipelines; rank padding and base tokens' rows are never touched. BLOCK_M = 1 is a GEMV body
+(kernels/lora_bodies.py), BLOCK_M >= 16 uses tl.dot.
 
-Two bodies, picked by BLOCK_M:
-- BLOCK_M = 1 (every segment one token: decode with distinct adapters): a batched GEMV. B is loaded
-  as [BLOCK_N, R] tiles in its own layout (R contiguous), multiplied by h's row and reduced over R in
-  registers; no tensor-core tile 15/16 empty and no layout shuffle through shared memory. The loop is
-  kernels/lora_bodies.py's gemv_expand, shared with lora_apply's fused kernel.
-- BLOCK_M >= 16: tl.dot of h [BLOCK_M, R] with B [R, BLOCK_N] on the tensor cores.
-
-pdl=True: launched as a programmatic dependent (PDL, sm90+) of the kernel before it, lora_shrink,
-which lets it start as soon as every shrink program runs. A program then does all it can before
-waiting for the shrink's h (`griddepcontrol.wait`): for one-token segments a separate body,
-_lora_expand_gemv_kernel, takes one BLOCK_N-column block of one token per program and loads its
-whole B tile [BLOCK_N, R] before the wait, so the B half of the adapter bytes streams while the
-shrink still streams A, in one overlapped pass instead of two launches one after the other. Only
-B, the segment metadata and the scalings are read before the wait: the kernel right before must
-not write them (lora_shrink does not). Without PDL on the device the same bodies run in a plain launch.
+pdl=True launches it as a programmatic dependent of lora_shrink: it reads only B, the segment
+metadata and the scalings before `griddepcontrol.wait`, so the kernel before must not write those.
 """
 
 from __future__ import annotations
@@ -205,24 +189,13 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
                 unroll: Optional[int] = None) -> torch.Tensor:
     """y[t, o_i:o_{i+1}] += scale[slot(t)] * h[t, i, :r] @ B[slot(t), o_i:o_{i+1}, :r]ᵀ, every slice i, in place.
 
-    y [T, out] fp32/bf16/fp16 (row stride free, unit column stride); h [T, n, R] fp32 from lora_shrink,
-    or [P, T, n, R] (its partials=True planes, summed here); B [S, out, R] in y's dtype; segs over the
-    adapter tokens; slot_ranks [S] int32 (r above); out_offsets [n + 1] host ints, 0 .. out, n <= 3;
-    scalings [S] fp32 or None (= 1: the engine folds each module's alpha/r into B, since
-    rank_pattern/alpha_pattern make it per module, not per slot). Returns y.
-    write=False: rows of tokens outside every segment are left exactly as they were.
-    write=True: y is only written, never read: y[t] = the delta for adapter tokens (0 for an empty
-    slot), y[t] = 0 for the base tokens listed in segs.base_rows; a base GEMM then accumulates into
-    it (kernels/lora_linear.py). Every row of y must be an adapter or a listed base token.
-    block_m (1 = the GEMV body, else a power of two >= 16), block_n, num_warps, cols_per_prog (a
-    multiple of block_n), num_stages: tile overrides for benchmarks (None = the launcher's choice).
-    pdl: launched as a programmatic dependent of the kernel just before it (lora_shrink; see the
-    module docstring): B, segs and scalings must not be written by that kernel. One-token segments in
-    add mode then take _lora_expand_gemv_kernel (one block_n-column block a program, B loaded before
-    the wait; cols_per_prog ignored) up to B_FIRST_MAX_OUT output columns, wider outputs the
-    column-loop body, all of it after the wait. Off the devices with PDL the same
-    bodies run in a plain launch. unroll: the tile body's plane_sum UNROLL (None = planes_unroll; a
-    benchmark's A/B; the one-token body ignores it).
+    y [T, out] (unit column stride); h [T, n, R] fp32, or [P, T, n, R] planes summed here; B [S, out, R]
+    in y's dtype; slot_ranks [S] int32; out_offsets [n + 1] host ints, n <= 3; scalings [S] fp32 or
+    None (the engine folds alpha/r into B, since it is per module). Returns y.
+    write=False leaves rows outside every segment as they were; write=True never reads y: adapter rows
+    get the delta, segs.base_rows get 0, and every row must be one or the other (kernels/lora_linear.py).
+    block_m, block_n, num_warps, cols_per_prog, num_stages, unroll: tile overrides (None = launcher's).
+    pdl: see the module docstring; the kernel before must not write B, segs or scalings.
     """
     if y.dim() != 2 or h.dim() not in (3, 4) or B.dim() != 3:
         raise ValueError(f"lora_expand: y must be [T, out], h [T, n, R] or [P, T, n, R], B [S, out, R]; got "
@@ -297,19 +270,15 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs: LoRASeg
 
 
 def planes_unroll(n_parts: int, block_m: int) -> int:
-    """plane_sum's UNROLL for a tile body (kernels/lora_bodies.py): unrolled up to MAX_PLANES planes
-    for tiles of 16 rows (the decode graphs' sorted chunks), a loop for taller tiles or more planes.
-    One value per row-tile class, so a step's plane count never compiles a new variant. (The one-token
-    bodies keep their loop: the same unroll made them up to 2x slower.)"""
+    """plane_sum's UNROLL for a tile body: unrolled for 16-row tiles (the decode graphs' sorted chunks),
+    a loop otherwise; one value per row-tile class so the plane count never compiles a new variant."""
     return MAX_PLANES if (n_parts <= MAX_PLANES and 1 < block_m <= 16) else 0
 
 
-# The PDL GEMV body (B first) up to this many output columns; wider (gate_up_proj), the column loop
-# after the wait: thousands of one-block programs would each pay the wait and a launch slot.
+# Wider outputs use the column loop after the wait: one-block programs would each pay the wait and a launch.
 B_FIRST_MAX_OUT = 16384
 
-# Output columns per program of the PDL GEMV body: its whole B tile [BLOCK_N, R] is loaded before the
-# wait, so it is held in registers (512 x 16 bf16: 64 values a thread at 4 warps).
+# Columns per program of the PDL GEMV body; its whole B tile is held in registers across the wait.
 PDL_BLOCK_N = 512
 
 
@@ -348,7 +317,7 @@ def _auto_cols_per_prog(programs_m: int, OUT: int, block_n: int, block_m: int, d
         return n_steps * block_n  # interpreter: fewest programs (each costs host time)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if block_m == 1:
-        # 4 steps of 256 columns a program measured faster than 1 or 2.
+        # tuned: a few column steps a program beat one or two
         splits = max(triton.cdiv(n_steps, 4), triton.cdiv(8 * sms, programs_m))
     else:
         splits = triton.cdiv(4 * sms, programs_m)

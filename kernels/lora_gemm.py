@@ -3,39 +3,11 @@
     y[t, c] = x[t] @ W[c]ᵀ + scale[slot(t)] * h[t, i(c)*R : i(c)*R + r] @ B[slot(t), c, :r]ᵀ
     h[t, i*R + j] = x[t] @ A[slot(t), i, j]ᵀ  (j < r)
 
-where i(c) is the slice of output column c (qkv: 3, gate_up: 2), r = rank[slot(t)] and slot(t) =
-row_slots[t] (-1: base token, no delta). One launch: y is written once, and h is computed inside it.
-
-Why: lora_linear's cuBLAS order (shrink, write the delta into y, then cuBLAS accumulates x @ Wᵀ into
-it) moves y through HBM once more than the GEMM alone and reads x in a kernel of its own, which at
-4096-token steps costs more than the LoRA target of 10 % of the GEMM. Here the delta costs the epilogue a [BLOCK_M, R] load of h
-and an [R, BLOCK_N] load of B per adapter among the tile's rows (tiny, L2-resident) and one rank-R
-tensor-core product into the accumulator; h costs one extra K loop per row tile, run beside the
-compute-bound GEMM tiles of other SMs, where HBM has bandwidth to spare.
-
-Grid: [BLOCK_M, BLOCK_N] tiles of y, row tiles grouped GROUP_M at a time so W tiles are re-read from
-L2, columns sweeping within a group (column tile 0 of every row tile of a group comes first).
-- Column tile 0 of a row tile first runs the *shrink*: h for its BLOCK_M rows, one K loop per distinct
-  adapter among them (usually one: prefill rows come in long segments), in wide K steps through the
-  copy engine (one SM streams the rows' x alone there, so its speed is the bytes it keeps in flight);
-  it stores h and raises the row tile's flag (release), then runs its own GEMM tile.
-- Every tile runs its K loop (x and W tiles through the copy engine, num_stages deep), then, if any of
-  its rows has an adapter, waits for the row tile's flag (acquire) and adds the delta: a tile started
-  with the shrink's tile finds h ready after its own main loop in the measured shapes.
-- No deadlock: a tile waits only on a tile earlier in the order, which never waits before it raises
-  its flag; and a wait is bounded (SPIN_LIMIT polls, far longer than a tile takes), after which the
-  tile computes its row tile's h itself (the same code on the same tiles: the same bits). One tile a
-  program, taken by block index: CUDA dispatches blocks in index order in practice but does not
-  promise it, and the bound covers the case where it does not. Persistent grid (outputs wider than
-  PERSISTENT_MIN_OUT): each program walks its tiles in order.
-- Mode h given (A None, h from lora_shrink, planes summed): no shrink, no flags (benchmarks, tests).
-
-The tile's columns lie in one slice: the launcher picks BLOCK_N dividing every slice boundary. x, W
-and y move through the copy engine (TMA descriptors: rows on 16-byte boundaries, see unfit_reason).
-
-Rounding: h is rounded to the weights' dtype (with the slot's scale folded in first when scalings
-are given; the engine folds scales into B), its product with B is accumulated in fp32 into the
-base product's fp32 accumulator, and the sum is rounded once.
+i(c) is output column c's slice, r = rank[slot(t)], slot(t) = row_slots[t] (-1: base, no delta). One
+launch writes y once: given A, column tile 0 of each row tile computes h first and raises a flag, and
+every tile adds the delta after its own K loop once that flag is up (given h, no flags). A wait is
+bounded (SPIN_LIMIT), then the tile computes h itself with the same bits: no deadlock on any block order.
+Design and figures: docs/architecture.md "LoRA kernels", docs/performance.md.
 """
 
 from __future__ import annotations
@@ -59,15 +31,9 @@ _NO_SLOT = tl.constexpr(2**31 - 1)  # "no slot left" in the epilogue's walk over
 def lora_epilogue(acc, slots, offs_m, offs_n, c0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, rank_ptr, stride_hp,
                   stride_hm, stride_bs, stride_bn, n_parts, w_ty: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_R: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 (rows offs_m with slots `slots`, columns offs_n < N from c0, all in
-    one slice) plus the delta of every adapter among the rows: one rank-R tensor-core product per
-    distinct slot.
-
-    The slot's rank, B's [BLOCK_N, R] tile and h (all R columns, every row of the tile) are loaded
-    together, h before the rank is known, so the delta costs one memory round trip after the K loop
-    instead of a chain (rank, then h and B under its masks); the masks are applied in registers (rank
-    padding, and other slots' and base rows' h, may hold anything); measured faster than the chain,
-    the same bits."""
+    """acc [BLOCK_M, BLOCK_N] fp32 (rows offs_m with slots `slots`, columns offs_n from c0, in one slice)
+    plus every adapter's delta among the rows: one rank-R tensor-core product per distinct slot.
+    Rank, B and h load together and are masked in registers, so padding may hold anything."""
     sl = (c0 >= o1).to(tl.int32) + (c0 >= o2).to(tl.int32)  # the tile's slice
     offs_r = tl.arange(0, BLOCK_R)
     r_cols = (offs_r < R)[None, :]
@@ -112,10 +78,7 @@ def _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_
                  BLOCK_M: tl.constexpr, BLOCK_KS: tl.constexpr, BLOCK_NR: tl.constexpr,
                  SHRINK_STAGES: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """h [BLOCK_M rows from m0, all n*R columns] for every adapter among the rows: one K loop each.
-    One SM streams the rows' x alone here, so its speed is the bytes it keeps in flight: wide
-    [BLOCK_M, BLOCK_KS] steps through the copy engine. A's rows come as one [BLOCK_NR, BLOCK_KS] block
-    from the slot's first row: rows past its n*R (the next slot's, or zero fill) and its rank padding
-    land in h columns that are never stored."""
+    A's rows load as one block from the slot's first row; rows past its n*R or rank land in unstored columns."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, BLOCK_NR)  # column j = i*R + rank row of slice i
     cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT))
@@ -144,11 +107,8 @@ def _wait_h(flag, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride
     while (tl.atomic_add(flag, 0, sem="acquire", scope="gpu") == 0) & (spins < SPIN_LIMIT):
         spins += 1
     if spins >= SPIN_LIMIT:
-        # Column tile 0 has not raised the flag in SPIN_LIMIT polls (far longer than a tile
-        # takes): it may not have started (the block index order is what CUDA usually
-        # dispatches in, not what it promises). Compute the row tile's h here:
-        # the same code on the same tiles, so the same bits, and a second store of them is
-        # harmless. No tile can wait forever.
+        # Column tile 0 may not have started (block order is usual, not promised): compute h here,
+        # same code and bits, so the second store is harmless and no tile waits forever.
         _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
                      BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST)
         tl.debug_barrier()  # this program's h stores before its own epilogue reads them
@@ -189,8 +149,7 @@ def _lora_gemm_kernel(
         slots = tl.load(row_slot_ptr + offs_m, mask=offs_m < M, other=-1)
         if FUSED_SHRINK:
             if pid_n == 0:
-                # The row tile's first column tile computes its h first, then its own GEMM tile: the
-                # other column tiles of these rows run their main loops meanwhile and find h ready.
+                # h first, so the row tile's other column tiles find it ready after their main loops.
                 _shrink_tile(xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
                              BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST)
                 tl.debug_barrier()  # every thread's h stores before the release below
@@ -209,8 +168,7 @@ def _lora_gemm_kernel(
             if FUSED_SHRINK:  # wait for the row tile's h (column tile 0 came first)
                 _wait_h(flag_ptr + pid_m, xs_desc, as_desc, h_ptr, rank_ptr, slots, m0, K, R, NR, stride_hm,
                         BLOCK_M, BLOCK_KS, BLOCK_NR, SHRINK_STAGES, PRECISION, UPCAST, SPIN_LIMIT)
-            # (B's loads issued before the wait held their registers across the wait's way out, the
-            # shrink: qkv_proj spilled)
+            # B loads after the wait: issued before it, they held registers across the fallback shrink (spills).
             acc = lora_epilogue(acc, slots, offs_m, offs_n, n0, M, o1, o2, R, h_ptr, b_ptr, scale_ptr, rank_ptr,
                                 stride_hp, stride_hm, stride_bs, stride_bn, n_parts, w_desc.dtype, BLOCK_M,
                                 BLOCK_R, HAS_SCALE, PRECISION, UPCAST)
@@ -232,20 +190,17 @@ class GemmTiles:
     shrink_stages: Optional[int] = None  # its pipeline depth; None = 4 where A's block is <= 32 rows, else 3
 
 
-# The best or within noise of the best of 16 configs on the Llama-3.1-8B projections (bf16). The
-# shrink's wide K step matters most: one SM streams a row tile's x there, at the bytes it keeps in
-# flight. CPU (interpreter) runs use small tiles: the tests only need the math.
+# Tiled for Llama-3.1-8B bf16 projections (docs/performance.md); the interpreter needs only the math.
 DEFAULT_TILES = GemmTiles(128, 256, 64, num_warps=8, num_stages=3, block_ks=128)
 _CPU_TILES = GemmTiles(32, 32, 32, num_warps=4, num_stages=1, group_m=2, persistent=False, shrink_stages=1)
-# A persistent grid paid only for gate_up_proj (28672 columns); narrower outputs lost on it.
+# A persistent grid paid only for the widest outputs (gate_up_proj).
 PERSISTENT_MIN_OUT = 16384
 # Polls of a row tile's flag before a tile computes that row tile's h itself (see the kernel's wait).
 SPIN_LIMIT = 20000
 
 
 def group_m_for(num_pid_n: int, persistent: bool) -> int:
-    """Row tiles grouped to sweep the columns together: 16 for 24+ column tiles (qkv_proj), else 8
-    (o_proj, down_proj, and the persistent grid), the best measured one tile a program."""
+    """Row tiles grouped to sweep the columns together: more for wide column grids (tuned, one tile a program)."""
     return 16 if num_pid_n >= 24 and not persistent else 8
 
 
@@ -279,8 +234,7 @@ def platform_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
         if torch.cuda.get_device_capability(device)[0] < 9:
             return f"{torch.cuda.get_device_name(device)} has no TMA copy engine (sm90+ needed)"
         if dtype == torch.float32:
-            # triton 3.6: fp32 operands through this kernel gave NaN and garbage where bf16/fp16 on the
-            # same layouts matched fp64 torch; the interpreter's fp32 is exact.
+            # fp32 operands through this kernel gave NaN where bf16/fp16 matched torch.
             return "fp32 on CUDA is not supported (bf16/fp16 only)"
     return None
 
@@ -364,8 +318,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     num_tiles = num_pid_m * triton.cdiv(N, block_n)
     if persistent and fused and platform.interpreter_active():
         persistent = False  # the interpreter runs programs one after another: a wait would never end
-    # NUM_PROGS is a compile-time constant: 1 off the persistent grid (unused there), so the token count
-    # does not pick a new variant (a compile in the middle of serving) for every 128 rows.
+    # NUM_PROGS is constant off the persistent grid so token counts do not compile new variants mid-serving.
     progs, grid = 1, num_tiles
     if persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.device.type == "cuda" else 4

@@ -2,20 +2,10 @@
 
     h[t, i*R + j] = x[t] · A[slot(t), i, j]    for j < rank[slot(t)], every slice i, adapter tokens t
 
-A[s] [n, R, in] is read as one [n*R, in] matrix, so one tile of output columns covers every slice
-(qkv: 3, gate_up: 2) and x is read once per tile, not once per slice. Columns j >= rank of the slot
-are masked: their A rows are never loaded (no traffic for padding up to max_lora_rank) and their h
-entries are never written. Base tokens have no segment (kernels/segments.py) and cost nothing.
-
-Grid: (segment x BLOCK_M tile, column tile, K split). Two bodies, picked by BLOCK_M:
-- BLOCK_M = 1 (every segment one token: decode with distinct adapters): a batched GEMV. A is read
-  in its own layout ([BLOCK_N, BLOCK_K] tiles, K contiguous), products are summed elementwise in
-  fp32 and reduced over K once at the end: no tensor-core tile 15/16 empty. The loop is
-  kernels/lora_bodies.py's gemv_shrink, shared with lora_apply's fused kernel.
-- BLOCK_M >= 16: tl.dot tiles on the tensor cores.
-Decode steps have few rows and a long K, so when the grid is small the launcher splits K across
-programs that add their fp32 partial sums atomically (h is zeroed first); prefill steps have enough
-tiles and store directly.
+A[s] [n, R, in] is read as one [n*R, in] matrix, so x is read once per tile, not once per slice.
+Rank padding is never loaded nor written, and base tokens (no segment) cost nothing. BLOCK_M = 1 is
+a GEMV body (kernels/lora_bodies.py), BLOCK_M >= 16 uses tl.dot. Small grids split K: fp32 atomics
+into a zeroed h, or (partials) one plane of partial sums per split that lora_expand adds.
 """
 
 from __future__ import annotations
@@ -115,18 +105,11 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
                 launch_dependents: bool = False) -> torch.Tensor:
     """h[t, i, :r] = x[t] @ A[slot(t), i, :r]ᵀ for every slice i, r = slot_ranks[slot(t)].
 
-    x [T, in] fp32/bf16/fp16; A [S, n, R, in] same dtype, contiguous; segs: segments over the
-    adapter tokens (kernels/segments.py); slot_ranks [S] int32; out: optional [T, n, R] fp32.
-    Returns h [T, n, R] fp32. Only h[t, i, :rank] of adapter tokens is written: rows of base
-    tokens and rank padding hold whatever `out` held (garbage when allocated here); lora_expand
-    never reads them. split_k: programs along K (None = chosen from the grid size; >1 zeroes h).
-    block_m (1 = the GEMV body, else a power of two >= 16), block_k, num_warps, block_n,
-    num_stages: tile overrides for benchmarks (None = the launcher's choice).
-    partials: the K splits store their fp32 partial sums in planes of their own instead of adding
-    them atomically: out is [P, T, n, R] (P = split_k; sum over P = h), no zeroing, no atomics;
-    lora_expand sums the planes as it loads h. Every plane of an adapter token's h[:rank] is written.
-    launch_dependents: let the next kernel, launched as a programmatic dependent (lora_expand with
-    pdl=True), start as soon as every program of this one has (sm90+; else nothing changes).
+    x [T, in]; A [S, n, R, in] same dtype, contiguous; slot_ranks [S] int32; out: optional [T, n, R]
+    fp32. Returns h [T, n, R] fp32; only adapter tokens' h[t, i, :rank] is written (lora_expand reads
+    nothing else). split_k: None = from the grid size (>1 zeroes h). block_m, block_k, num_warps,
+    block_n, num_stages: tile overrides. partials: splits store planes [P, T, n, R] instead of atomics.
+    launch_dependents: let a PDL dependent (lora_expand pdl=True) start early (sm90+; else a no-op).
     """
     if x.dim() != 2 or A.dim() != 4:
         raise ValueError(f"lora_shrink: x must be [T, in] and A [S, n, R, in], got {tuple(x.shape)}, {tuple(A.shape)}")
@@ -150,23 +133,20 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
     if block_m is None:
         # One-token segments: the GEMV body. Else tensor-core tiles as tall as the segments allow.
         ml = segs.max_len
-        # A 256-token segment of one adapter (decode merged by the triton strategy) is bound by its
-        # few programs, so short tiles there; 128-row tiles (8 warps) for long prefills only.
+        # merged decode segments are bound by their few programs: short tiles; 128-row tiles for long prefills only
         block_m = 1 if ml == 1 else (16 if ml <= 16 else (32 if ml <= 256 else (64 if ml <= 512 else 128)))
         if not partials and split_k is None and x.device.type == "cuda":
             block_m = _unsplit_block_m(block_m, G, ml, N, torch.cuda.get_device_properties(x.device).multi_processor_count)
     if block_n is None:
-        # GEMV: one rank block per program (R contiguous rows of A, x re-read from L2 per block);
-        # tensor-core tiles: one column tile covers every slice's rank rows (n*R = 48 for qkv at
-        # rank 16), so x is read once.
+        # GEMV: one rank block per program; tensor-core tiles: one column tile covers every slice, x read once.
         block_n = max(16, triton.next_power_of_2(R)) if block_m == 1 else 64
     block_n = min(block_n, max(16, triton.next_power_of_2(N)))
     if block_k is None:
-        # [16, 512] GEMV tiles; 64-wide K steps for prefill tiles, 128 for decode tiles: the best measured.
+        # tuned K steps (docs/performance.md)
         if block_m == 1:
             block_k = max(16, 8192 // block_n)  # [BLOCK_N, BLOCK_K] fp32 partial sums: 64 per thread
         else:
-            # 128-wide K steps for 128-row prefill tiles (measured faster for long prefills)
+            # wider K steps for 128-row prefill tiles and short segments (tuned)
             block_k = 128 if (segs.max_len <= 16 or block_m >= 128) else 64
         block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     if num_warps is None:
@@ -213,20 +193,16 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, segs: LoRASegments, slot_ranks
 
 
 def _plane_count(split_k: int, K: int, sorted_decode: bool) -> int:
-    """Planes of a partials=True shrink whose launcher split K split_k ways: at most MAX_PLANES, and on
-    the decode graphs' slot-sorted chunks (segs.static_sorted, 16-row tiles) a split program covers
-    at most DECODE_K_PER_SPLIT of K (down_proj's K 14336 in 14 planes: its shrink is faster, and the
-    expand summing more planes costs little). Prefill-shaped steps keep the grid rule."""
+    """Planes of a partials=True shrink split split_k ways: at most MAX_PLANES; on the decode graphs'
+    sorted chunks at most DECODE_K_PER_SPLIT of K per plane (summing planes costs the expand little)."""
     if split_k > 1 and sorted_decode:
         split_k = max(split_k, triton.cdiv(K, DECODE_K_PER_SPLIT))
     return min(split_k, MAX_PLANES)
 
 
 def _unsplit_block_m(block_m: int, num_segs: int, max_len: int, N: int, sms: int) -> int:
-    """Row-tile height for a shrink whose K splits would add atomically (zeroed h, fp32 atomics): halve
-    128- and 64-row tiles while their grid is too small to run unsplit (see _auto_split_k), so that
-    more, shorter tiles fill the SMs instead (gate_up_proj at 4096 tokens: about 2x faster). (Splits
-    into planes are cheap: o_proj and down_proj at 4096 tokens are fastest as 128-row tiles in planes.)"""
+    """Row-tile height for a shrink whose K splits would add atomically: halve tall tiles while their
+    grid is too small to run unsplit (_auto_split_k), so more, shorter tiles fill the SMs instead."""
     block_n = min(64, max(16, triton.next_power_of_2(N)))  # the tensor-core tiles' column block
     while block_m > 32 and num_segs * triton.cdiv(max_len, block_m) * triton.cdiv(N, block_n) < _unsplit_floor(
             block_m, sms):
@@ -241,9 +217,8 @@ def _unsplit_floor(block_m: int, sms: int) -> int:
 
 def _auto_split_k(grid_mn: int, K: int, block_k: int, block_m: int, device: torch.device) -> int:
     """Split K only where the grid is too small to keep every SM streaming A, with >= 2 K blocks per
-    program. The split costs a memset and fp32 atomics into h, so prefill
-    tiles split only when fewer than a quarter of the SMs would have a program (at 16k tokens the
-    auto split of 2 made qkv's shrink 2x slower); decode tiles below ~2 programs per SM."""
+    program: a split costs a memset and fp32 atomics, so prefill tiles split only below a quarter of
+    the SMs, decode tiles below ~2 programs per SM."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -3,17 +3,10 @@
     out[b, h] = softmax(scale * q[b, h] · K[b, :L_b, h // G]ᵀ) @ V[b, :L_b, h // G],   L_b = context_lens[b]
 
 where K[b, p] = k_cache[block_tables[b, p // BS], p % BS] and G = query heads per KV head. A program
-takes one sequence, one KV head and one split of its context: it loads the G query heads that share
-that KV head once, then streams the K/V tiles exactly once for all of them (online softmax in fp32).
-The context length is read on the device and bounds the loop, so no host integer depends on the step's
-lengths: the same launch is valid for every replay of a captured CUDA graph.
-
-Split-K (flash-decoding): with few sequences (batch x KV heads below the SM count) each context is cut
-into `num_splits` parts whose partial (max, sum, acc) go to fp32 buffers, then a small torch combine
-merges them. num_splits is the caller's host int; the runner derives it from the batch size and a
-length bound (for a CUDA graph a fixed one, never the step's lengths). The count is the grid's third
-axis, not a compile-time constant: one compiled kernel for split and one for unsplit serve every count,
-so an eager step with a longer context than any before pays no new compile.
+takes one sequence, one KV head and one split of its context, streaming K/V once for its G query heads
+(online softmax in fp32). Lengths are read on the device, so one launch serves every CUDA-graph replay.
+With few sequences each context is cut into `num_splits` parts (flash-decoding) merged by a torch
+combine; the count is a grid axis, not a constexpr, so a longer context never compiles a new kernel.
 """
 
 from __future__ import annotations

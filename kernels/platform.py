@@ -1,8 +1,6 @@
 """Where the Triton kernels can run: a CUDA device, or the CPU under Triton's interpreter.
 
-The interpreter is switched on by TRITON_INTERPRET=1 before triton is imported; we read triton's own
-view of it (triton.knobs, falling back to the variable on triton versions without knobs) so the
-answer matches what a launch will actually do.
+We ask triton's own knobs (else TRITON_INTERPRET) so the answer matches what a launch will do.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
     s = x + residual (rounded to x's dtype),   out = weight * (s / sqrt(mean(s²) + eps))
 
-A program takes one token row: it loads x (and the residual), stores s (the new residual stream)
-and out, so the row crosses memory once instead of the ~8 kernels (add, fp32 cast, square, mean,
-rsqrt, multiply, cast, scale) of the torch ops. Rounding follows the torch path exactly (the
-twin, kernels/reference.py): the add rounds to the model dtype, the rms is taken in fp32 from the
-rounded sum, the normalised row is rounded to the dtype before the product with the weight.
+A program takes one token row and stores s (the new residual stream) and out, one pass instead of the
+torch ops' many kernels. Rounding follows the torch twin exactly: the add rounds to the model dtype,
+the rms is fp32 of the rounded sum, the normalised row is rounded before the weight product.
 Without a residual (the first layer's input norm) only out is written and s is x.
 """
 
@@ -92,11 +90,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if T == 0:
         return out, s
     block = triton.next_power_of_2(H)
-    # ~8 to 16 elements per thread: 4096-wide rows at batch 64 are launch-bound either way.
+    # ~8 to 16 elements per thread
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     r = residual if residual is not None else x
-    # A programmatic dependent of the GEMM before it: its launch and the block scheduling overlap that
-    # GEMM's drain instead of following it (the decode step is ~370 short kernels; the gaps add up).
+    # A PDL dependent of the GEMM before it: its launch overlaps that GEMM's drain (decode is many short kernels).
     pdl = pdl_available(x.device)
     _rms_norm_kernel[(T,)](
         x, r, weight, out, s, H, eps,

@@ -2,15 +2,9 @@
 
     q, k = rope(q, pos), rope(k, pos)  (in place in qkv);   k_cache[slot] = k,  v_cache[slot] = v
 
-for every token of the step, rotate-half convention (HF Llama), computed in fp32 and rounded to the
-model dtype. A program takes one token: it reads its position and slot, gathers the cos/sin row of
-that position, rotates all its query and KV heads as [heads, d/2] tiles and stores k and v in the
-cache slot. One launch replaces the torch path's ~14 per layer (two table gathers, two cats and the
-fp32 casts and multiply-adds for each of q and k, the two index_put of the cache write).
-
-Rotated q and k are written back into qkv because prefill attention reads the fresh K/V of the step
-from there (models/attention.py); decode reads only the cache. Slot -1 = a token not cached (no
-cache write); the engine never sends one, but a negative slot must not write below the cache.
+for every token of the step, rotate-half convention (HF Llama), fp32 rounded to the model dtype; one
+program a token, one launch instead of the torch path's many. Rotated q and k go back into qkv because
+prefill attention reads the step's fresh K/V from there; slot -1 = not cached (never written below the cache).
 """
 
 from __future__ import annotations

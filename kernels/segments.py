@@ -1,24 +1,12 @@
 """LoRASegments: which token rows each multi-LoRA kernel program works on, for both strategies.
 
-A kernel program handles up to BLOCK_M consecutive *positions* of one segment; every segment has one
-slot. Position p maps to token row p (SGMV) or to row token_index[p] (chunked SGMV). Base tokens
-(no adapter) belong to no segment at all, so they cost no program and no memory traffic.
-
-- `sgmv_segments` (backend `triton`): the step's sequences in token order, consecutive sequences of
-  the same slot merged; a long prefill is one long segment cut into BLOCK_M tiles by the grid.
-- `csgmv_segments` (backend `csgmv`): adapter tokens stably sorted by slot, then cut into chunks of at
-  most `max_chunk_size` tokens. Every sequence of one adapter shares its chunks, so under high
-  concurrency (many decodes, few adapters) A and B are read once per chunk instead of once per
-  sequence, and the tensor-core tiles are full instead of 1/16 used.
-
-Both also list the base tokens' rows (`base_rows`): lora_expand's write mode (kernels/lora_linear.py)
-zeroes exactly those rows of an output that is otherwise only written.
-
-Both are built on the host from Python lists the scheduler already has, with one host->device copy
-(from pinned memory on CUDA, non-blocking): no layer and no decode step waits on the device.
-`sorted_segments_device` builds csgmv's layout on the device instead, in shapes fixed by the row
-count, for decode steps replayed from CUDA graphs; there base and padding rows do get segments (slot
--1 chunks, no program work), so every row is in one and gate_up's activation can take the expand.
+A program handles up to BLOCK_M consecutive positions of one segment; each segment has one slot.
+Position p is token row p (SGMV, `sgmv_segments`, backend `triton`: sequences in order, neighbours of
+one slot merged) or row token_index[p] (`csgmv_segments`, backend `csgmv`: tokens sorted by slot and
+cut into chunks, so many sequences on few adapters read each adapter once per chunk). Base tokens
+have no segment and cost nothing; `base_rows` lists them for lora_expand's write mode. Built on the
+host with one non-blocking copy; `sorted_segments_device` builds csgmv's layout on the device in
+shapes fixed by the row count, for CUDA-graph decode, giving base rows slot -1 chunks.
 """
 
 from __future__ import annotations
@@ -125,12 +113,9 @@ def sorted_segments_device(row_slots: torch.Tensor, num_slots: int, chunk: int) 
     """csgmv_segments' layout built on the device from the rows' slots, with shapes that depend only on
     the row count: what a CUDA graph can replay for any step of that size (engine/cuda_graph.py).
 
-    row_slots [b] int32 (-1 = base or padding row). Rows are stably sorted by slot (token_index; base
-    rows last) and each slot's rows cut into chunks of `chunk`; so are the base rows, as chunks of slot
-    -1, which the LoRA kernels skip (rank 0) and silu_mul_lora's tile body runs without a delta: every
-    row is in one segment (rows_covered = b), so gate_up's expand can ride in the activation. The
-    segment grid is fixed at cdiv(b, chunk) + min(num_slots + 1, b), the most chunks b rows can need;
-    the unused tail gets length 0 and slot -1 (its programs return at once). max_len = chunk."""
+    row_slots [b] int32 (-1 = base or padding row). Rows are stably sorted by slot (base rows last, as
+    slot -1 chunks the LoRA kernels skip), so every row is in one segment. The grid is fixed at
+    cdiv(b, chunk) + min(num_slots + 1, b) segments; the unused tail has length 0. max_len = chunk."""
     b = row_slots.shape[0]
     dev = row_slots.device
     key = torch.where(row_slots < 0, num_slots, row_slots).long()  # base rows: key num_slots, sorted last
@@ -151,9 +136,7 @@ def sorted_segments_device(row_slots: torch.Tensor, num_slots: int, chunk: int) 
     return LoRASegments(starts, lens, slots, token_index, chunk, static_sorted=True)
 
 
-# Every view starts on a 16-byte boundary: Triton specializes pointer arguments on 16-byte alignment,
-# so views packed back to back would compile a kernel once per (segment count mod 4) pattern, and
-# those first-seen compiles would land inside requests.
+# Views start 16-byte aligned: Triton specializes pointers on it, so packed views would compile mid-request.
 _ALIGN = 4  # int32 elements
 
 

@@ -2,10 +2,8 @@
 
     out[t, j] = silu(gate_up[t, j]) * gate_up[t, I + j],   silu(g) = g / (1 + exp(-g))
 
-gate_up [T, 2I] is gate | up as MergedLinear (or its LoRA wrapper) writes it. A program takes one
-token row and BLOCK columns: it reads both halves once and writes out once, where the torch path
-runs a split, a SiLU kernel and a product kernel with an intermediate [T, I] tensor. The SiLU is
-taken in fp32 and rounded to the dtype before the product, as `F.silu(gate) * up` rounds.
+gate_up [T, 2I] is gate | up as MergedLinear writes it; one program a row and BLOCK columns, no
+intermediate [T, I]. SiLU in fp32, rounded before the product, as `F.silu(gate) * up` rounds.
 """
 
 from __future__ import annotations

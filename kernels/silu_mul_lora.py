@@ -4,23 +4,11 @@
     u = gate_up[t, I + j] + scale[s] * h[t, 1, :r] · B[s, I + j, :r]      (no delta for base rows)
     out[t, j] = silu(g) * u
 
-what lora_expand (add mode) into gate_up followed by silu_mul computes, with the same roundings (h
-summed over the shrink's planes in fp32 and rounded to B's dtype, g and u rounded to gate_up's dtype
-before the activation), in one launch instead of two. The expand's read-modify-write of the [T, 2I]
-gate_up output goes (2 x 7.3 MB a layer at batch 64 on Llama-3.1-8B; 2 x 470 MB at 8192 prefill
-tokens), and so does one launch with its ramp and tail; gate_up's B streams in the activation's pass.
-
-Two bodies, picked by the longest segment (sorted_segments_device's layout always takes the second):
-- one-token segments (decode): program p < G takes segment p's one token (its slot; -1 = a base or
-  padding row of the static decode batch, no delta); programs G.. take segs.base_rows (eager decode
-  lists base tokens there); a [BLOCK, R] GEMV per program. With PDL (sm90+) a program loads its B
-  tiles before it waits for the kernel before it (the base GEMM): B is an adapter weight, which no
-  kernel of the step writes.
-- multi-token segments (prefill): BLOCK_M positions of one segment (or BLOCK_M listed base rows) a
-  program, walking its columns in BLOCK_N steps, the delta on the tensor cores (lora_expand's tile
-  body): about half the LoRA time of lora_gemm + silu_mul (docs/performance.md).
-Every row of gate_up must be in a segment or a listed base row. h: lora_shrink's partials=True planes
-[P, T, 2, R].
+lora_expand (add mode) into gate_up then silu_mul, with the same roundings, in one launch: the expand's
+read-modify-write of the [T, 2I] gate_up output goes, and gate_up's B streams in the activation's pass.
+One-token segments (decode) use a GEMV body that, with PDL, loads B before waiting on the base GEMM
+(no kernel of the step writes adapter weights); multi-token segments use lora_expand's tile body.
+Every row of gate_up must be in a segment or a listed base row. h: lora_shrink's partials planes [P, T, 2, R].
 """
 
 from __future__ import annotations
@@ -116,15 +104,10 @@ def _silu_mul_lora_tile_kernel(
     GATHER: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr, R8: tl.constexpr, PLANES_UNROLL: tl.constexpr,
 ):
-    """Multi-token segments (prefill): a program owns BLOCK_M positions of one segment (or BLOCK_M of
-    the listed base rows) and cols_per_prog columns of gate and of up, which it walks BLOCK_N at a time
-    (the loop pipelined STAGES deep). The delta is lora_expand's tile body (tl.dot of h [BLOCK_M, R]
-    with B [R, BLOCK_N] on the tensor cores, the same roundings); base rows take it too, with h and B
-    all zero (no load: rank 0 masks them), so the loop has no branch and adds exactly 0.
-
-    Why a loop and not a program per tile: the prologue (segment, slot, rank, then the rows, then h)
-    is a chain of dependent loads, paid once per program; with a [32, 128] program per tile that chain
-    ran ~28 000 times at 8192 tokens (gate_up_proj) and the kernel took about twice silu_mul's time."""
+    """Multi-token segments (prefill): a program owns BLOCK_M rows of one segment (or of the listed base
+    rows) and walks its columns of gate and up BLOCK_N at a time with lora_expand's tile body; base
+    rows get rank 0, so the loop adds exactly 0 without a branch. A loop, not a program per tile, so
+    the prologue's chain of dependent loads is paid once per program."""
     pid = tl.program_id(0)
     # branch-free prologue: programs past the segments' tiles take BLOCK_M base rows (rank 0)
     n_seg_tiles = num_segs * tiles_per_seg  # the launcher guarantees num_segs >= 1
@@ -193,16 +176,10 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
                   unroll: Optional[int] = None) -> torch.Tensor:
     """out = silu(gate + delta_gate) * (up + delta_up), the deltas those of lora_expand; returns out [T, I].
 
-    gate_up [T, 2I] fp32/bf16/fp16 (rows may be strided, columns contiguous), left unchanged;
-    h [P, T, 2, R] fp32 (lora_shrink partials=True; [T, 2, R] = one plane); B [S, 2I, R] in gate_up's
-    dtype; segs: segments whose rows together with segs.base_rows cover every row of gate_up once
-    (or, with base_rows None, the static decode batch: one-token segments, one per row, or
-    sorted_segments_device's chunks, base rows in slot -1 chunks);
-    slot_ranks [S] int32; scalings [S] fp32 or None (= 1). block: columns per program of the
-    one-token body (power of 2). block_m, block_n, cols_per_prog, num_stages, num_warps: the tile
-    body's tile, columns per program and pipeline (multi-token segments; None = the launcher's
-    choice), overrides for benchmarks and tests; unroll: the tile body's plane_sum UNROLL (None =
-    lora_expand.planes_unroll; >= the planes of h, or 0 for the loop).
+    gate_up [T, 2I] (columns contiguous), left unchanged; h [P, T, 2, R] or [T, 2, R] fp32; B [S, 2I, R]
+    in gate_up's dtype; segs plus segs.base_rows cover every row once (base_rows None: the static
+    decode batch); slot_ranks [S] int32; scalings [S] fp32 or None. block: the one-token body's
+    columns per program; block_m, block_n, cols_per_prog, num_stages, num_warps, unroll: tile overrides.
     """
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"silu_mul_lora: gate_up must be [T, 2I] with contiguous columns, got {tuple(gate_up.shape)}")
@@ -261,9 +238,7 @@ def silu_mul_lora(gate_up: torch.Tensor, h: torch.Tensor, B: torch.Tensor, segs:
     return out
 
 
-# The tile body's tile: TILE_M rows (16 for segments of <= 16 tokens), TILE_N columns of gate and of
-# up a step, each program walking enough steps that the grid is about TILE_WAVES programs an SM,
-# TILE_STAGES deep: the best measured for gate_up_proj at 4096-8192 tokens, kernel and engine alike.
+# The tile body's tile and grid (about TILE_WAVES programs an SM), tuned for gate_up_proj prefill.
 TILE_M, TILE_N, TILE_WAVES, TILE_STAGES = 32, 64, 8, 3
 
 

@@ -29,7 +29,7 @@ from appliance.bench.online import run_online
 from appliance.bench.workload import poisson_arrivals, random_prompts, zipf_choices
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.engine import LLMEngine
-from appliance.engine.model_runner import resolve_device, resolve_dtype
+from appliance.engine.runtime import lora_backend, resolve_device, resolve_dtype, sorted_decode
 from appliance.models.llama import ModelArgs
 from appliance.models.weights import read_hf_config
 
@@ -67,8 +67,8 @@ class Bench:
                 "device": dev, "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft_v,
                 "python": platform.python_version(), "model": self.cfg.model.name, "model_init": self.cfg.model.init,
                 "dtype": str(self.dtype).removeprefix("torch."),
-                "lora_backend": self.cfg.lora.resolved_backend(self.device),
-                "lora_sorted_decode": self.cfg.lora.sorted_decode(self.device), "options": asdict(self.opts)}
+                "lora_backend": lora_backend(self.cfg.lora, self.device),
+                "lora_sorted_decode": sorted_decode(self.cfg.lora, self.device), "options": asdict(self.opts)}
 
     def _phase(self, name: str, fn: Callable[[], None]) -> None:
         left = None if self.opts.budget_s is None else self.opts.budget_s - (time.monotonic() - self.t0)

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Sequence
 from omegaconf import OmegaConf
 
 from appliance.config.env import NO_ENV, EnvOrigins
-from appliance.config.file_limits import check_config_files
+from appliance.config.file_limits import snapshot_config_files
 from appliance.config.schema import ApplianceConfig, ConfigError, register_configs
 from appliance.lora.names import adapter_key
 
@@ -55,6 +56,18 @@ def resolve_config_dir(config_dir: str | os.PathLike | None) -> Path:
 def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequence[str] = (),
                  config_name: str = "config") -> Composed:
     """compose_config, also telling which file each adapter comes from."""
+    cdir = resolve_config_dir(config_dir)
+    if not (cdir / f"{config_name}.yaml").is_file():
+        raise ConfigError(f"{cdir / (config_name + '.yaml')}: config file not found")
+    register_configs()
+    with tempfile.TemporaryDirectory(prefix="appliance-config-") as snap:
+        # Size and (alias-expanded) node count checked on one read of each file; Hydra composes
+        # those bytes, not whatever a save puts in the dir meanwhile.
+        snapshot_config_files(cdir, Path(snap))
+        return _compose_snapshot(cdir, Path(snap), overrides, config_name)
+
+
+def _compose_snapshot(cdir: Path, snap: Path, overrides: Sequence[str], config_name: str) -> Composed:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -62,16 +75,11 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
-    cdir = resolve_config_dir(config_dir)
-    if not (cdir / f"{config_name}.yaml").is_file():
-        raise ConfigError(f"{cdir / (config_name + '.yaml')}: config file not found")
-    check_config_files(cdir)  # size and (alias-expanded) node count, before anything is parsed
-    register_configs()
     env = NO_ENV
     with _HYDRA_LOCK:
         GlobalHydra.instance().clear()
         try:
-            with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
+            with initialize_config_dir(config_dir=str(snap), version_base="1.3"):
                 cfg = compose(config_name=config_name, overrides=list(overrides))
                 defaults = GlobalHydra.instance().config_loader().compute_defaults_list(
                     config_name, list(overrides), RunMode.RUN).defaults
@@ -81,7 +89,7 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
         except (HydraException, OmegaConfBaseException, YAMLError) as e:
             # A YAML syntax error comes unwrapped; its message names the file, line and column. A value
             # from the environment that does not fit its type is not repeated.
-            raise ConfigError(env.redact(f"{cdir}: {_one_line(e)}")) from None
+            raise ConfigError(env.redact(f"{cdir}: {_one_line(e)}".replace(str(snap), str(cdir)))) from None
         finally:
             GlobalHydra.instance().clear()
     if not isinstance(obj, ApplianceConfig):
@@ -91,7 +99,7 @@ def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequenc
     files = [d.config_path for d in defaults
              if d.package == "adapters" and d.config_path and d.config_path.startswith("adapters/")]
     files.append(config_name)  # the root file may list adapters too (`_self_`)
-    composed = Composed(obj, _adapter_files(cdir, files), env)
+    composed = Composed(obj, _adapter_files(snap, files), env)
     try:
         obj.check()
     except ConfigError as e:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from appliance.lora.names import adapter_key, name_problem
-
-if TYPE_CHECKING:
-    import torch
 
 # Where `appliance model prepare` writes the embedded default model unless model.path says otherwise.
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -89,9 +86,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # Requests waiting beyond this are refused with 429 (the server maps QueueFullError).
     max_waiting_requests: int = 1024
-    # Debug only: a forward step whose input tokens hold this id raises inside the model (telemetry/faults.py),
-    # to exercise the failure path end to end. null = off; never set it on a server that serves users.
-    fault_injection_token_id: Optional[int] = None
     # Decode attention: triton = the Triton paged kernel (kernels/paged_attention.py), torch = its
     # pure-torch twin; auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
     attention_backend: str = "auto"
@@ -125,10 +119,6 @@ class EngineConfig:
             n *= 2
         return sizes + [self.max_num_seqs]
 
-    def warmup_on(self, device_type: str) -> bool:
-        """Whether the start-up warm-up runs on a device of this type (`warmup` null = cuda only)."""
-        return self.warmup if self.warmup is not None else device_type == "cuda"
-
     def check(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"engine.attention_backend: {self.attention_backend!r} is not one of "
@@ -145,9 +135,6 @@ class EngineConfig:
         for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be >= 1, got {getattr(self, key)}")
-        if self.fault_injection_token_id is not None and self.fault_injection_token_id < 0:
-            raise ConfigError(f"engine.fault_injection_token_id: must be >= 0 or null, got "
-                              f"{self.fault_injection_token_id}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"engine.num_kv_blocks: must be >= 1 or null, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gib <= 0:
@@ -250,7 +237,7 @@ class LoRAConfig:
     # per sequence tile. csgmv: adapter tokens sorted by slot and cut into chunks, for high concurrency.
     # triton and csgmv need a CUDA device (or TRITON_INTERPRET=1 on CPU, slow: tests only). auto:
     # on a CUDA device triton, except inside the decode CUDA graphs with enough rows per slot, which take
-    # csgmv's slot-sorted chunks (sorted_decode); torch elsewhere (resolved_backend).
+    # csgmv's slot-sorted chunks (engine/runtime.py sorted_decode); torch elsewhere.
     backend: str = "auto"
     # csgmv: most tokens of one adapter per chunk (one kernel program's rows).
     max_chunk_size: int = 16
@@ -276,9 +263,6 @@ class LoRAConfig:
     # 4096-8192 tokens (to 16384 for outputs at most 4096 wide: o_proj, down_proj), where it measured
     # faster (docs/performance.md), else cublas.
     prefill_gemm: str = "auto"
-    # Debug only: every cold read (disk -> CPU tier) sleeps this long first, as a slow disk would, to
-    # exercise overlap loading end to end. 0 = off; never set it on a server that serves users.
-    fault_injection_read_delay_s: float = 0.0
     # > 0: once a request waited this long for a slot, stop admitting new requests of one resident
     # unpinned adapter so its slot frees.
     drain_wait_threshold_s: float = 0.0
@@ -305,21 +289,6 @@ class LoRAConfig:
         once remote sources are allowed."""
         return [*self.adapter_roots, self.adapter_cache_dir] if self.allowed_sources else list(self.adapter_roots)
 
-    def resolved_backend(self, device: "torch.device") -> str:
-        """The backend that runs on `device`: auto = triton on CUDA (the kernels and the decode CUDA
-        graphs), torch elsewhere (no Triton compiler on CPU); any other value as given."""
-        if self.backend != "auto":
-            return self.backend
-        return "triton" if device.type == "cuda" else "torch"
-
-    def sorted_decode(self, device: "torch.device") -> bool:
-        """Whether the decode CUDA graphs may sort their rows by slot into csgmv's chunks (at sizes with
-        enough rows per slot, appliance/engine/cuda_graph.py): backend csgmv, and auto on CUDA. There
-        one-token segments re-read an adapter once per row that uses it; sorted, once per chunk
-        (docs/performance.md). Prefill keeps triton's per-request segments; triton as given keeps
-        one-token segments in the graphs."""
-        return self.backend == "csgmv" or (self.backend == "auto" and device.type == "cuda")
-
     def resolved_targets(self) -> tuple[str, ...]:
         return LORA_TARGETS if list(self.target_modules) == ["all"] else tuple(self.target_modules)
 
@@ -345,9 +314,6 @@ class LoRAConfig:
             raise ConfigError(f"lora.max_chunk_size: must be in 1..4096, got {self.max_chunk_size}")
         if not 1 <= self.loader_threads <= 64:
             raise ConfigError(f"lora.loader_threads: must be in 1..64, got {self.loader_threads}")
-        if self.fault_injection_read_delay_s < 0:
-            raise ConfigError(f"lora.fault_injection_read_delay_s: must be >= 0 (0 = off), got "
-                              f"{self.fault_injection_read_delay_s}")
         if self.drain_wait_threshold_s < 0:
             raise ConfigError(f"lora.drain_wait_threshold_s: must be >= 0, got {self.drain_wait_threshold_s}")
         from appliance.lora.sources.uri import parse_allowed
@@ -482,6 +448,25 @@ class ReconcileConfig:
 
 
 @dataclass
+class DebugConfig:
+    """Debug only: fault injection (telemetry/faults.py) that exercises failure paths end to end; never set
+    on a server that serves users."""
+
+    # A forward step whose input tokens hold this id raises inside the model. null = off.
+    fault_injection_token_id: Optional[int] = None
+    # Every cold adapter read (disk -> CPU tier) sleeps this long first, as a slow disk would. 0 = off.
+    fault_injection_read_delay_s: float = 0.0
+
+    def check(self) -> None:
+        if self.fault_injection_token_id is not None and self.fault_injection_token_id < 0:
+            raise ConfigError(f"debug.fault_injection_token_id: must be >= 0 or null, got "
+                              f"{self.fault_injection_token_id}")
+        if self.fault_injection_read_delay_s < 0:
+            raise ConfigError(f"debug.fault_injection_read_delay_s: must be >= 0 (0 = off), got "
+                              f"{self.fault_injection_read_delay_s}")
+
+
+@dataclass
 class ApplianceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -490,6 +475,7 @@ class ApplianceConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
     # The wanted adapters, name -> settings: loaded at start, then kept in step by the reconciler.
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
 
@@ -516,6 +502,7 @@ class ApplianceConfig:
             raise ConfigError("engine.async_scheduling: not available with parallel.tp_size > 1 yet; "
                               "set it to null or false")
         self.reconcile.check()
+        self.debug.check()
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")
         for name in self.adapters:
@@ -575,3 +562,4 @@ def register_configs() -> None:
     cs.store(group="metrics", name="metrics_schema", node=MetricsConfig)
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="reconcile", name="reconcile_schema", node=ReconcileConfig)
+    cs.store(group="debug", name="debug_schema", node=DebugConfig)

@@ -40,8 +40,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         # Inbox, filled by callers, drained by the engine thread at the start of each step.
-        # (request id, prompt ids, params, adapter, arrival time: when the caller submitted it)
-        self._to_add: list[tuple[str, list[int], SamplingParams, Optional[str], float]] = []
+        # (request id, prompt ids, params, adapter, arrival time: when the caller submitted it, prompt source)
+        self._to_add: list[tuple[str, list[int], SamplingParams, Optional[str], float, Optional[str]]] = []
         self._to_abort: list[str] = []
         # Callables to run on the engine thread between steps (admin operations such as adapter loads).
         self._calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -53,10 +53,8 @@ class AsyncEngine:
         # Receives the engine's stats events after every loop iteration, on the engine thread
         # (appliance/telemetry/metrics.py); None = they are dropped, so they never pile up.
         self._stats_sink: Optional[Callable[[EngineEvents], None]] = None
-        # Overlap loading: when every waiting request waits for a background read and nothing runs,
-        # the loop sleeps instead of spinning (`_idle`); each finished read bumps `_reads_done` and
-        # wakes it. The counter closes the race of a read ending while the step that saw it in
-        # flight was still running.
+        # Overlap loading: the loop sleeps while every waiter waits on a read; `_reads_done` closes the
+        # race of a read ending during the step that saw it in flight.
         self._idle = False
         self._reads_done = 0
         if engine.lora is not None:
@@ -147,13 +145,15 @@ class AsyncEngine:
                 self.abort(rid)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, on_output: OnOutput,
-               request_id: Optional[str] = None, adapter: Optional[str] = None) -> str:
+               request_id: Optional[str] = None, adapter: Optional[str] = None,
+               prompt_source: Optional[str] = None) -> str:
         """Hand a request to the engine; `on_output` then gets each update, and at most one error
         (after which nothing more), as calls on the caller's event loop. Returns the request id.
 
         The callback form of `generate` for callers that multiplex many requests (the HTTP server):
         no task or queue per request, so an update costs the loop one call. Raises RequestError,
         QueueFullError, EngineStoppedError at once; the caller aborts with `abort(request_id)`.
+        `prompt_source`: LLMEngine.add_request's (parallel samples share the prompt's KV).
         """
         params.validate()
         self.engine.check_request(prompt_token_ids, params)
@@ -169,7 +169,7 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid}")
             self._streams[rid] = (asyncio.get_running_loop(), on_output)
-            self._to_add.append((rid, list(prompt_token_ids), params, adapter, time.monotonic()))
+            self._to_add.append((rid, list(prompt_token_ids), params, adapter, time.monotonic(), prompt_source))
             self._wakeup.notify_all()
         return rid
 
@@ -227,9 +227,10 @@ class AsyncEngine:
                         _resolve(loop, fut, result=result)
                 for rid in to_abort:
                     self.engine.abort(rid)
-                for rid, ids, params, adapter, arrival in to_add:
+                for rid, ids, params, adapter, arrival, source in to_add:
                     try:
-                        self.engine.add_request(rid, ids, params, arrival_time=arrival, adapter=adapter)
+                        self.engine.add_request(rid, ids, params, arrival_time=arrival, adapter=adapter,
+                                                prompt_source=source)
                     except EngineError as e:
                         # E.g. the adapter was unloaded between resolve and add: fail this request only.
                         self._fail(rid, e)

@@ -1,8 +1,8 @@
 """The paged KV cache's allocator: fixed-size blocks, per-sequence block tables, ref counts.
 
 Pure Python: the model runner owns the tensors, this class only hands out block indices. Ref counts
-let several sequences share a block later (prefix caching, parallel sampling); today each block has
-one owner.
+let several sequences share a block: the parallel samples of one prompt (`n`) share its full blocks
+(`share`); a block is free again when its last owner frees it.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ class BlockManager:
             b = self._free.popleft()
             self._refs[b] = 1
             seq.block_table.append(b)
+
+    def share(self, seq: Sequence, source: Sequence, num_blocks: int) -> None:
+        """Give `seq` (holding no blocks) the first `num_blocks` blocks of `source`: full blocks, read only."""
+        if seq.block_table or num_blocks > len(source.block_table):
+            raise RuntimeError(f"cannot share {num_blocks} blocks of {source.request_id} with {seq.request_id}")
+        seq.block_table = source.block_table[:num_blocks]
+        for b in seq.block_table:
+            self._refs[b] += 1
 
     def free(self, seq: Sequence) -> None:
         # Release in reverse so the most recently used blocks are reused last (no semantic effect).

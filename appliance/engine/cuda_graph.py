@@ -1,40 +1,13 @@
 """StaticDecode: decode-only steps over static buffers, replayed as CUDA graphs (one per batch size).
 
 A decode step of n sequences is padded to the smallest captured size b >= n. Everything the forward
-reads lives in buffers allocated once for the largest size: input ids, positions, slot mapping, block
-tables, context lengths, the LoRA segments (one per row, slot -1 = base or padding row) and the slot
-ranks; the logits come out in a buffer the graph owns. A step only copies its values into them (from
-pinned staging buffers, int64 and int32, queued without a host wait), then replays; nothing inside the
-replayed step depends on a host integer of this step, and nothing syncs with the host. The input ids
-are gathered inside the graph from the staged ids or from the last step's sampled tokens (`publish`),
-so with async scheduling (engine/async_step.py) a step can decode on tokens the host has not read yet:
-
-- attention: the Triton decode kernel reads the lengths on the device; its split-K count is fixed per
-  size from max_model_len (ModelRunner.decode_splits);
-- LoRA (backends triton/csgmv): a fixed grid of one-token segments with max_len 1; rows without an
-  adapter exit at once. Backends csgmv and auto (on CUDA; LoRAConfig.sorted_decode) at sizes with at
-  least SORTED_MIN_ROWS_PER_SLOT rows a slot instead sort the rows by slot inside the graph
-  (kernels/segments.sorted_segments_device: chunks of lora.max_chunk_size rows of one slot on a segment
-  grid fixed by the size), so a slot's A and B are read once per chunk instead of once per row; base
-  and padding rows go in chunks of slot -1 (no LoRA work), so every row is in a segment and gate_up's
-  expand can ride in the activation (kernels/silu_mul_lora.py);
-- adapter slot loads only change the contents of the A/B slot tensors and of `slot_ranks` (a loader
-  that replaced those tensors instead of copying into them would invalidate the graphs).
-
-With LoRA on, each size is captured twice: with the LoRA launches, and without them for steps whose
-rows are all base (the launches would exit at once, but 4 x 2 empty launches per layer still cost
-a measurable share of the step). The two share one memory pool and never run at once.
-
-Padding rows write their K/V into a block reserved for them (ModelRunner.pad_block) and have context
-length 0 (attention output 0). With `capture=False` (CPU, tests) the same static-buffer step runs
-eagerly, so the CPU tests cover the buffer filling, the padding and the fixed LoRA layout.
-
-Tensor parallelism: every rank builds a StaticDecode of the same sizes at the same point (rank 0 sends
-SetupDecode) and captures them in the same order, so each graph holds this rank's shard of the step
-with its NCCL collectives (block all-reduces, vocab-parallel embedding, logits all-gather) inside. A
-step is staged on rank 0 only; rank 0 sends its DecodeStep (five ints) and the staged rows (two int
-tensors, no pickling) in one control message, and every other rank copies them into its own buffers
-and replays the same graph (`follow`). The captured collectives keep the ranks in step on the GPU.
+reads lives in buffers allocated once for the largest size; a step only copies its values in (from
+pinned staging, no host wait) and replays, so nothing in the graph depends on a host integer of this
+step. Input ids are gathered inside the graph from staging or the last step's samples (`publish`), so
+async scheduling can decode on tokens the host has not read yet. Hazards: adapter loads must copy
+into the A/B slot tensors and `slot_ranks`, never replace them (that would invalidate the graphs);
+padding rows write K/V only into ModelRunner.pad_block. Under TP every rank captures the same sizes in
+the same order and followers replay what rank 0 stages (`follow`). Details: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -50,12 +23,13 @@ from appliance.engine.step import StepBatch
 from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.layers import LoRAContext
 from appliance.models.attention import AttentionMetadata
+from appliance.parallel.group import TPGroup
 from kernels.segments import LoRASegments, sorted_segments_device
 
 if TYPE_CHECKING:
     from appliance.lora.manager import LoRAManager
     from appliance.models.llama import LlamaModel
-    from appliance.parallel.group import DecodeHeader, TPGroup
+    from appliance.parallel.group import DecodeHeader, SingleRank
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +45,7 @@ class DecodeRunner(Protocol):
     pad_block: int
     attention_backend: str
     lora: Optional["LoRAManager"]
-    tp: Optional["TPGroup"]
+    tp: "TPGroup | SingleRank"
 
     def decode_splits(self, batch: int, len_bound: int) -> int: ...
 
@@ -82,9 +56,7 @@ class DecodeRunner(Protocol):
 class DecodeBuffers:
     """Static device buffers for the largest batch size Bm; a size b uses the first b rows."""
 
-    # The step's input ids are gathered inside the graph, tokens[token_index[:b]]: rows [0, Bm) of
-    # `tokens` hold the last step's sampled tokens (written on the device, `publish`: async scheduling
-    # decodes on them before the host has read them), rows [Bm, 2 Bm) the ids staged from the host.
+    # Input ids = tokens[token_index[:b]]: rows [0, Bm) the last step's samples (on the device), [Bm, 2 Bm) staged ids.
     tokens: torch.Tensor  # [2 Bm] long
     token_index: torch.Tensor  # [Bm] long: the row of `tokens` each input row reads
     positions: torch.Tensor  # [Bm] long
@@ -97,10 +69,7 @@ class DecodeBuffers:
     slot_ranks: torch.Tensor  # [S] int32: rank of each LoRA slot (0 = empty)
 
 
-# Backends csgmv and auto on CUDA (LoRAConfig.sorted_decode): graph sizes with at least this many rows per
-# LoRA slot (lora.max_loras_per_batch) sort their rows by slot inside the graph; smaller ones keep one
-# segment per row (the fused kernel, which wins when most rows have their own adapter). Measured: sorted
-# chunks win from 4 rows a slot, one segment per row still wins at 2.
+# Sorted decode (engine/runtime.py): sizes with this many rows per slot sort rows by slot in the graph (tuned).
 SORTED_MIN_ROWS_PER_SLOT = 4
 
 
@@ -148,10 +117,7 @@ class StaticDecode:
             seg_lens=torch.ones(bm, **i32),
             slot_ranks=torch.zeros(num_slots, **i32),
         )
-        # Host staging, pinned on cuda so the copies are queued without blocking the host: long rows
-        # [ids | positions | slot mapping | token index], int32 rows [context lens | lora slots | ranks |
-        # tables]. Two sets used in turn: with async scheduling a step is staged while the one before is
-        # still queued, and its copies must not wait for that one's.
+        # Two pinned staging sets in turn: under async scheduling a step's copies must not wait for the last one's.
         pin = dev.type == "cuda"
         self._h64s = [torch.zeros(4 * bm, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._h32s = [torch.zeros(2 * bm + num_slots + bm * self.max_blocks, dtype=torch.int32, pin_memory=pin)
@@ -185,9 +151,7 @@ class StaticDecode:
         if plan.prefills or b is None:
             raise ValueError(f"static decode takes decode-only steps of at most {self.max_size} sequences")
         step = self._stage(plan, b, sources)
-        tp = self.runner.tp
-        if tp is not None:
-            tp.broadcast_decode(step.ints(), self._staged(step))
+        self.runner.tp.broadcast_decode(step.ints(), self._staged(step))  # a no-op at tp_size 1
         logits = self._launch(step)
         assert logits is not None
         return logits[:n]
@@ -196,7 +160,7 @@ class StaticDecode:
     def follow(self, head: "DecodeHeader") -> None:
         """A TP rank other than 0: take rank 0's staged rows of the step `head` announced and run it."""
         tp = self.runner.tp
-        assert tp is not None and tp.rank != 0
+        assert isinstance(tp, TPGroup) and tp.rank != 0
         step = DecodeStep(*head.fields)
         self._next_staging()
         tp.receive_into(head, self._staged(step))
@@ -293,7 +257,7 @@ class StaticDecode:
 
     def sorted_layout(self, b: int) -> bool:
         """Whether size b's LoRA launches take the slot-sorted layout (lora.backend csgmv, or auto on
-        CUDA: LoRAConfig.sorted_decode; enough rows a slot)."""
+        CUDA: engine/runtime.py sorted_decode; enough rows a slot)."""
         ctx = self.lora
         return (ctx is not None and ctx.sorted_decode and ctx.num_slots > 0
                 and b >= SORTED_MIN_ROWS_PER_SLOT * ctx.num_slots)
@@ -321,7 +285,7 @@ class StaticDecode:
         ids = d.tokens[d.token_index[:b]]
         hidden = r.model(ids, d.positions[:b], r.kv_cache, self._meta(b, max_len))
         logits = r.model.compute_logits(hidden)
-        return logits if r.tp is None else r.tp.gather_last_dim(logits)
+        return r.tp.gather_last_dim(logits)
 
     # ------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -333,10 +297,8 @@ class StaticDecode:
         d.context_lens.zero_()
         d.lora_slots.fill_(-1)
         pool = None
-        # Under TP the process group's watchdog thread polls its own events while we capture; only
-        # this thread's calls must be refused during the capture (the collectives themselves are
-        # captured: the warm-up below has already set up the communicator).
-        mode = "global" if r.tp is None else "thread_local"
+        # Under TP the collectives are captured too (the warm-up below has set up the communicator).
+        mode = r.tp.capture_error_mode
         variants = (True, False) if self.lora is not None else (False,)
         for b in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
             for with_lora in variants:  # the same order on every rank (their collectives must match)

@@ -19,6 +19,8 @@ reads the first one's tokens and hands them out while the device runs. A step th
 way (a prefill, an eager size) first `settle`s: the step in flight is read, so every token is known on
 the host. So `step()` returns the tokens of the step before the one it launched; callers loop while
 `has_unfinished()`, and call `settle()` before anything that needs a quiet engine (admin operations).
+A step with a penalised request (repetition, frequency, presence) does not run that way: its penalties
+count the tokens generated so far, which must all be known on the host.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from appliance.config.schema import ApplianceConfig, ConfigError
 from appliance.engine.async_step import LaunchedStep
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.model_runner import ModelRunner
-from appliance.engine.request import AdapterNotFoundError, RequestError, RequestOutput, SamplingParams
-from appliance.engine.sampler import sample, sample_on_device
+from appliance.engine.request import (AdapterNotFoundError, RequestError, RequestOutput, SamplingParams,
+                                      TokenLogprob)
+from appliance.engine.sampler import DeviceSample, sample_full, sample_on_device
 from appliance.engine.scheduler import Scheduler, SchedulerOutput
 from appliance.models.weights import read_hf_config
 from appliance.engine.sequence import Sequence, SeqStatus
@@ -81,9 +84,7 @@ class LLMEngine:
             raise
 
     def _build(self, cfg: ApplianceConfig, model_path: Path) -> None:
-        self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group)
-        if self.tp is not None:
-            self.runner.leader = self.tp
+        self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group, leader=self.tp)
         self.tokenizer: Tokenizer | IdsOnlyTokenizer
         if cfg.model.init == "random" and not has_tokenizer(model_path):
             eos = read_hf_config(model_path).get("eos_token_id")
@@ -109,8 +110,9 @@ class LLMEngine:
                 from appliance.parallel.lora import AdapterSync
 
                 sync = AdapterSync(self.tp.group, self.tp.layout)
-            self.lora = Manager(cfg.lora, self.runner.model, cfg.model.name, self.runner.dtype,
-                                self.runner.device, stats=self.stats, args=self.runner.args, tp=sync)
+            self.lora = Manager(cfg.lora, self.runner.runtime.lora, self.runner.model, cfg.model.name,
+                                self.runner.dtype, self.runner.device, stats=self.stats, args=self.runner.args,
+                                tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s)
             self.runner.lora = self.lora
             self._load_configured_adapters(cfg)
         overlap = self.lora is not None and cfg.lora.overlap_loading
@@ -122,25 +124,24 @@ class LLMEngine:
         # server replays the same sequence of unseeded samples.
         self._seed_rng = torch.Generator().manual_seed(cfg.model.seed)
         self.failed_steps = 0  # total, since start
-        if cfg.engine.fault_injection_token_id is not None:
+        if cfg.debug.fault_injection_token_id is not None:
             from appliance.telemetry.faults import install_token_fault
 
-            log.warning("engine.fault_injection_token_id=%d: steps whose input holds it will fail (debug)",
-                        cfg.engine.fault_injection_token_id)
-            install_token_fault(self.runner.model, cfg.engine.fault_injection_token_id)
+            log.warning("debug.fault_injection_token_id=%d: steps whose input holds it will fail (debug)",
+                        cfg.debug.fault_injection_token_id)
+            install_token_fault(self.runner.model, cfg.debug.fault_injection_token_id)
         # Last: the graphs capture the model as wrapped (LoRA) and with its hooks (no graphs under faults).
         self.runner.setup_decode_graphs(cfg.engine)
         # Then the eager steps' kernel variants (the capture compiled the graphs' own).
         self.warmup: Optional[WarmupReport] = None
-        if cfg.engine.warmup_on(self.runner.device.type):
+        if self.runner.runtime.warmup:
             self.warmup = self._warm_up(cfg)
             if self.warmup.compiled is not None:
                 self.runner.compile_watch = CompileWatch()
         # Async scheduling applies to steps over the static decode buffers (module docstring); null = on
         # wherever those are set up (cuda graphs) at tp_size 1. Under TP the other ranks would need the
         # sampled tokens, which only rank 0 has (the config check refuses true with tp_size > 1).
-        a = cfg.engine.async_scheduling
-        self.async_scheduling = (self.runner.static_decode is not None and self.tp is None) if a is None else a
+        self.async_scheduling = self.runner.runtime.async_scheduling
         self._inflight: Optional[LaunchedStep] = None
 
     def _warm_up(self, cfg: ApplianceConfig) -> WarmupReport:
@@ -148,7 +149,7 @@ class LLMEngine:
         steps = plan_warmup(e.max_num_batched_tokens, self.max_model_len, e.max_num_seqs,
                             cfg.lora.max_loras_per_batch if self.lora is not None else 0, e.graph_batch_sizes(),
                             eager_decode=self.runner.static_decode is None)
-        token = 1 if e.fault_injection_token_id == 0 else 0  # never the fault-injection token
+        token = 1 if cfg.debug.fault_injection_token_id == 0 else 0  # never the fault-injection token
         return run_warmup(self.runner, steps, token)
 
     def _load_configured_adapters(self, cfg: ApplianceConfig) -> None:
@@ -198,6 +199,8 @@ class LLMEngine:
         vocab = self.runner.args.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {vocab})")
         total = n + params.max_tokens
         if total > self.max_model_len:
             raise RequestError(
@@ -212,11 +215,14 @@ class LLMEngine:
                                f"{self.config.max_num_batched_tokens} and chunked prefill is off")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: Optional[float] = None, adapter: Optional[str] = None) -> None:
+                    arrival_time: Optional[float] = None, adapter: Optional[str] = None,
+                    prompt_source: Optional[str] = None) -> None:
         """`adapter`: the LoRA adapter as the client named it (name or "<base>:<adapter>"; None or the
         base model's name = base). It is resolved here, on the engine thread, so a reload in place
         between the caller's check and this call gives the request the new weights, and an unload
-        gives AdapterNotFoundError."""
+        gives AdapterNotFoundError. `prompt_source`: the id of an earlier request with the same prompt
+        and adapter (another of `n` samples) whose prompt KV this one shares; ignored when that
+        request is gone or differs."""
         params.validate()
         self.check_request(prompt_token_ids, params)
         if request_id in self.seqs:
@@ -232,6 +238,9 @@ class LLMEngine:
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         if not params.greedy:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        src = self.seqs.get(prompt_source) if prompt_source is not None else None
+        if src is not None and src.adapter == key and src.prompt_token_ids == seq.prompt_token_ids:
+            seq.prompt_source = src
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -268,7 +277,7 @@ class LLMEngine:
             outputs += self._load_adapters(plan)
         if plan.empty:
             return outputs + self.settle()
-        if self.async_scheduling and self.runner.runs_static(plan):
+        if self.async_scheduling and self.runner.runs_static(plan) and not self._reads_history(plan):
             return outputs + self._step_async(plan)
         outputs += self.settle()
         if self._drop_finished(plan):
@@ -278,10 +287,10 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - the failing requests fail (below), the engine goes on
             return outputs + self._isolate(plan, e)
         try:
-            sampling, tokens = self._sample(plan, logits)
+            sampling, drawn = self._sample(plan, logits)
         except Exception as e:  # noqa: BLE001 - sampling already advanced the step: fail all of it
             return outputs + self._fail_step(plan, e)
-        return outputs + self._append_tokens(sampling, tokens)
+        return outputs + self._append_tokens(sampling, *drawn)
 
     def settle(self) -> list[RequestOutput]:
         """Read the tokens of the step still in flight (async scheduling) and hand them out; after it
@@ -299,9 +308,9 @@ class LLMEngine:
             outputs = self.settle()
             return outputs + ([] if self._drop_finished(plan) else self._isolate(plan, e))
         try:
-            sampling, tokens = self._sample(plan, logits, sample_on_device)
-            self.runner.static_decode.publish(tokens)  # type: ignore[union-attr]
-            launched = LaunchedStep.start(sampling, tokens)
+            sampling, drawn = self._sample(plan, logits, sample_on_device)
+            self.runner.static_decode.publish(drawn.tokens)  # type: ignore[union-attr]
+            launched = LaunchedStep.start(sampling, drawn)
         except Exception as e:  # noqa: BLE001 - the step advanced: fail it (after the one before)
             return self.settle() + self._fail_step(plan, e)
         for seq in sampling:
@@ -316,20 +325,25 @@ class LLMEngine:
         """Append a launched step's tokens. A sequence that finished meanwhile (aborted, or ended on
         a stop at the step before) drops its token; a device error fails the step's requests."""
         try:
-            tokens = launched.tokens()
+            tokens, logprobs = launched.tokens()
         except Exception as e:  # noqa: BLE001 - as a failed sampling: its requests fail, the engine goes on
             live = [q for q in launched.sampling if q.status is not SeqStatus.FINISHED]
             return self._fail_seqs(live, e)
         now = time.monotonic()
         outputs = []
-        for seq, tok in zip(launched.sampling, tokens):
+        for i, (seq, tok) in enumerate(zip(launched.sampling, tokens)):
             if seq.status is SeqStatus.FINISHED:
                 continue
             seq.num_pending -= 1
-            out = self._append_token(seq, tok, now)
+            out = self._append_token(seq, tok, now, None if logprobs is None else logprobs[i])
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _reads_history(plan: SchedulerOutput) -> bool:
+        """Some request of the step is penalised: its sampling reads every token generated so far."""
+        return any(s.seq.params.penalized for s in plan.decodes + plan.prefills)
 
     @staticmethod
     def _drop_finished(plan: SchedulerOutput) -> bool:
@@ -422,22 +436,31 @@ class LLMEngine:
         return [self._finish(seq, "error", now, message) for seq in seqs]
 
     def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        return self._append_tokens(*self._sample(plan, logits))
+        sampling, drawn = self._sample(plan, logits)
+        return self._append_tokens(sampling, *drawn)
 
     def _sample(self, plan: SchedulerOutput, logits: torch.Tensor,
-                sampler: Callable = sample) -> tuple[list[Sequence], Any]:
+                sampler: Callable = sample_full) -> tuple[list[Sequence], Any]:
         """Advance the plan's sequences and sample the ones that reach their last token: (those
-        sequences, their tokens as `sampler` returns them: a host list, or sample_on_device's tensor)."""
+        sequences, what `sampler` returns: sample_full's host tokens and logprobs, or a DeviceSample)."""
         sampling = [s.seq for s in plan.prefills + plan.decodes if s.samples]
+        for s in plan.prefills + plan.decodes:
+            done, n_prompt = s.seq.num_computed_tokens, len(s.seq.prompt_token_ids)
+            if done < n_prompt:
+                self.stats.events.prompt_tokens_computed += min(done + s.num_new_tokens, n_prompt) - done
         self.scheduler.after_step(plan)
         banned = [self._banned(seq) for seq in sampling]
-        return sampling, sampler(logits, [s.params for s in sampling], [s.generator for s in sampling], banned)
+        history = [(seq.prompt_token_ids, seq.output_token_ids) if seq.params.penalized else ((), ())
+                   for seq in sampling]
+        return sampling, sampler(logits, [s.params for s in sampling], [s.generator for s in sampling], banned,
+                                 history)
 
-    def _append_tokens(self, sampling: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+    def _append_tokens(self, sampling: list[Sequence], tokens: list[int],
+                       logprobs: Optional[list[Optional[TokenLogprob]]]) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
-        for seq, tok in zip(sampling, tokens):
-            out = self._append_token(seq, tok, now)
+        for i, (seq, tok) in enumerate(zip(sampling, tokens)):
+            out = self._append_token(seq, tok, now, None if logprobs is None else logprobs[i])
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -448,7 +471,8 @@ class LLMEngine:
             return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.tokenizer.eos_token_ids))
         return []
 
-    def _append_token(self, seq: Sequence, tok: int, now: float) -> Optional[RequestOutput]:
+    def _append_token(self, seq: Sequence, tok: int, now: float,
+                      logprob: Optional[TokenLogprob] = None) -> Optional[RequestOutput]:
         p = seq.params
         ev = self.stats.events
         if seq.first_token_time is None:
@@ -459,9 +483,12 @@ class LLMEngine:
             ev.itls.append((seq.adapter_name, now - seq.last_token_time))  # type: ignore[operator]
         seq.last_token_time = now
         seq.output_token_ids.append(tok)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
         finish = None
         if (tok in p.stop_token_ids) or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids):
             seq.output_token_ids.pop()  # stop tokens are not part of the completion
+            del seq.output_logprobs[len(seq.output_token_ids):]
             finish = "stop"
         else:
             ev.generation_tokens += 1
@@ -487,12 +514,14 @@ class LLMEngine:
         new_ids = seq.output_token_ids[seq.sent_tokens:]
         if not finished and not new_text and not new_ids:
             return None
+        logprobs = None if seq.params.logprobs is None else seq.output_logprobs[seq.sent_tokens:]
         seq.sent_chars = max(seq.sent_chars, upto)
         seq.sent_tokens = len(seq.output_token_ids)
         return RequestOutput(
             request_id=seq.request_id, token_ids=new_ids, text=new_text, finished=finished,
             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_token_ids),
-            completion_tokens=len(seq.output_token_ids), error=error, arrival_time=seq.arrival_time,
+            completion_tokens=len(seq.output_token_ids), error=error, logprobs=logprobs,
+            arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time, finish_time=seq.finish_time)
 
     def _finish(self, seq: Sequence, reason: str, now: float, error: Optional[str] = None) -> RequestOutput:

@@ -2,9 +2,8 @@
 process: weights, LoRA slot buffers, the largest step's activations, the decode CUDA graphs' pool, and
 the KV cache together.
 
-The runner measures (weights and buffers after loading, the activation peak of a profile run of the
-largest step, the same for the largest decode graph batch) and this module decides. Pure Python: the
-decision is tested with the numbers of a fake device (tests/engine/test_memory.py).
+The runner measures (weights, buffers, the activation peak of the largest step and decode graph) and
+this pure-Python module decides, so the decision is tested on a fake device's numbers.
 """
 
 from __future__ import annotations

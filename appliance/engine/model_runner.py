@@ -1,12 +1,9 @@
 """The only place that builds device tensors: loads the model, owns the KV cache, runs a step.
 
-Per step it turns the scheduler's plan into a `StepBatch` of host lists, then into flattened input ids,
-positions and AttentionMetadata (built once, passed down), runs the model and returns logits (model dtype) for
-the sequences that sample. Decode-only steps go through StaticDecode (engine/cuda_graph.py) when it is
-set up: static buffers, replayed as CUDA graphs on cuda. Under tensor parallelism (`tp`,
-appliance/parallel/) the model is this rank's shard, rank 0 broadcasts each StepBatch and the other ranks
-run `forward` on it (parallel/worker.py); every rank builds the same StaticDecode when rank 0 does and
-replays its decode graphs (collectives inside) with the rows rank 0 staged.
+Per step it turns the scheduler's plan into a `StepBatch`, then into flat inputs and AttentionMetadata
+(built once, passed down), and returns logits for the sequences that sample. Decode-only steps go
+through StaticDecode (engine/cuda_graph.py) when set up. Under tensor parallelism rank 0 broadcasts
+each StepBatch and every rank runs `forward` on its shard (parallel/worker.py).
 """
 
 from __future__ import annotations
@@ -21,69 +18,32 @@ from appliance.config.schema import ApplianceConfig, ConfigError, EngineConfig
 from appliance.engine.cuda_graph import StaticDecode
 from appliance.engine.kernel_variants import CompileWatch
 from appliance.engine.memory import check_weights_fit, lora_buffer_bytes, plan_kv_blocks, weight_bytes
+from appliance.engine.runtime import resolve_device, resolve_runtime
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.engine.step import StepBatch, StepInputs
 from appliance.models.attention import AttentionMetadata, PrefillSeq
 from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, random_model, read_hf_config
+from appliance.parallel.group import SingleRank, TPGroup
 
 if TYPE_CHECKING:
     from appliance.lora.layers import LoRAContext
     from appliance.lora.manager import LoRAManager
-    from appliance.parallel.group import TPGroup
     from appliance.parallel.launcher import TPLeader
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"model.device: {name!r} asked for, but torch sees no CUDA device")
-    return torch.device(name)
-
-
-def resolve_triton_or_torch(key: str, name: str, device: torch.device) -> str:
-    """An `auto|triton|torch` setting (engine.attention_backend, engine.fused_kernels) -> "triton" |
-    "torch": auto is triton on cuda where Triton runs; an explicit triton must be able to run here."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" and _triton_reason(device) is None else "torch"
-    if name == "triton":
-        why = _triton_reason(device)
-        if why is not None:
-            raise ConfigError(f"{key}: 'triton' cannot run here: {why}")
-    return name
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    return resolve_triton_or_torch("engine.attention_backend", name, device)
-
-
-def resolve_fused_kernels(name: str, device: torch.device) -> str:
-    return resolve_triton_or_torch("engine.fused_kernels", name, device)
-
-
-def _triton_reason(device: torch.device) -> Optional[str]:
-    from kernels.platform import triton_unavailable_reason
-
-    return triton_unavailable_reason(device)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 class ModelRunner:
-    def __init__(self, cfg: ApplianceConfig, model_path: str, tp: Optional["TPGroup"] = None) -> None:
-        # tp: this rank's tensor-parallel group (None: tp_size 1, no process group, no collectives).
-        self.tp = tp
-        self.device = resolve_device(cfg.model.device) if tp is None else tp.device
-        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+    def __init__(self, cfg: ApplianceConfig, model_path: str, tp: Optional[TPGroup] = None,
+                 leader: Optional["TPLeader"] = None) -> None:
+        # tp: this rank's tensor-parallel group (None: tp_size 1, a SingleRank: no process group, no collectives).
+        # leader: TP rank 0's sender of each step's batch and the decode setup (parallel/launcher.py).
+        self.leader = leader
+        self.tp: TPGroup | SingleRank = tp if tp is not None else SingleRank(resolve_device(cfg.model.device))
+        tp = self.tp
+        self.device = tp.device
+        self.runtime = resolve_runtime(cfg, self.device, tp.size)
+        self.dtype = self.runtime.torch_dtype
         hf_cfg = read_hf_config(model_path)
         self.args = ModelArgs.from_hf_config(hf_cfg)
         max_pos = self.args.max_position_embeddings
@@ -99,9 +59,9 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.engine.num_kv_blocks is None:
             # Before loading: weights that alone exceed the budget get an error with the numbers, not an OOM.
             check_weights_fit(torch.cuda.mem_get_info(self.device)[1], cfg.engine.gpu_memory_utilization,
-                              weight_bytes(self.args, torch.finfo(self.dtype).bits // 8, 1 if tp is None else tp.size),
+                              weight_bytes(self.args, torch.finfo(self.dtype).bits // 8, tp.size),
                               str(self.dtype).removeprefix("torch."))
-        if tp is not None:
+        if tp.size > 1:
             from appliance.parallel.layout import TPLayout
             from appliance.parallel.shard import load_shard
 
@@ -113,15 +73,13 @@ class ModelRunner:
                                                   cfg.model.seed)
         else:
             self.model = load_model(model_path, self.dtype, self.device, self.max_model_len)
-        self.attention_backend = resolve_attention_backend(cfg.engine.attention_backend, self.device)
-        self.fused_kernels = resolve_fused_kernels(cfg.engine.fused_kernels, self.device)
+        self.attention_backend = self.runtime.attention_backend
+        self.fused_kernels = self.runtime.fused_kernels
         self.model.use_fused_kernels(self.fused_kernels == "triton")
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 0)
         self.lora: Optional["LoRAManager"] = None  # set by the engine when lora.enabled (after sizing)
-        self.num_blocks = self._num_kv_blocks(cfg)
-        if tp is not None:
-            self.num_blocks = tp.min_int(self.num_blocks)  # block ids mean the same on every rank
+        self.num_blocks = tp.min_int(self._num_kv_blocks(cfg))  # block ids mean the same on every rank
         a = self.model.args  # this rank's heads (all of them without TP)
         # One tensor for the whole cache: [layers, k|v, blocks + 1, block_size, kv_heads, head_dim]. The
         # last block is nobody's: the padding rows of a static decode batch write their K/V there.
@@ -132,9 +90,6 @@ class ModelRunner:
         self.static_decode: Optional[StaticDecode] = None
         # Set once the start-up warm-up compiled the kernels: eager steps then log what it missed.
         self.compile_watch: Optional[CompileWatch] = None
-        # TP rank 0: sends each step's batch and the decode setup to the other ranks (set by the
-        # engine, parallel/launcher.py).
-        self.leader: Optional["TPLeader"] = None
         log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB); fused kernels %s", self.device,
                  self.dtype, self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.fused_kernels)
@@ -159,13 +114,13 @@ class ModelRunner:
         # scratch cache, so the KV cache gets what is left of gpu_memory_utilization after their peaks.
         step_peak = self._profile_peak(self._profile_batch(min(e.max_num_batched_tokens, self.max_model_len),
                                                            e.max_num_seqs))
-        graphs = 0 if self.graphs_off_reason(e) is not None else self._profile_peak(
+        graphs = 0 if not self.runtime.decode_graphs else self._profile_peak(
             self._profile_batch(0, max(e.graph_batch_sizes())))
         lora = 0
         if cfg.lora.enabled:  # its slot buffers are allocated after sizing (lora/layers.py)
             lora = lora_buffer_bytes(self.args, list(cfg.lora.resolved_targets()), cfg.lora.max_loras_per_batch,
                                      cfg.lora.max_lora_rank, torch.finfo(self.dtype).bits // 8,
-                                     1 if self.tp is None else self.tp.size)
+                                     self.tp.size)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         plan = plan_kv_blocks(total, free - lora, e.gpu_memory_utilization, step_peak, graphs,
@@ -210,23 +165,9 @@ class ModelRunner:
         del self.kv_cache, x, hidden, probs
         return peak
 
-    def graphs_off_reason(self, e: EngineConfig) -> Optional[str]:
-        """None when decode steps can be captured as CUDA graphs, else why not."""
-        if e.enforce_eager:
-            return "engine.enforce_eager is true"
-        if self.device.type != "cuda":
-            return f"the model runs on {self.device}"
-        if self.attention_backend != "triton":
-            return "engine.attention_backend is torch (its gather is sized by a host int)"
-        if self.lora is not None and self.lora.backend == "torch":
-            return "lora.backend torch groups tokens on the host per step"
-        if e.fault_injection_token_id is not None:
-            return "engine.fault_injection_token_id checks the inputs on the host"
-        return None
-
     def setup_decode_graphs(self, e: EngineConfig) -> None:
         """Capture the decode graphs when they apply; called by the engine once LoRA is wired."""
-        why = self.graphs_off_reason(e)
+        why = self.runtime.decode_graphs_off
         if why is not None:
             log.info("decode steps run eagerly: %s", why)
             return
@@ -247,10 +188,8 @@ class ModelRunner:
             self.static_decode = None
 
     def decode_splits(self, batch: int, len_bound: int) -> int:
-        """Split-K parts of the Triton decode kernel: 1 unless batch x KV heads programs fill at most a
-        quarter of the SMs (with more, the combine costs more than the split gains), else parts of 512
-        tokens of the length bound (at most 64). Parts past a context exit at once, so a short context
-        in a graph sized for max_model_len only pays the combine. Host ints only."""
+        """Split-K parts of the Triton decode kernel: 1 unless the batch's programs fill at most a
+        quarter of the SMs, else 512-token parts of the length bound (at most 64). Host ints only."""
         programs = batch * self.model.args.num_kv_heads  # this rank's KV heads
         if self._sms == 0 or programs == 0 or 4 * programs > self._sms:
             return 1  # cpu, a step without decodes, or enough programs already
@@ -325,9 +264,7 @@ class ModelRunner:
         """Run one step; logits [N, vocab] (model dtype) for the sampling sequences, prefills then decodes.
         sources: for a static step, where each decode row's pending input token is (StaticDecode.run)."""
         if self.lora is not None:
-            # LLMEngine.step loads newly assigned adapters first (a failed read fails only that
-            # adapter's requests, which needs the engine's bookkeeping) and empties plan.slot_loads.
-            # A caller that runs a plan directly (tests, benchmarks) gets them loaded here, all or nothing.
+            # LLMEngine.step already loaded plan.slot_loads; direct callers (tests) load here, all or nothing.
             failed = self.lora.ensure_loaded(plan.slot_loads)
             if failed:
                 raise RuntimeError(f"adapter weights could not be loaded: {failed}")
@@ -353,8 +290,6 @@ class ModelRunner:
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
         """The model over `batch` on every rank: rank 0 broadcasts it first under tensor parallelism."""
-        if self.tp is None:
-            return self.forward(batch)  # type: ignore[return-value]
 
         def step() -> Optional[torch.Tensor]:
             if self.leader is not None:
@@ -364,15 +299,8 @@ class ModelRunner:
         return self._on_all_ranks(step)
 
     def _on_all_ranks(self, step: Callable[[], Optional[torch.Tensor]]) -> torch.Tensor:
-        """Run a step; under TP a failure on rank 0 ends every rank (tp.fail)."""
-        if self.tp is None:
-            out = step()
-        else:
-            try:
-                out = step()
-            except Exception as e:  # noqa: BLE001 - the ranks' collectives are out of step: cannot go on
-                self.tp.fail(f"the step on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
-                             "cannot resynchronise")
+        """Run a step; under TP a failure on rank 0 ends every rank (TPGroup.in_step)."""
+        out = self.tp.in_step(step)
         assert out is not None
         return out
 
@@ -399,4 +327,4 @@ class ModelRunner:
         x = self.inputs(batch)
         hidden = self.model(x.input_ids, x.positions, self.kv_cache, x.meta)
         logits = self.model.compute_logits(hidden[x.logits_indices])
-        return logits if self.tp is None else self.tp.gather_last_dim(logits)
+        return self.tp.gather_last_dim(logits)

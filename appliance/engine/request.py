@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_LOGIT_BIAS = 300  # entries a request's logit_bias may hold (docs/operations.md)
+
 
 class EngineError(Exception):
     """Base class of errors the engine reports to callers."""
@@ -41,6 +44,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (not returned)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     min_tokens: int = 0  # EOS and stop tokens are ignored before this many tokens
+    # None = no logprobs; k = the chosen token's logprob plus the k most likely (raw model distribution)
+    logprobs: Optional[int] = None
+    presence_penalty: float = 0.0  # OpenAI: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the generated text
+    repetition_penalty: float = 1.0  # CTRL/HF: a token of the prompt or output has its logit / p (or * p if < 0)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the top token's
 
     def validate(self) -> None:
         """Raise RequestError with the field name when a value is out of range."""
@@ -58,10 +68,39 @@ class SamplingParams:
             raise RequestError("stop must be a list of non-empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise RequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0:
+                raise RequestError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t!r}: {b!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Sampling reads the tokens seen so far (the penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's logprob under the model (log_softmax of its float32 logits, before any
+    penalty, bias or temperature) and the `SamplingParams.logprobs` most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
 
 
 @dataclass
@@ -80,6 +119,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total generated so far
     error: Optional[str] = None  # set when finish_reason == "error"
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token of token_ids when params.logprobs is set
     # Per-request timestamps (time.monotonic()), kept for the metrics issue.
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None

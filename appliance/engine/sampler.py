@@ -1,8 +1,10 @@
-"""Turn logits into next tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turn logits into next tokens: bias, penalties, greedy, temperature, min-p, top-k, top-p, seeds.
 
-Everything stays on the logits' device until one host transfer of the chosen tokens per step. Greedy
-rows are one batched argmax. Sampled rows are processed together (temperature, top-k and top-p masks
-are batched; which masks apply is decided from the host-side params, never from a device value), then
+Everything stays on the logits' device until one host transfer of the chosen tokens (and, when a row
+asked, their logprobs: engine/logprobs.py) per step. The order is vLLM's: logprobs of the raw logits;
+then, in float32, logit bias, the min_tokens ban, the penalties (engine/penalties.py); greedy rows are
+one batched argmax of that. Sampled rows are processed together (temperature, top-k and top-p masks
+are batched, min-p too; which masks apply is decided from the host-side params, never from a device value), then
 draw by the exponential race: token = argmax(p / E) with E ~ Exp(1) i.i.d. per token, which picks
 token i with probability p_i. Each row's E comes from its own torch.Generator (one small launch per
 seeded row, no sync), so a request with a seed gets the same text whatever else is in the batch.
@@ -14,21 +16,57 @@ pageable memory would wait for the work queued before it, the very step being ov
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from appliance.engine.request import SamplingParams
+from appliance.engine import logprobs as lp
+from appliance.engine.penalties import apply_logit_bias, apply_penalties
+from appliance.engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass
+class DeviceSample:
+    """A step's draw, still on the device: tokens long [N]; `packed` float64 [N, 2 + 2k] (logprobs.pack)
+    when some row asked for logprobs, else None."""
+
+    tokens: torch.Tensor
+    packed: Optional[torch.Tensor]
+
+    def for_host(self) -> torch.Tensor:
+        """The one tensor to move to the host: `packed` when there is one (it holds the tokens)."""
+        return self.tokens if self.packed is None else self.packed
+
+    @staticmethod
+    def read(host: torch.Tensor, params: Sequence[SamplingParams]
+             ) -> tuple[list[int], Optional[list[Optional[TokenLogprob]]]]:
+        """for_host()'s tensor on the host -> (tokens, per-row logprobs or None)."""
+        if host.dtype == torch.long:
+            return host.tolist(), None
+        rows = host.tolist()
+        return [int(r[0]) for r in rows], lp.unpack(rows, params)
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[Optional[torch.Generator]],
-           banned: Sequence[Sequence[int]] = ()) -> list[int]:
-    """logits [N, V] (any float dtype; the sampled rows are taken in float32); params/generators per
-    row; banned[i] = token ids row i may not pick."""
+           banned: Sequence[Sequence[int]] = (),
+           history: Sequence[tuple[Sequence[int], Sequence[int]]] = ()) -> list[int]:
+    """logits [N, V] (any float dtype; processed in float32); params/generators per row; banned[i] =
+    token ids row i may not pick; history[i] = (prompt ids, generated ids), read for penalised rows."""
+    return sample_full(logits, params, generators, banned, history)[0]
+
+
+def sample_full(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[Optional[torch.Generator]],
+                banned: Sequence[Sequence[int]] = (),
+                history: Sequence[tuple[Sequence[int], Sequence[int]]] = ()
+                ) -> tuple[list[int], Optional[list[Optional[TokenLogprob]]]]:
+    """`sample` plus each row's logprobs (None when no row asked); one host transfer."""
     if logits.shape[0] == 0:
-        return []
-    return sample_on_device(logits, params, generators, banned).tolist()
+        return [], None
+    d = sample_on_device(logits, params, generators, banned, history)
+    return DeviceSample.read(d.for_host().cpu(), params)
 
 
 def _on(device: torch.device, values: list, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -41,31 +79,52 @@ def _on(device: torch.device, values: list, dtype: Optional[torch.dtype] = None)
 
 def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[Optional[torch.Generator]],
-                     banned: Sequence[Sequence[int]] = ()) -> torch.Tensor:
-    """`sample`'s tokens as a long tensor [N] on the logits' device, queued without a host sync."""
+                     banned: Sequence[Sequence[int]] = (),
+                     history: Sequence[tuple[Sequence[int], Sequence[int]]] = ()) -> DeviceSample:
+    """`sample_full`'s result left on the logits' device, queued without a host sync."""
     dev = logits.device
-    if banned and any(banned):
-        logits = logits.clone()
-        rows_b = [i for i, ids in enumerate(banned) for _ in ids]
-        cols_b = [t for ids in banned for t in ids]
-        logits[_on(dev, rows_b, torch.long), _on(dev, cols_b, torch.long)] = float("-inf")
+    on = lambda values, dtype=None: _on(dev, values, dtype)  # noqa: E731
+    raw = logits
+    edits = any(p.logit_bias or p.penalized for p in params) or (banned and any(banned))
+    if edits:
+        # A float32 copy: the logits may be a CUDA graph's output buffer, which must stay as it is.
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
+        apply_logit_bias(logits, params, on)
+        if banned and any(banned):
+            rows_b = [i for i, ids in enumerate(banned) for _ in ids]
+            cols_b = [t for ids in banned for t in ids]
+            logits[on(rows_b, torch.long), on(cols_b, torch.long)] = float("-inf")
+        apply_penalties(logits, params, history, on)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return out
-    idx = _on(dev, rows, torch.long)
+    if rows:
+        out[on(rows, torch.long)] = _draw(logits, rows, params, generators, on)
+    k = lp.wanted(params)
+    return DeviceSample(out, None if k is None else lp.pack(raw, out, k))
+
+
+def _draw(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+          generators: Sequence[Optional[torch.Generator]], on) -> torch.Tensor:
+    """The sampled tokens (long [R]) of the non-greedy `rows`."""
+    dev = logits.device
+    idx = on(rows, torch.long)
     x = logits[idx].float()  # the model's dtype (LlamaModel.compute_logits): temperature and softmax in fp32
-    temp = _on(dev, [params[i].temperature for i in rows], x.dtype)
+    temp = on([params[i].temperature for i in rows], x.dtype)
     x = x / temp[:, None]
+    minp_list = [params[i].min_p for i in rows]
+    if any(m > 0.0 for m in minp_list):
+        # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p), in logit space (no softmax needed).
+        minp = on(minp_list, x.dtype)
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + minp.log()[:, None], float("-inf"))
     topk = [params[i].top_k if params[i].top_k > 0 else x.shape[1] for i in rows]
     if any(k < x.shape[1] for k in topk):
-        k_t = _on(dev, topk, torch.long)
+        k_t = on(topk, torch.long)
         sorted_desc = x.sort(dim=-1, descending=True).values
         kth = sorted_desc.gather(1, (k_t - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     topp_list = [params[i].top_p for i in rows]
     if any(p < 1.0 for p in topp_list):
-        topp = _on(dev, topp_list, x.dtype)
+        topp = on(topp_list, x.dtype)
         probs_sorted, order = x.softmax(-1).sort(dim=-1, descending=True)
         # Drop a token when the mass before it already reaches top_p (the top token always stays).
         drop_sorted = (probs_sorted.cumsum(-1) - probs_sorted) >= topp[:, None]
@@ -77,13 +136,11 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
     if len(unseeded) == len(rows):
         noise.exponential_()
     elif unseeded:
-        noise[_on(dev, unseeded, torch.long)] = torch.empty(len(unseeded), probs.shape[1], device=dev,
-                                                             dtype=probs.dtype).exponential_()
+        noise[on(unseeded, torch.long)] = torch.empty(len(unseeded), probs.shape[1], device=dev,
+                                                      dtype=probs.dtype).exponential_()
     for j, i in enumerate(rows):
         g = generators[i]
         if g is not None:
             noise[j].exponential_(generator=g)
     # E > 0 almost surely; the clamp keeps a masked token (p = 0) at 0 rather than 0/0.
-    picked = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
-    out[idx] = picked
-    return out
+    return (probs / noise.clamp_min(1e-20)).argmax(dim=-1)

@@ -1,20 +1,13 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
-Every step has a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs). Running
-sequences go first, oldest first: one token each when decoding, or the next chunk of a prompt that is
-being prefilled in pieces. Then waiting sequences join, in arrival order, while budgets and KV blocks
-last. When a running sequence needs a block and none is free, the newest running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue, to be recomputed later (its generated
-tokens are kept and re-prefilled with the prompt). Nothing is ever dropped.
-
-With overlap loading, `adapter_ready` gates admission before the slot: a request whose adapter's
-weights are still being read or copied stays waiting (reason "load") and the scan goes on.
-
-With async scheduling a running sequence may have a sampled token the host has not read yet
-(`Sequence.num_pending`): it counts, so the sequence decodes on it in the next step; one whose pending
-token is its last by length (`finishing`) is not scheduled again.
-
-Pure Python, no torch: tested in milliseconds.
+Each step has a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs). Running
+sequences go first, oldest first (a decode token, or the next prompt chunk); then waiting ones in
+arrival order while budgets and KV blocks last. Out of blocks, the newest running sequence is
+preempted to the front of the queue and recomputed later; nothing is dropped. `adapter_ready` keeps a
+request whose adapter is still loading waiting (reason "load"). A pending async token
+(`Sequence.num_pending`) counts, so the next step decodes on it. A sample with a `prompt_source` (`n`)
+waits until that sequence computed the prompt's full blocks, then shares them and computes only the
+rest, its own partial last block included: no block is written by two sequences. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -144,9 +137,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Admit waiting sequences only when nobody had to be preempted this step (else we would thrash).
-        # A sequence whose adapter gets no slot stays waiting and the scan goes on: base requests and
-        # requests of resident adapters are not blocked behind it.
+        # Admit only when nobody was preempted this step (else we thrash); a sequence without a slot
+        # stays waiting and the scan goes on, so base and resident-adapter requests are not blocked.
         self._update_drain()
         j = 0
         # Why the scan below stops; the waiting requests it never reaches are held up by the same thing.
@@ -155,6 +147,10 @@ class Scheduler:
         while (not out.preempted and j < len(self.waiting) and budget > 0
                and len(self.running) < self.cfg.max_num_seqs):
             seq = self.waiting[j]
+            if seq.prompt_source is not None and not self._share_prompt(seq):
+                seq.wait_reason = "budget"  # behind the sample that computes the shared prompt
+                j += 1
+                continue
             n = seq.num_uncomputed
             if n > budget:
                 if not self.cfg.enable_chunked_prefill:
@@ -203,6 +199,21 @@ class Scheduler:
             else:
                 out.prefills.append(s)
         return out
+
+    def _share_prompt(self, seq: Sequence) -> bool:
+        """Share the prompt's full blocks with `seq` once its source computed them; False = wait."""
+        src = seq.prompt_source
+        assert src is not None
+        full = (len(seq.prompt_token_ids) - 1) // self.bm.block_size  # the last token's block stays its own
+        if src.status is SeqStatus.FINISHED or full == 0:
+            seq.prompt_source = None  # nothing to share (any more): compute the prompt alone
+            return True
+        if src.status is not SeqStatus.RUNNING or src.num_computed_tokens < full * self.bm.block_size:
+            return False
+        self.bm.share(seq, src, full)
+        seq.num_computed_tokens = full * self.bm.block_size
+        seq.prompt_source = None
+        return True
 
     def _update_drain(self) -> None:
         """Drain rule (lora.drain_wait_threshold_s): once a request waited too long for a slot, stop

@@ -26,6 +26,8 @@ class Sequence:
     # The adapter's registered name, the label metrics use (keys change with every reload, names don't).
     adapter_name: Optional[str] = None
     output_token_ids: list[int] = field(default_factory=list)
+    # One request.TokenLogprob per output token when params.logprobs is set (else stays empty).
+    output_logprobs: list[Any] = field(default_factory=list)
     # When this request was first refused a LoRA slot (drives the drain rule); None = not waiting for one.
     slot_wait_since: Optional[float] = None
     # When this admission attempt was first refused a slot, drain holds included (metrics' slot wait).
@@ -48,12 +50,13 @@ class Sequence:
     text: str = ""  # all output text decoded so far (stop strings are searched here)
     sent_chars: int = 0  # how much of `text` has been handed to the caller
     sent_tokens: int = 0  # how many output tokens have been handed to the caller
-    # Async scheduling (engine.async_scheduling): tokens sampled by launched steps whose values the host
-    # has not read yet. They count as tokens (the next step is scheduled on them) but have no id here;
-    # a step over static buffers takes them from the device (engine/cuda_graph.py).
+    # Async scheduling: tokens sampled on the device but not yet read; they count, but have no id here.
     num_pending: int = 0
     # Its last pending token ends it by length (max_tokens or the context): it is not scheduled again.
     finishing: bool = False
+    # Another sample of the same prompt (`n`): this sequence waits until that one has computed the
+    # prompt's full blocks, then shares them (Scheduler._share_prompt). None once shared, or alone.
+    prompt_source: Optional["Sequence"] = None
 
     @property
     def num_known_tokens(self) -> int:

@@ -1,23 +1,11 @@
 """Start-up warm-up: run once every Triton kernel variant a step can hit, so no request pays a compile.
 
-Triton compiles a kernel the first time it sees a new combination of compile-time constants (tile
-sizes picked from the step's layout: a LoRA segment's length bucket, one-token GEMV bodies or
-tensor-core tiles, a K split or not, write mode under lora_linear, planes of partial sums, attention
-split or not). On a GPU each compile takes seconds, which a request would pay in its TTFT. The
-decode CUDA graphs compile their own sizes when they are captured;
-what remains are the eager steps: prefill chunks, mixed prefill + decode steps, and decode-only steps
-when graphs are off. This module plans a bounded set of such steps (pure Python, from the engine's
-limits) and runs each once through the normal forward on synthetic inputs:
-
-- prefill lengths around each tile bucket (kernels/lora_shrink.py, lora_expand.py) and the lora_linear
-  threshold, each as one adapter segment, one adapter + base tokens, and many distinct adapters;
-- mixed steps: a short prefill beside decode rows with a long context (attention split) and a short
-  one (unsplit); decode-only steps of every graph size with one-token segments (fused apply, or
-  shrink into planes + expand).
-
-Nothing it does is visible afterwards: K/V go to the runner's padding block, decode rows read block 0
-(free at start, whatever it holds), the LoRA slots are only read, and the logits are dropped. A layout
-not in the plan still compiles on first use; the bench counts those (`engine/kernel_variants.py`).
+Triton compiles a kernel on each new combination of compile-time constants, which on a GPU costs a
+request seconds of TTFT. The decode graphs compile their sizes at capture; this module plans a bounded
+set of eager steps (prefill lengths around each tile bucket, mixed prefill + decode with split and
+unsplit attention, eager decode sizes; pure Python) and runs each once on synthetic inputs. Nothing
+is visible afterwards: K/V go to the padding block, LoRA slots are only read, logits are dropped.
+Layouts outside the plan still compile on first use; the bench counts those (engine/kernel_variants.py).
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Segment lengths either side of the launchers' tile buckets: shrink 16 / 256 / 512 rows, expand 16 / 32,
-# lora_linear from 64 tokens (CUDA, kernels/lora_linear.MIN_TOKENS_CUDA). Longer ones are clipped to the
+# lora_linear from 64 tokens (CUDA, lora/backend/policy.MIN_TOKENS_CUDA). Longer ones are clipped to the
 # step's token budget.
 PREFILL_LENGTHS = (2, 16, 17, 32, 33, 63, 64, 255, 256, 257, 512, 513)
 LONG_CONTEXT = 1024  # decode rows' context for the split attention kernel (>= 2 parts of 512)
@@ -64,11 +52,8 @@ class WarmupReport:
 
 def plan_warmup(max_tokens: int, max_model_len: int, max_seqs: int, num_slots: int,
                 decode_sizes: list[int], eager_decode: bool) -> list[WarmupStep]:
-    """The steps to run (bounded: at most ~3 per prefill length + 2 mixed + 2 per decode size).
-
-    max_tokens: engine.max_num_batched_tokens; num_slots: LoRA slots (0 = LoRA off: only the
-    attention kernel is Triton); decode_sizes: the graph batch sizes; eager_decode: decode-only steps
-    run eagerly (no graphs), so they are warmed here instead of by the capture."""
+    """The steps to run (bounded: ~3 per prefill length + 2 mixed + 2 per decode size). num_slots 0 =
+    LoRA off; eager_decode: no graphs, so decode-only steps are warmed here instead of by the capture."""
     steps: list[WarmupStep] = []
     cap = min(max_tokens, max_model_len - 1)
     slot = (lambda i: i % num_slots) if num_slots else (lambda i: -1)

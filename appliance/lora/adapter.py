@@ -1,15 +1,9 @@
 """Read and validate PEFT LoRA adapter directories (adapter_config.json + adapter_model.safetensors).
 
-`read_adapter` reads a directory once, through descriptors confined to lora.adapter_roots
-(lora/adapter_files.py): the JSON and the safetensors header are validated against the engine's LoRA
-config and the base model before the body is read, and the spec, its checksum and later the tensors
-(`adapter_weights`) all come from those same bytes, so what was checked is what is loaded.
-`inspect_adapter` is the same read for callers that need only the spec (validate, plan);
-`load_adapter_weights` reads a registered adapter again (a cold read), refuses it unless it is the
-same (checksum), and returns its tensors with each module's scale folded into B, so a backend computes
-y += (x Aᵀ) Bᵀ. Weights holding NaN or Inf, or a B that overflows the served dtype once scaled, are
-refused there. Pickle (`adapter_model.bin`) is never read. Modules are named `layers.{i}.{proj}`, proj
-in LORA_TARGETS.
+`read_adapter` reads a directory once (lora/adapter_files.py) and validates config and header before
+the body, so what was checked is what is loaded; `inspect_adapter` returns only the spec;
+`load_adapter_weights` re-reads a registered adapter, refuses a checksum change, NaN/Inf or a scaled B
+that overflows the served dtype, and folds each module's scale into B. Pickle is never read.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """One read of an adapter directory's two files, through descriptors confined to lora.adapter_roots.
 
-The files may change between any two system calls (renamed over, rewritten, a directory swapped for a
-symlink), so nothing is opened by a name that was not just checked, and nothing is read twice:
-- the directory's real path is checked to lie inside a root, then opened component by component from
-  that root with O_NOFOLLOW: a component swapped for a symlink after the check fails to open (ELOOP)
-  instead of being followed out of the roots;
-- each file is opened relative to that directory descriptor, O_NOFOLLOW too; a file that is a symlink
-  (Hugging Face cache snapshots link to blobs) has its target resolved, checked and opened the same
-  way from its root;
-- adapter_config.json is read through its descriptor, at most MAX_CONFIG_BYTES (the size fstat reports
-  is checked first, so a huge or sparse file is refused unread), and parsed with a nesting limit;
-- the safetensors file is read as header first; `check(config, header)` validates the declared shapes
-  against the model before the body is read, and the body must be exactly what those shapes need.
-Everything after (the checksum, the tensors) comes from these bytes: what is checked is what is loaded.
+The files may change between any two system calls, so nothing is opened by a name that was not just
+checked, and nothing is read twice: the directory is opened component by component from its root with
+O_NOFOLLOW (a swapped-in symlink fails with ELOOP), files relative to it (symlink targets resolved and
+opened the same way from their root); sizes are checked before reading and the safetensors header is
+validated (`check`) before the body. Everything after comes from these bytes: what is checked is loaded.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """LoRABatchInfo: the step's adapter layout, built once by the model runner and read by every layer.
 
-The step's tokens are sequences back to back, so each sequence is one segment with one slot. The
-segment form (pointers + slot per segment + per-slot rank) is what the kernels take: `segments` holds
-the backend's own layout (kernels/segments.py: sequences for `triton`, slot-sorted chunks for
-`csgmv`); the grouped form (token indices per slot) is what the `torch` backend takes. All are built
-on the host from Python lists and moved to the device once, so no layer ever syncs with the host.
-There is no per-slot scaling tensor: each module's alpha/r is folded into B when the adapter loads
-(rank_pattern/alpha_pattern make the scale per module, not per slot).
+`segments` holds the kernels' layout for the backend (kernels/segments.py); the grouped form (token
+indices per slot) serves the `torch` backend. Built on the host and moved once, so no layer syncs.
+No per-slot scaling: each module's alpha/r is folded into B at load (it is per module, not per slot).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The CPU tier: at most `capacity` adapters' weights in host memory, least recently used leave first.
 
-Pure policy, generic over the weights type T: the loader (reading and validating a PEFT directory) is
-passed in, so this file needs no torch and is tested with plain objects. An evicted adapter stays
-registered; its next `get` reads it from disk again.
-
-Keys are built by the caller, and must change whenever the weights behind a name change: use
-AdapterEntry.cache_key ("<name>@<generation>"). An in-place reload bumps the generation, so the old
-weights can never be returned for the new generation; the caller `drop`s the old key (or lets LRU age it
-out while requests still running on the old weights finish).
+Pure policy, generic over the weights type (the loader is passed in). Keys must change whenever the
+weights behind a name change (AdapterEntry.cache_key, "<name>@<generation>"), so an in-place reload
+can never be served the old weights; the caller drops the old key or lets LRU age it out.
 """
 
 from __future__ import annotations
@@ -117,10 +112,8 @@ class HostCache(Generic[T]):
                           loads=self.loads, evictions=self.evictions)
 
     def _evict_over_capacity(self, keep: str | None) -> None:
-        # Capacity is a soft bound: pinned and held entries are never evicted, and neither is `keep`, the entry a
-        # `get` is returning right now (dropping it would make every following `get` re-read the disk).
-        # If those alone exceed capacity the cache stays over it rather than break a pin; the config
-        # keeps this rare (pinned adapters <= max_loras_per_batch - 1 < max_loaded_loras).
+        # Soft bound: pinned, held and `keep` (being returned) entries are never evicted, so the cache may
+        # stay over capacity rather than break a pin (the config keeps that rare).
         for key in list(self._items):
             if len(self._items) <= self.capacity:
                 break

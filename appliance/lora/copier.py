@@ -1,13 +1,9 @@
 """Host -> GPU slot copies on a side CUDA stream (lora.overlap_loading on a CUDA device).
 
-A copy is enqueued on the side stream after the work already enqueued on the compute stream (a step
-still reading the slot's previous adapter finishes first), and ends with an event. The step that first
-uses the slot makes the compute stream wait on that event (`wait`: a device-side stream wait, never a
-host sync); the scheduler meanwhile keeps such a slot's requests waiting while `done` says the copy is
-still running, so the running batch is not held up by it. Durations come from timing events once they
-have completed (`finished_durations`), so the load-latency metrics need no synchronisation either.
-
-The CPU twin is the synchronous copy in LoRAManager._fill_slot: on CPU there is nothing to overlap.
+A copy is queued after the compute stream's pending work (a step still reading the slot's previous
+adapter finishes first) and ends with an event; the first step using the slot waits on it on the
+device, never on the host, and the scheduler holds that slot's requests while `done` is false.
+Durations come from completed timing events, so metrics need no sync. CPU twin: LoRAManager._fill_slot.
 """
 
 from __future__ import annotations

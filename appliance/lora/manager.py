@@ -1,22 +1,10 @@
 """The engine's LoRA subsystem: registry + CPU tier + GPU slot pool + the wrapped model's slot buffers.
 
-Requests carry an adapter *key* `name@N`, fixed when the request is added. Every load, in-place reloads
-included, makes a new key (N never repeats, even when a name is unloaded and loaded again), so
-requests already in flight finish on the old weights (old key) while new ones get the new weights. A key stays alive while any request uses it; unloading removes the name
-from the registry at once (new requests get 404) and retires the key, which is dropped from the slot
-pool and the CPU tier once its last request is done.
-
-Control decisions (which slot, which victim) are made by the pure-Python pool; this class only wires
-them to tensors. It runs on the engine thread; the HTTP layer reaches it through the async engine.
-
-Overlap loading (lora.overlap_loading): the scheduler asks `adapter_ready(key)` before it gives a
-request a slot. A key missing from the CPU tier starts a background read (lora/reader.py) and its
-requests wait (reason "load") while everything else keeps running; `poll_loads`, at the start of each
-step, puts finished reads into the CPU tier or reports the failed ones (the engine fails only their
-requests). On CUDA the CPU tier holds pinned tensors and a key in host memory is given a slot ahead of
-its requests (`SlotPool.reserve`) and copied in on a side stream (lora/copier.py); its requests join
-the batch once the copy has completed. Keys make this safe across unloads and reloads: a read carries
-the key it was started for, and the outcome of a key dropped meanwhile is discarded.
+Requests carry a key `name@N` fixed when added; every load (reloads included) makes a new N, so
+requests in flight finish on the old weights. Unloading removes the name at once (404) and retires the
+key, dropped from slots and CPU tier after its last request. Decisions come from the pure-Python pool;
+this class wires them to tensors, on the engine thread. With overlap loading, `adapter_ready` starts
+background reads and side-stream copies while other requests run; outcomes of dropped keys are discarded.
 """
 
 from __future__ import annotations
@@ -31,7 +19,8 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import torch
 
-from appliance.config.schema import ConfigError, LoRAConfig
+from appliance.config.schema import LoRAConfig
+from appliance.engine.runtime import LoRARuntime
 from appliance.telemetry.stats import LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, adapter_weights, load_adapter_weights, read_adapter
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
@@ -43,6 +32,7 @@ from appliance.lora.sources.fetch import AdapterSources, shown_as_source
 from appliance.lora.names import shown
 from appliance.lora.registry import AdapterEntry, LoRAStateError, Registry, check_name
 from appliance.models.llama import LlamaModel, ModelArgs
+from appliance.parallel.lora import SingleRankSync
 
 if TYPE_CHECKING:
     from appliance.parallel.lora import AdapterSync
@@ -74,16 +64,20 @@ class KeyState:
 
 
 class LoRAManager:
-    def __init__(self, cfg: LoRAConfig, model: LlamaModel, base_name: str, dtype: torch.dtype,
-                 device: torch.device, stats: Optional[StatsRecorder] = None,
-                 args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None) -> None:
+    def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, base_name: str,
+                 dtype: torch.dtype, device: torch.device, stats: Optional[StatsRecorder] = None,
+                 args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None,
+                 read_delay_s: float = 0.0) -> None:
+        # runtime: lora.* with auto resolved for this device at start (engine/runtime.py);
+        # read_delay_s: debug.fault_injection_read_delay_s.
         self.cfg = cfg
+        self.read_delay_s = read_delay_s
         # Loads (disk -> cpu, cpu -> gpu) and evictions of both tiers, for metrics.
         self.stats = stats if stats is not None else StatsRecorder()
         # The full model's shapes (adapters are checked against them); under tensor parallelism
         # `model` is rank 0's shard and `tp` mirrors every load, fill and drop on the other ranks.
         self.args = args if args is not None else model.args
-        self.tp = tp
+        self.tp: AdapterSync | SingleRankSync = tp if tp is not None else SingleRankSync()
         self.base_name = base_name
         self.dtype = dtype
         self.device = device
@@ -95,28 +89,13 @@ class LoRAManager:
         self._key_numbers = itertools.count()
         self.host = HostCache(cfg.max_loaded_loras, self._read_weights,
                               on_evict=lambda _: self.stats.eviction("cpu", "lru"))
-        self.backend = cfg.resolved_backend(device)  # lora.backend, auto resolved for this device
-        if self.backend != "torch":
-            from kernels.platform import triton_unavailable_reason
-
-            why = triton_unavailable_reason(device)
-            if why is not None:
-                raise ConfigError(f"lora.backend: {cfg.backend!r} cannot run here: {why}")
+        self.backend = runtime.backend
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, self.backend, cfg.max_chunk_size,
-                                           cfg.sorted_decode(device))
+                                           runtime.sorted_decode)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
-        aside = cfg.decode_side_stream
-        if aside is None:  # where it was measured to pay: one CUDA device
-            aside = device.type == "cuda" and tp is None
-        self.ctx.prefill_gemm = None if cfg.prefill_gemm == "auto" else cfg.prefill_gemm
-        if cfg.prefill_gemm == "triton" and self.backend != "torch":
-            from kernels.lora_gemm import platform_reason
-
-            why = platform_reason(device, next(model.parameters()).dtype)
-            if why is not None:
-                raise ConfigError(f"lora.prefill_gemm: 'triton' cannot run here: {why}; use auto or cublas")
-        if aside and self.backend != "torch":
+        self.ctx.prefill_gemm = runtime.prefill_gemm
+        if runtime.decode_side_stream:
             self.ctx.decode_aside = True
             self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).
@@ -181,13 +160,11 @@ class LoRAManager:
         resolved, spec, weights, read_s = prepared.resolved, prepared.spec, prepared.weights, prepared.read_s
         old_key = self.current[name] if old is not None else None
         key = f"{name}@{next(self._key_numbers)}"
-        if self.tp is not None:
-            self.tp.read(key, spec)  # every other rank reads its shard; any failure: none keeps it
+        self.tp.read(key, spec)  # every other rank reads its shard; any failure: none keeps it
         try:
             self._claim_pin(key, spec, weights, pinned, old, old_key)
         except Exception:
-            if self.tp is not None:
-                self.tp.drop(key)  # refused: the other ranks forget the shard they read
+            self.tp.drop(key)  # refused: the other ranks forget the shard they read
             raise
         fields = dict(path=spec.source or str(resolved), pinned=pinned, checksum=spec.checksum, rank=spec.rank,
                       target_modules=spec.target_modules, base_model_name=spec.base_model_name)
@@ -250,11 +227,8 @@ class LoRAManager:
         return out
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:
-        """Pin or unpin a loaded adapter without reloading it (same weights, same key).
-
-        Pinning takes a GPU slot now (loading the weights into it when needed) and keeps the weights
-        in the CPU tier; it is refused, with nothing changed, at the pin limit or with no slot free.
-        Asking for the state the adapter already has is a no-op.
+        """Pin or unpin a loaded adapter without reloading it (same weights, same key). Pinning takes a
+        slot now; refused with nothing changed at the pin limit or with no slot free; same state: no-op.
         """
         entry = self.registry.get(name)  # 404 when unknown
         if entry.pinned == pinned:
@@ -399,9 +373,8 @@ class LoRAManager:
             return
 
         def copy() -> None:
-            load_adapter_into_slot(self.ctx, slot, weights if self.tp is None else self.tp.shard(weights))
-            if self.tp is not None:
-                self.tp.fill(slot, key)  # AdapterError when another rank fails: this slot is not valid
+            load_adapter_into_slot(self.ctx, slot, self.tp.shard(weights))
+            self.tp.fill(slot, key)  # AdapterError when another rank fails: this slot is not valid
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the copy's real duration, not its launch
 
@@ -434,15 +407,12 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ internals
     def _read_cold(self, spec: AdapterSpec) -> Weights:
-        """A cold read: the files are read once more through descriptors confined to
-        lora.adapter_roots (the dir or its files may have been replaced by symlinks leading out of them
-        since the adapter was registered), validated again, checked against the registered checksum
-        and, on CUDA with overlap, pinned. Touches no engine state: with overlap loading it runs on a
-        reader thread."""
-        if self.cfg.fault_injection_read_delay_s > 0:
+        """A cold read: files re-read through descriptors confined to lora.adapter_roots (they may have
+        been swapped for symlinks since), revalidated and checksum-checked. Touches no engine state."""
+        if self.read_delay_s > 0:
             from appliance.telemetry.faults import slow_read
 
-            slow_read(self.cfg.fault_injection_read_delay_s)
+            slow_read(self.read_delay_s)
         if spec.source is not None:  # its disk-cache entry may have been evicted since: fetched again
             spec = replace(spec, path=self.sources.refresh(spec.source, spec.path))
         return self._pinned(load_adapter_weights(spec, self.dtype, self.cfg, self.args))
@@ -499,5 +469,4 @@ class LoRAManager:
         if key in self.host:
             self.host.drop(key)
         del self.keys[key]
-        if self.tp is not None:
-            self.tp.drop(key)
+        self.tp.drop(key)

@@ -1,14 +1,10 @@
 """The one rule for adapter names, checked wherever a name enters: the admin API (through the
-registry), the YAML inventory (config/schema.py) and nowhere weaker.
+registry) and the YAML inventory (config/schema.py).
 
-A name is 1..MAX_NAME_CHARS characters, every one printable (`str.isprintable`: no control characters
-such as newline, CR, NUL or ANSI ESC, no format characters such as the bidi overrides U+202A..U+202E
-and U+2066..U+2069 or zero-width ones, no line/paragraph separators, surrogates, private-use or
-unassigned code points), without surrounding whitespace and without ':' (it separates base and
-adapter in OpenAI `model`, "<base>:<adapter>"). Names reach logs, terminals (`appliance plan`), JSON
-answers and Prometheus label values, so anything that could forge a line or hide text is refused.
-
-Pure Python, no torch: the config schema imports it.
+1..MAX_NAME_CHARS printable characters (`str.isprintable`: no control, bidi, zero-width or unassigned
+code points), no surrounding whitespace, no ':' (it separates base and adapter in OpenAI `model`).
+Names reach logs, terminals, JSON and Prometheus labels, so nothing may forge a line or hide text.
+Pure Python: the config schema imports it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """PEFT's module-name patterns (rank_pattern / alpha_pattern keys, a target_modules regex), matched
 without catastrophic backtracking.
 
-PEFT's rule (peft.utils.other.get_pattern_key): the first key for which
-`re.match(rf"(.*\\.)?({key})$", module)` holds wins, i.e. the key, as a regex, matches the whole name
-or a part of it that starts after a dot. Config files come from users, and Python's `re` backtracks:
-a key like `(a+)+$`, or thousands of keys each compiled and tried on every module, held the engine
-thread for tens of seconds. So:
-- at most MAX_KEYS keys of at most MAX_KEY_CHARS characters each (a clear AdapterError beyond);
-- a plain key (letters, digits, `_`, `-`, `.`) is matched without `re`: its dots match any character,
-  as in the regex, against each dotted suffix of the name (a handful per name);
-- any other key must be a "flat" regex: no repeat inside a repeat, no alternation inside a repeat,
-  no backreference and at most MAX_REPEATS repeats, so one match costs at most a small power of the
-  name's length. Such a key is compiled once, not once per module.
+PEFT's rule: the first key with `re.match(rf"(.*\\.)?({key})$", module)` wins. Keys come from users and
+`re` backtracks, so keys are bounded in count and length, plain keys are matched without `re`, and
+any other key must be a "flat" regex (no nested repeats or alternation in a repeat, no backreference,
+at most MAX_REPEATS repeats), compiled once.
 """
 
 from __future__ import annotations

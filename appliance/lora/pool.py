@@ -1,14 +1,9 @@
 """The GPU slot pool's policy: which adapter sits in which slot, and who leaves when a slot is needed.
 
-Pure Python, no tensors: the model runner preallocates `num_slots` buffers at max_lora_rank and copies an
-adapter's weights into slot `i` when `acquire`/`pin` answer `needs_load=True`. Rules (issue 3):
-- An adapter holds its slot while any of its requests runs (`acquire` +1 per request, `release` -1).
-- A slot is needed and none is free: evict an adapter with no running request and not pinned, the least
-  recently used one (`lru`) or the earliest loaded one (`fifo`). No such adapter: the request waits.
-- Pinned adapters keep their slot while loaded; at most num_slots - 1 are pinned, so one slot always
-  stays available to every other adapter and nothing can starve for good.
-Time is a counter bumped on every event, not the wall clock, so ordering is exact and tests are
-deterministic.
+Pure Python; the runner copies weights into slot `i` when `acquire`/`pin` answer `needs_load=True`.
+An adapter holds its slot while any of its requests runs; the victim is an unpinned, idle adapter
+(`lru` or `fifo`), else the request waits. At most num_slots - 1 adapters are pinned, so nothing
+starves for good. Time is an event counter, not the clock, so ordering is exact and tests deterministic.
 """
 
 from __future__ import annotations
@@ -166,11 +161,9 @@ class SlotPool:
         return got
 
     def reserve(self, name: str) -> Acquired | None:
-        """Give non-resident `name` a slot ahead of its requests (overlap loading copies its weights
-        in while the batch runs), by the same rule as `acquire` but with no running request. Until a
-        request acquires it (or `unreserve`), no other reservation evicts it, so adapters waiting in
-        more numbers than slots cannot keep evicting each other's fresh copies; `acquire` and `pin`
-        still may. None: no slot free or evictable, or `name` is resident already; nothing changed."""
+        """Give non-resident `name` a slot ahead of its requests (overlap loading), by `acquire`'s rule.
+        No other reservation evicts it until a request acquires it, so waiting adapters cannot evict
+        each other's fresh copies. None: no slot, or already resident; nothing changed."""
         if name in self._res:
             return None
         got = self._place(name, for_reservation=True)
@@ -248,18 +241,13 @@ class SlotPool:
 
 def choose_drain_victim(residents: Sequence[ResidentView], waiting_since: Mapping[str, float],
                         now: float, threshold_s: float, *, current: str | None = None) -> str | None:
-    """The drain rule (lora.drain_wait_threshold_s): the resident adapter whose NEW admissions should stop
-    so that its slot frees for a starving one, or None.
+    """The drain rule (lora.drain_wait_threshold_s): the resident adapter whose new admissions stop so
+    its slot frees for a starving one, or None.
 
-    residents:     every adapter holding a slot (SlotPool.residents()).
-    waiting_since: adapter name -> when its oldest request started waiting for a slot (same clock as
-                   `now`); resident names are ignored: their requests can run.
-    Returns None when the rule is off (threshold_s == 0), when no non-resident adapter waited longer than
-    threshold_s, or when some resident is already evictable (no running request, unpinned): the next
-    acquire takes that slot without draining anyone. Otherwise the unpinned resident closest to finishing:
-    fewest running requests, ties broken by least recently used. `current`, the victim chosen on an
-    earlier step, is kept while it is still a candidate, so the drain doesn't hop from adapter to adapter
-    and never complete.
+    None when the rule is off, no non-resident adapter (waiting_since: name -> oldest wait) waited past
+    threshold_s, or some resident is already evictable. Else the unpinned resident with the fewest
+    running requests, then least recently used; `current` is kept while still a candidate, so the
+    drain never hops between adapters without completing.
     """
     if threshold_s <= 0:
         return None

@@ -1,13 +1,8 @@
 """Background reads of cold adapters (lora.overlap_loading): disk -> host memory off the engine thread.
 
-Pure Python, generic over what a read returns: the LoRA manager hands `start` a closure that reads and
-validates one adapter's files (it touches no engine state), and collects the outcomes with `poll` on
-the engine thread, where every bookkeeping change happens (CPU tier, stats, failing requests). So the
-only state shared between threads is this class's own, behind its lock.
-
-At most one read per key is queued or running; `lora.loader_threads` reads run at once, the rest wait
-in the executor's queue. A read whose key was dropped meanwhile (unloaded, its requests gone) still
-runs to its end; the manager discards its outcome.
+The manager hands `start` a closure that touches no engine state and collects outcomes with `poll` on
+the engine thread, where all bookkeeping happens; the only shared state is this class's, behind its
+lock. At most one read per key; a read whose key was dropped meanwhile runs on and is discarded.
 """
 
 from __future__ import annotations

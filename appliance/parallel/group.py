@@ -1,16 +1,10 @@
 """The tensor-parallel process group of one rank: set up from `parallel.*`, and its collectives.
 
 Two groups over the same ranks: `device` for the model's collectives (nccl on cuda, gloo on cpu) and
-`control`, always gloo on the host, for what rank 0 broadcasts (each step's batch, adapter operations)
-and what it gathers back (their results). Keeping control messages on the host means a step's inputs
-never make a GPU round trip before the forward, as vLLM's cpu_group does.
-
-Every control message is one broadcast of a fixed buffer of `inline_ints` int64s: [kind, number of
-fields, fields..., payload]. Kind OBJECT is followed by one object (torch's broadcast_object_list:
-pickled, two more broadcasts); kind DECODE, the message of every decode token, carries a static decode
-step's staged int tensors in the same buffer (engine/cuda_graph.py), or in broadcasts of their own
-when they do not fit (long block tables). A gloo broadcast costs about the same whatever its size, so
-a decode step is one broadcast, not one per tensor.
+`control`, gloo on the host, for what rank 0 broadcasts and gathers back, so a step's inputs never
+make a GPU round trip. A control message is one broadcast of a fixed `inline_ints` int64 buffer
+[kind, n fields, fields..., payload]; DECODE carries the staged decode rows inline (a gloo broadcast
+costs about the same whatever its size), OBJECT is followed by a pickled object.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.config.schema import ConfigError, ParallelConfig
+from appliance.engine.runtime import parallel_backend
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +60,21 @@ class TPGroup:
     def __post_init__(self) -> None:
         self._msg = torch.zeros(self.inline_ints, dtype=torch.long)  # reused: one message at a time
 
+    # Under TP the process group's watchdog thread polls its own events during a CUDA-graph capture:
+    # only the capturing thread's calls must be refused.
+    capture_error_mode = "thread_local"
+
     def fail(self, reason: str) -> NoReturn:
         self.on_failure(reason)
         raise AssertionError("unreachable")  # on_failure never returns
+
+    def in_step(self, step: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """Run a step; a failure on rank 0 ends every rank (the ranks' collectives are out of step)."""
+        try:
+            return step()
+        except Exception as e:  # noqa: BLE001 - cannot resynchronise
+            self.fail(f"the step on rank 0 failed ({type(e).__name__}: {e}); tensor-parallel ranks "
+                      "cannot resynchronise")
 
     # ------------------------------------------------------------------ model collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,12 +154,9 @@ class TPGroup:
         return out
 
     def quiesce(self, timeout_s: float = 10.0) -> None:
-        """Before destroy, on CPU ranks: meet every rank in a barrier so that no rank tears its gloo
-        groups down (or exits) while a peer still uses them; torch 2.13's gloo then aborts a process
-        ("terminate called without an active exception"): 4-5 of 16 runs in tests/parallel/test_tp_group.py
-        without a barrier, 0 of 46 with it, and once a rank-0 server on SIGTERM in the two-node test.
-        CUDA workers leave with os._exit right after Stop (parallel/worker.py): nothing to meet there.
-        A peer that never arrives (dead) costs timeout_s and a warning, then teardown goes on."""
+        """Before destroy, on CPU ranks: a barrier so no rank tears its gloo groups down while a peer
+        still uses them (gloo then aborts the process). CUDA workers os._exit after Stop instead.
+        A dead peer costs timeout_s and a warning, then teardown goes on."""
         if self.device.type == "cuda" or not dist.is_initialized():
             return
         try:
@@ -164,6 +168,32 @@ class TPGroup:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@dataclass
+class SingleRank:
+    """The rank-1 group of tp_size 1: no process group, every collective the identity, a failing step's
+    exception raised as it is (the engine reruns the step request by request)."""
+
+    device: torch.device
+    rank: int = 0
+    size: int = 1
+    capture_error_mode = "global"
+
+    def in_step(self, step: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        return step()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        return x
+
+    def min_int(self, n: int) -> int:
+        return n
+
+    def broadcast_decode(self, fields: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        pass
 
 
 def rank_device(model_device: str, rank: int) -> torch.device:
@@ -184,9 +214,7 @@ def rank_device(model_device: str, rank: int) -> torch.device:
 
 def init_group(cfg: ParallelConfig, rank: int, device: torch.device, timeout_s: float = 600.0) -> TPGroup:
     """Join the group of cfg.tp_size ranks at tcp://master_addr:master_port (rank 0 hosts the store)."""
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and device.type != "cuda":
-        raise ConfigError("parallel.backend: nccl needs CUDA devices; use gloo (or auto) on cpu")
+    backend = parallel_backend(cfg, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)

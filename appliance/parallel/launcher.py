@@ -1,16 +1,10 @@
 """Rank 0's side of tensor parallelism: start the worker processes, watch them, stop them.
 
-`start_ranks` (called by LLMEngine when parallel.tp_size > 1) checks that tp_size divides the model
-before anything starts, spawns this host's other ranks (1..tp_size/nnodes - 1) as
-`python -m appliance.parallel.worker` processes (cuda:r each, or the CPU with gloo), and joins the
-process group as rank 0; the server process stays rank 0 and runs the scheduler, the LoRA manager and
-HTTP. On further hosts (parallel.nnodes > 1), `appliance worker parallel.node_rank=K` runs `run_node`,
-which starts that host's ranks the same way and waits for them.
-
-Failure is loud and total: a worker that exits while the engine runs (killed, crashed, out of memory)
-leaves rank 0's collectives waiting for ever, so a watcher thread ends the server process at once
-with an error naming the rank, after killing the other workers. Workers exit by themselves when rank 0
-is gone (worker.py). `stop` (engine shutdown, SIGTERM's drain) sends Stop and waits for them.
+`start_ranks` checks that tp_size divides the model before anything starts, spawns this host's other
+ranks as `python -m appliance.parallel.worker` and joins as rank 0 (scheduler, LoRA manager, HTTP);
+other hosts run `run_node` via `appliance worker`. Failure is total: a worker that dies would leave
+rank 0's collectives waiting for ever, so a watcher kills the other workers and ends the server with
+an error naming the rank.
 """
 
 from __future__ import annotations

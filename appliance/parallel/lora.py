@@ -1,17 +1,10 @@
 """LoRA under tensor parallelism, the S-LoRA way, and adapter operations kept atomic across ranks.
 
-Sharding (TPLayout gives the ranges; weights as load_adapter_weights returns them,
-"layers.{i}.{proj}" -> (A [r, in], B·scale [out, r])):
-- column-parallel q/k/v/gate/up: A whole (x is replicated), B's rows of this rank's output range;
-- row-parallel o/down: A's columns of this rank's input range, B whole. Each rank's x_r·A_rᵀ is a
-  partial sum of x·Aᵀ. S-LoRA all-reduces those rank-sized partials before B; since B is linear,
-  Σ_r (x_r A_rᵀ) Bᵀ = (Σ_r x_r A_rᵀ) Bᵀ, so each rank adds its partial delta to its partial base output
-  and the block's one all-reduce (parallel/shard.py) sums both: the same result with no collective
-  of its own, and the LoRA kernels stay the fused one-call shrink+expand of tp_size=1.
-
-Atomic operations: rank 0 reads an adapter first (a bad file fails there, nothing sent). Then every
-other rank reads and verifies its copy (`ReadAdapter`, answered); if any fails, all drop it and the
-load is refused with that rank's error, registry unchanged. Slot fills are answered the same way.
+Column-parallel q/k/v/gate/up keep A whole and take B's rows of the rank's output range; row-parallel
+o/down take A's columns of the input range and B whole. Since B is linear, each rank adds its partial
+delta to its partial base output and the block's one all-reduce sums both: no collective of its own.
+Atomic: rank 0 reads first (a bad file sends nothing), then every rank reads and verifies its copy;
+if any fails, all drop it and the load is refused with that rank's error. Slot fills likewise.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ from typing import Optional
 import torch
 
 from appliance.config.schema import LoRAConfig
+from appliance.engine.runtime import LoRARuntime
 from appliance.lora.adapter import AdapterError, AdapterSpec, load_adapter_weights
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
@@ -80,22 +74,38 @@ class AdapterSync:
             raise AdapterError("; ".join(f"tensor-parallel rank {r}: {e}" for r, e in errors))
 
 
+class SingleRankSync:
+    """AdapterSync of tp_size 1: no other rank to mirror, the weights whole."""
+
+    def shard(self, weights: Weights) -> Weights:
+        return weights
+
+    def read(self, key: str, spec: AdapterSpec) -> None:
+        pass
+
+    def fill(self, slot: int, key: str) -> None:
+        pass
+
+    def drop(self, key: str) -> None:
+        pass
+
+
 class WorkerAdapters:
     """A worker rank's side: the wrapped shard's slot buffers and a CPU tier of shards.
 
     The tier holds lora.max_loaded_loras shards (least recently used leave first); a fill whose shard
     left it reads the files again, as rank 0's HostCache does."""
 
-    def __init__(self, cfg: LoRAConfig, model: LlamaModel, layout: TPLayout, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, layout: TPLayout,
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.cfg = cfg
         self.layout = layout
         self.dtype = dtype
         self.device = device
-        self.backend = cfg.resolved_backend(device)
+        self.backend = runtime.backend
         self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
                                            cfg.max_lora_rank, self.backend, cfg.max_chunk_size,
-                                           cfg.sorted_decode(device))
+                                           runtime.sorted_decode)
         self.specs: dict[str, AdapterSpec] = {}  # every key rank 0 holds
         self.shards: OrderedDict[str, Weights] = OrderedDict()
 

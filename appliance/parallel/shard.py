@@ -1,10 +1,8 @@
 """Build one rank's shard of the model and fill it from safetensors slices (no rank reads it all).
 
-The model file has no distributed code: the rank's LlamaModel is built from `TPLayout.local_args()`
-(fewer heads, a slice of the MLP and of the vocabulary), then `parallelize` adds what TP needs from
-outside: a forward hook that all-reduces the output of each attention and MLP block (their last linear,
-o_proj / down_proj, is row-parallel, so each rank holds a partial sum; a LoRA delta added inside the
-block is part of it), and a vocab-parallel embedding. Logits are gathered by the model runner.
+The model file has no distributed code: `parallelize` adds from outside a hook that all-reduces each
+attention and MLP block's output (row-parallel last linear, a LoRA delta inside it included) and a
+vocab-parallel embedding. Logits are gathered by the model runner.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""A tensor-parallel worker: ranks 1..tp_size-1, started by parallel/launcher.py (on rank 0's host by
-the server, on the other hosts by `appliance worker`).
+"""A tensor-parallel worker (ranks 1..tp_size-1), started by parallel/launcher.py.
 
-`python -m appliance.parallel.worker` reads {rank, config} as JSON on stdin, joins the process group,
-builds its shard of the model (the same ModelRunner as rank 0, with `tp`), then follows rank 0: each
-message rank 0 broadcasts is a step to run, an adapter operation (parallel/messages.py), the order to
-capture the decode graphs, or a decode step over them (engine/cuda_graph.py). It has no
-scheduler, registry or HTTP server. It exits 0 on `Stop`, and 1 (at once) when rank 0's process is
-gone (the process that started it, or rank 0's connection) or a collective fails, so it never outlives
-the server.
+Reads {rank, config} as JSON on stdin, builds its shard with the same ModelRunner as rank 0, then
+follows rank 0's broadcasts (steps, adapter operations, graph capture, graphed decode steps); no
+scheduler, registry or HTTP. Exits 0 on `Stop` and 1 at once when rank 0 is gone or a collective
+fails, so it never outlives the server.
 """
 
 from __future__ import annotations
@@ -43,8 +39,8 @@ def run_worker(cfg: ApplianceConfig, rank: int) -> None:
     runner = ModelRunner(cfg, str(Path(cfg.model.path).expanduser()), tp=group)
     adapters: Optional[WorkerAdapters] = None
     if cfg.lora.enabled:
-        adapters = WorkerAdapters(cfg.lora, runner.model, TPLayout(runner.args, rank, group.size), runner.dtype,
-                                  runner.device)
+        adapters = WorkerAdapters(cfg.lora, runner.runtime.lora, runner.model, TPLayout(runner.args, rank, group.size),
+                                  runner.dtype, runner.device)
     log.info("rank %d ready on %s", rank, device)
     follow(group, runner, adapters)
     if device.type == "cuda":

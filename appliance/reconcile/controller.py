@@ -75,8 +75,10 @@ class ReconcileRecord:
 
 
 class Reconciler:
-    def __init__(self, running: ApplianceConfig, ops: LiveOps, source: Optional[ConfigSource]) -> None:
+    def __init__(self, running: ApplianceConfig, ops: LiveOps, source: Optional[ConfigSource],
+                 runtime: Optional[dict[str, Any]] = None) -> None:
         self.running = running  # the config the engine was built from: restart-only settings come from it
+        self.runtime = runtime  # the engine's settings with auto resolved at start (engine/runtime.py)
         self.ops = ops
         self.source = source
         self.generation = 1
@@ -147,6 +149,7 @@ class Reconciler:
             "last_reconcile": self.last.view(),
             "restart_required": [c.render() for c in self.restart],
             "settings": restart_settings(self.running, env=self.env_running),
+            "runtime": self.runtime,
         })
 
     # ------------------------------------------------------------------ one pass

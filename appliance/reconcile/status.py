@@ -23,6 +23,8 @@ def render_status(url: str, status: Optional[dict[str, Any]], adapters: dict[str
         lines += [f"  {a['action']} {a['name']}: {a['result']}" + (f": {a['error']}" if a["error"] else "")
                   for a in last["actions"]]
         lines += [f"  ! {r}" for r in status["restart_required"]]
+        if status.get("runtime"):
+            lines.append("runtime: " + _flat(status["runtime"]))
     if not adapters.get("enabled"):
         lines.append("adapters: LoRA serving is off (lora.enabled is false)")
         return "\n".join(lines)
@@ -39,3 +41,14 @@ def render_status(url: str, status: Optional[dict[str, Any]], adapters: dict[str
     if not adapters["data"]:
         lines.append("(no adapters loaded)")
     return "\n".join(lines)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> str:
+    """The resolved runtime settings as `key=value` pairs, nested keys dotted (lora.backend=triton)."""
+    parts = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            parts.append(_flat(v, f"{prefix}{k}."))
+        elif v is not None:
+            parts.append(f"{prefix}{k}={v}")
+    return ", ".join(p for p in parts if p)

@@ -135,12 +135,12 @@ class AdapterAdmin:
 
 
 class AdminApi:
-    def __init__(self, ops: AdapterAdmin, cfg: ApplianceConfig,
-                 read_json: Callable[[Request], Awaitable[dict]]) -> None:
+    def __init__(self, ops: AdapterAdmin, cfg: ApplianceConfig, read_json: Callable[[Request], Awaitable[dict]],
+                 reconciler: "Reconciler") -> None:
         self.ops = ops
         self.auth = AdminAuth(cfg.server.admin_key)
         self.read_json = read_json  # the app's body reader: size limit, JSON object check
-        self.reconciler: Optional["Reconciler"] = None  # set by build_app
+        self.reconciler = reconciler  # /v1/status
 
     def routes(self) -> list[Route]:
         return [
@@ -198,7 +198,6 @@ class AdminApi:
 
     async def status(self, request: Request) -> Response:
         self.auth.check(request)
-        assert self.reconciler is not None
         return JSONResponse(self.reconciler.status())
 
 

@@ -18,7 +18,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 from urllib.parse import quote
@@ -39,7 +38,7 @@ from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
 from appliance.telemetry.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
-from appliance.server import protocol
+from appliance.server import logprob_format, protocol, samples
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
@@ -47,6 +46,7 @@ from appliance.server.group import RequestGroup
 from appliance.server.limits import BodyLimits, ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
 from appliance.server.probes import Probes
+from appliance.server.state import ServerState
 from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
 from appliance.server.scrape import ScrapeApi
 from appliance.server.utility import UtilityApi
@@ -54,16 +54,6 @@ from appliance.server.utility import UtilityApi
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class ServerState:
-    """Shared with run.py: set `draining` on SIGTERM so /health and new requests answer 503; run.py
-    also starts and stops hot reload around the reconciler."""
-
-    reconciler: Reconciler
-    draining: bool = False
-    started: bool = False  # set by run.py once uvicorn listens (GET /ready)
 
 
 class _ClientGone(Exception):
@@ -151,9 +141,8 @@ class _Api:
                                     cfg.server.strict_fields)
         self.created = int(time.time())
         ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
-        self.state = ServerState(Reconciler(cfg, ops, source))
-        self.admin = AdminApi(ops, cfg, self._read_json)
-        self.admin.reconciler = self.state.reconciler
+        self.state = ServerState(Reconciler(cfg, ops, source, runtime=engine.engine.runner.runtime.view()))
+        self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler)
 
     # ------------------------------------------------------------------------------ plain routes
     async def models(self, request: Request) -> Response:
@@ -208,8 +197,10 @@ class _Api:
         headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
             return _SSEResponse(self._completion_stream(group, created, model, req), headers)
-        choices = await self._collect(request, group)
-        return JSONResponse(protocol.completion_response(rid, created, model, choices), headers=headers)
+        sampled = await self._collect(request, group)
+        choices = self._best(req, sampled)
+        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer, sampled),
+                            headers=headers)
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
@@ -219,15 +210,18 @@ class _Api:
         headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
             return _SSEResponse(self._chat_stream(group, created, model, req), headers)
-        choices = await self._collect(request, group)
-        return JSONResponse(protocol.chat_response(rid, created, model, choices), headers=headers)
+        sampled = await self._collect(request, group)
+        choices = self._best(req, sampled)
+        return JSONResponse(protocol.chat_response(rid, created, model, choices, self.tokenizer, sampled),
+                            headers=headers)
 
     def _completion_stream(self, group: RequestGroup, created: int, model: str,
                            req: ParsedRequest) -> AsyncIterator[str]:
         rid, include_usage = group.request_id, req.include_usage
 
         def chunk(i: int, text: str, finish: Optional[str]) -> dict:
-            return _with_usage(protocol.completion_chunk(rid, created, model, i, text, finish, include_usage),
+            lps = logprob_format.take(group.choices[i], self.tokenizer, "completion")
+            return _with_usage(protocol.completion_chunk(rid, created, model, i, text, finish, include_usage, lps),
                                group, req)
 
         def usage() -> dict:
@@ -245,8 +239,9 @@ class _Api:
                 for i in range(len(group.choices))]
 
         def chunk(i: int, text: str, finish: Optional[str]) -> dict:
+            lps = logprob_format.take(group.choices[i], self.tokenizer, "chat")
             return _with_usage(protocol.chat_chunk(rid, created, model, i, {"content": text} if text else {},
-                                                   finish, include_usage), group, req)
+                                                   finish, include_usage, lps), group, req)
 
         def usage() -> dict:
             return protocol.usage_chunk("chat.completion.chunk", rid, created, model, group.choices)
@@ -260,13 +255,14 @@ class _Api:
         req, _ = await self._parse(request, protocol.parse_generate)
         group = await self._start(request, req, f"gen-{uuid.uuid4().hex}", deadline)
         if req.stream:
-            return _SSEResponse(self._generate_stream(group))
+            return _SSEResponse(self._generate_stream(group, self.tokenizer if req.logprob_text else None))
         choices = await self._collect(request, group)
-        items = [protocol.generate_item(group.job_request_id(i), c) for i, c in enumerate(choices)]
+        text = self.tokenizer if req.logprob_text else None
+        items = [protocol.generate_item(group.job_request_id(i), c, text) for i, c in enumerate(choices)]
         return JSONResponse(items if req.batched else items[0])
 
-    def _generate_stream(self, group: RequestGroup) -> AsyncIterator[str]:
-        events = protocol.GenerateEvents(len(group.choices))
+    def _generate_stream(self, group: RequestGroup, logprob_text: Optional[Tokenizer]) -> AsyncIterator[str]:
+        events = protocol.GenerateEvents(len(group.choices), logprob_text)
 
         def item(i: int, out: RequestOutput) -> Optional[str]:
             if not (out.text or out.token_ids or out.finished):
@@ -325,12 +321,20 @@ class _Api:
         Adapters travel by the name the client used: the engine resolves it again when it takes the
         request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
-        group = RequestGroup(self.engine, req.jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
+        jobs = req.jobs if req.best_of == 1 else samples.expand(req.jobs, req.best_of, ranked=req.best_of > req.n)
+        group = RequestGroup(self.engine, jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
         try:
             await _unless_disconnected(request, group.start())
         except EngineError as e:
             raise _to_api_error(e) from None
         return group
+
+    @staticmethod
+    def _best(req: ParsedRequest, sampled: list[Choice]) -> list[Choice]:
+        """The choices to answer with: all of them, or the n best of each prompt's best_of samples."""
+        if req.best_of == req.n:
+            return sampled
+        return samples.select(sampled, req.n, req.best_of, keep_logprobs=req.jobs[0].params.logprobs is not None)
 
     async def _collect(self, request: Request, group: RequestGroup) -> list[Choice]:
         try:

@@ -33,7 +33,8 @@ class RequestGroup:
         self._deadline = deadline
         self._jobs = jobs
         self.request_id = request_id
-        self.choices = [Choice(prompt_tokens=len(j.prompt_ids)) for j in jobs]
+        self.choices = [Choice(prompt_tokens=len(j.prompt_ids), logprobs=None if j.params.logprobs is None else [],
+                               counts_prompt=j.prompt_source is None) for j in jobs]
         self._finished = [False] * len(jobs)
         self._running: set[int] = set()  # submitted, not finished, not failed
         self._next_job = 0  # the next job to submit
@@ -129,6 +130,8 @@ class RequestGroup:
         c = self.choices[i]
         c.text += out.text
         c.token_ids.extend(out.token_ids)
+        if c.logprobs is not None and out.logprobs:
+            c.logprobs.extend(out.logprobs)
         c.completion_tokens = out.completion_tokens
         if out.finished:
             self._finished[i] = True
@@ -140,8 +143,9 @@ class RequestGroup:
         self._next_job += 1
         job = self._jobs[i]
         try:
+            source = None if job.prompt_source is None else self.job_request_id(job.prompt_source)
             self._engine.submit(job.prompt_ids, job.params, lambda item: self._on_output(i, item),
-                                request_id=self.job_request_id(i), adapter=job.adapter)
+                                request_id=self.job_request_id(i), adapter=job.adapter, prompt_source=source)
         except Exception as e:  # noqa: BLE001 - handed to the handler, which answers it (or 500s)
             self._queue.put_nowait((i, e))
         else:
@@ -162,4 +166,5 @@ class RequestGroup:
 
 def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive updates of one request as one: `b`'s state, both deltas."""
-    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text)
+    lps = None if a.logprobs is None or b.logprobs is None else a.logprobs + b.logprobs
+    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=lps)

@@ -37,9 +37,12 @@ class Op:
 
 
 # (method, path) -> operation. Aliases (/v1/load_lora_adapter ...) share their entry.
-_LOAD = Op("Load an adapter, or reload it in place", admin.LoadLoRAAdapterRequest, auth="adminKey", tag="admin")
-_UNLOAD = Op("Unload an adapter", admin.UnloadLoRAAdapterRequest, auth="adminKey", tag="admin")
-_PIN = Op("Pin or unpin a loaded adapter", admin.PinLoRAAdapterRequest, auth="adminKey", tag="admin")
+_LOAD = Op("Load an adapter, or reload it in place", admin.LoadLoRAAdapterRequest, admin.AdapterChange,
+           auth="adminKey", tag="admin")
+_UNLOAD = Op("Unload an adapter", admin.UnloadLoRAAdapterRequest, admin.AdapterUnloaded, auth="adminKey",
+             tag="admin")
+_PIN = Op("Pin or unpin a loaded adapter", admin.PinLoRAAdapterRequest, admin.AdapterChange, auth="adminKey",
+          tag="admin")
 OPERATIONS: dict[tuple[str, str], Op] = {
     ("GET", "/health"): Op("Liveness (cheap): 200 while serving, 503 while draining or when the engine "
                            "stopped", answer=utility.Status, tag="operations"),
@@ -65,7 +68,7 @@ OPERATIONS: dict[tuple[str, str], Op] = {
     ("POST", "/unload_lora_adapter"): _UNLOAD, ("POST", "/v1/unload_lora_adapter"): _UNLOAD,
     ("POST", "/pin_lora_adapter"): _PIN, ("POST", "/v1/pin_lora_adapter"): _PIN,
     ("GET", "/v1/adapters"): Op("Live state of every adapter, the GPU slot pool and the CPU tier",
-                                auth="adminKey", tag="admin"),
+                                answer=admin.AdapterList, auth="adminKey", tag="admin"),
     ("GET", "/v1/status"): Op("Config generation, conditions, last reconcile", auth="adminKey", tag="admin"),
     ("GET", "/openapi.json"): Op("This document", tag="operations"),
     # Described only where the app has the route (the metrics subsystem adds it).

@@ -25,7 +25,7 @@ from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import EngineError, SamplingParams
 
 if TYPE_CHECKING:
-    from appliance.server.app import ServerState
+    from appliance.server.state import ServerState
 
 from appliance.server.errors import ApiError
 

@@ -24,9 +24,10 @@ from typing import Any, Callable, Optional, Union
 
 from jinja2 import TemplateError
 
-from appliance.engine.request import RequestError, SamplingParams
+from appliance.engine.request import RequestError, SamplingParams, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import cut
+from appliance.server import logprob_format
 from appliance.server.errors import bad_request
 from appliance.server.schemas.base import extra_fields, json_type, refuse_unsupported, unknown_field_error, validate
 from appliance.server.schemas.native import GenerateRequest, GenerateSamplingParams
@@ -47,6 +48,8 @@ class Job:
     # The adapter as the client named it (`model` / `lora_path`), set once the app checked it exists;
     # None = base. The engine resolves it again when it takes the request.
     adapter: Optional[str] = None
+    # Another sample of an earlier job's prompt (`n`, `best_of`): that job's index; it shares its KV.
+    prompt_source: Optional[int] = None
 
 
 @dataclass
@@ -59,6 +62,9 @@ class ParsedRequest:
     lora_paths: Optional[list[Optional[str]]] = None  # /generate `lora_path`, one per job (null = base)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     ignored_fields: list[str] = field(default_factory=list)  # unknown fields, not acted on (strict off)
+    logprob_text: bool = False  # /generate return_text_in_logprobs
+    n: int = 1  # choices per prompt (server/samples.py)
+    best_of: int = 1  # samples per prompt, >= n; the n best are returned
 
 
 @dataclass
@@ -71,6 +77,10 @@ class Choice:
     completion_tokens: int = 0
     finish_reason: Optional[str] = None  # the engine's: stop | length | abort | error
     error: Optional[str] = None  # the engine's message when finish_reason == "error"
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token when the request asked, else None
+    logprobs_sent: int = 0  # a stream: how many of them went out in chunks (logprob_format.take)
+    logprob_chars: int = 0  # a stream: the completion's text_offset after those
+    counts_prompt: bool = True  # False for the 2nd..nth sample of a prompt: usage counts a prompt once
 
 
 # ------------------------------------------------------------------------------------------ JSON body
@@ -184,17 +194,35 @@ class RequestLimits:
     strict_fields: bool = False  # server.strict_fields: unknown fields are a 400
 
 
+def _logit_bias(bias: Optional[dict[str, float]], param: str, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids as strings (count and values checked by the model)."""
+    out: dict[int, float] = {}
+    for k, b in (bias or {}).items():
+        tid = int(k) if k.isascii() and k.isdigit() else -1
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"'{param}' keys must be token ids in [0, {vocab_size}), got {cut(k)!r}.", param)
+        out[tid] = b
+    return out
+
+
 def _sampling(d: Union[Sampling, GenerateSamplingParams], limits: RequestLimits, *, prefix: str,
               max_tokens: Optional[int], max_tokens_param: str,
-              min_tokens: Optional[int], min_tokens_key: str) -> Callable[[int, int], SamplingParams]:
+              min_tokens: Optional[int], min_tokens_key: str,
+              logprobs: Optional[int] = None) -> Callable[[int, int], SamplingParams]:
     """The sampling fields shared by every route (types and ranges checked by the model); returns a
     factory (prompt_len, default) -> params. max_tokens is resolved per prompt because its default
-    and its check depend on the prompt length."""
+    and its check depend on the prompt length. `logprobs`: the route's own logprobs field, read by
+    the caller (SamplingParams.logprobs)."""
     p = prefix
     stop = _stop(d.stop, p + "stop", limits)
     stop_ids = ([] if d.stop_token_ids is None
                 else in_vocab(d.stop_token_ids, p + "stop_token_ids", limits.tokenizer.vocab_size))
     temperature, top_p, top_k, seed, ignore_eos = d.temperature, d.top_p, d.top_k, d.seed, d.ignore_eos
+    extra: dict[str, Any] = {"logprobs": logprobs,
+                             "logit_bias": _logit_bias(d.logit_bias, p + "logit_bias", limits.tokenizer.vocab_size)}
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if getattr(d, key) is not None:
+            extra[key] = getattr(d, key)
 
     def build(prompt_len: int, default_max_tokens: int) -> SamplingParams:
         room = limits.max_model_len - prompt_len
@@ -207,7 +235,7 @@ def _sampling(d: Union[Sampling, GenerateSamplingParams], limits: RequestLimits,
             raise bad_request(f"'{p}{min_tokens_key}' ({min_tokens}) must not exceed "
                               f"'{max_tokens_param}' ({n}).", p + min_tokens_key)
         params = SamplingParams(max_tokens=n, stop=stop, stop_token_ids=stop_ids, seed=seed,
-                                ignore_eos=bool(ignore_eos), min_tokens=min_tokens or 0)
+                                ignore_eos=bool(ignore_eos), min_tokens=min_tokens or 0, **extra)
         if temperature is not None:
             params.temperature = temperature
         if top_p is not None:
@@ -239,11 +267,26 @@ def _check_prompt_len(ids: list[int], limits: RequestLimits, param: str) -> None
             f"{len(ids)} tokens (at least one token must be left to generate).", param)
 
 
+def _samples(n: Optional[int], best_of: Optional[int], stream: bool, prompts: int,
+             limits: RequestLimits) -> tuple[int, int]:
+    """`n` and `best_of` (server/samples.py): best_of >= n, not streamed when above n, and at most
+    server.max_prompts_per_request samples in all."""
+    n = n or 1
+    if best_of is not None and best_of < n:
+        raise bad_request(f"'best_of' ({best_of}) must be >= 'n' ({n}).", "best_of")
+    best_of = best_of or n
+    if best_of > n and stream:
+        raise bad_request("'best_of' greater than 'n' cannot be streamed (the best are known at the end).", "best_of")
+    if best_of * prompts > limits.max_prompts:
+        raise bad_request(f"The request asks for {best_of * prompts} samples; at most {limits.max_prompts} are "
+                          "allowed in one request (server.max_prompts_per_request).",
+                          "best_of" if best_of > n else "n")
+    return n, best_of
+
+
 def _openai_common(req: Sampling, table: dict, limits: RequestLimits) -> tuple[bool, bool, bool, list[str]]:
     """Checks both OpenAI routes share: unsupported fields refused, unknown ones listed (strict mode
     refuses them); returns stream, include_usage, continuous_usage_stats and the unknown fields."""
-    if req.n is not None and req.n != 1:
-        raise bad_request(f"'n' must be 1 (only one choice per prompt is supported), got {req.n}.", "n")
     refuse_unsupported(req, table)
     for i, m in enumerate(getattr(req, "messages", None) or ()):
         refuse_unsupported(m, {"tool_calls": lambda v: v == []}, f"messages[{i}].")
@@ -264,14 +307,15 @@ def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     req = validate(CompletionRequest, body, "/v1/completions")
     stream, include_usage, continuous, unknown = _openai_common(req, UNSUPPORTED_COMPLETION, limits)
     build = _sampling(req, limits, prefix="", max_tokens=req.max_tokens, max_tokens_param="max_tokens",
-                      min_tokens=req.min_tokens, min_tokens_key="min_tokens")
+                      min_tokens=req.min_tokens, min_tokens_key="min_tokens", logprobs=req.logprobs)
     prompts = _completion_prompts(req.prompt, limits)
+    n, best_of = _samples(req.n, req.best_of, stream, len(prompts), limits)
     jobs = []
     for ids in prompts:
         _check_prompt_len(ids, limits, "prompt")
         jobs.append(Job(ids, build(len(ids), COMPLETION_DEFAULT_MAX_TOKENS)))
     return ParsedRequest(req.model, jobs, stream, include_usage, continuous_usage=continuous,
-                         ignored_fields=unknown)
+                         ignored_fields=unknown, n=n, best_of=best_of)
 
 
 def _completion_prompts(prompt: Union[str, list], limits: RequestLimits) -> list[list[int]]:
@@ -293,12 +337,16 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
     max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
     build = _sampling(req, limits, prefix="", max_tokens=max_tokens, max_tokens_param=param,
-                      min_tokens=req.min_tokens, min_tokens_key="min_tokens")
+                      min_tokens=req.min_tokens, min_tokens_key="min_tokens",
+                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    n, _ = _samples(req.n, None, stream, 1, limits)
     ids = chat_prompt(req.messages, limits.tokenizer)
     _check_prompt_len(ids, limits, "messages")
     return ParsedRequest(req.model, [Job(ids, build(len(ids), limits.max_model_len))], stream, include_usage,
-                         continuous_usage=continuous, ignored_fields=unknown)
+                         continuous_usage=continuous, ignored_fields=unknown, n=n, best_of=n)
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool = True,
@@ -352,11 +400,13 @@ def parse_generate(body: dict, limits: RequestLimits) -> ParsedRequest:
         prefix = f"sampling_params[{i}]." if isinstance(sp, list) else "sampling_params."
         build = _sampling(s, limits, prefix=prefix, max_tokens=s.max_new_tokens,
                           max_tokens_param=prefix + "max_new_tokens", min_tokens=s.min_new_tokens,
-                          min_tokens_key="min_new_tokens")
+                          min_tokens_key="min_new_tokens",
+                          logprobs=(req.top_logprobs_num or 0) if req.return_logprob else None)
         _check_prompt_len(ids, limits, "text" if req.text is not None else "input_ids")
         jobs.append(Job(ids, build(len(ids), GENERATE_DEFAULT_MAX_NEW_TOKENS)))
     return ParsedRequest(req.model, jobs, bool(req.stream), batched=batched,
-                         lora_paths=_lora_paths(req.lora_path, len(jobs), batched))
+                         lora_paths=_lora_paths(req.lora_path, len(jobs), batched),
+                         logprob_text=bool(req.return_text_in_logprobs))
 
 
 def _lora_paths(v: Union[str, list[Optional[str]], None], n: int, batched: bool) -> Optional[list[Optional[str]]]:
@@ -374,44 +424,52 @@ def _lora_paths(v: Union[str, list[Optional[str]], None], n: int, batched: bool)
 # ------------------------------------------------------------------------------------------ responses
 
 def usage(choices: list[Choice]) -> dict[str, int]:
-    p = sum(c.prompt_tokens for c in choices)
+    p = sum(c.prompt_tokens for c in choices if c.counts_prompt)
     c = sum(c.completion_tokens for c in choices)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion_response(rid: str, created: int, model: str, choices: list[Choice]) -> dict:
+def completion_response(rid: str, created: int, model: str, choices: list[Choice],
+                        tok: Optional[logprob_format.Decoder] = None,
+                        sampled: Optional[list[Choice]] = None) -> dict:
+    """`tok` decodes the tokens of logprobs (needed when a choice has them); `sampled`: every sample
+    behind `choices` (best_of), which usage counts."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        "choices": [{"index": i, "text": c.text,
+                     "logprobs": None if c.logprobs is None else logprob_format.completion(tok, c.logprobs),  # type: ignore[arg-type]
+                     "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
-        "usage": usage(choices),
+        "usage": usage(choices if sampled is None else sampled),
     }
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
-                     finish_reason: Optional[str], include_usage: bool) -> dict:
+                     finish_reason: Optional[str], include_usage: bool, logprobs: Optional[dict] = None) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": None,
+             "choices": [{"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None  # as OpenAI: null on every chunk but the last
     return chunk
 
 
-def chat_response(rid: str, created: int, model: str, choices: list[Choice]) -> dict:
+def chat_response(rid: str, created: int, model: str, choices: list[Choice],
+                  tok: Optional[logprob_format.Decoder] = None, sampled: Optional[list[Choice]] = None) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": None, "finish_reason": c.finish_reason}
+                     "logprobs": None if c.logprobs is None else logprob_format.chat(tok, c.logprobs),  # type: ignore[arg-type]
+                     "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
-        "usage": usage(choices),
+        "usage": usage(choices if sampled is None else sampled),
     }
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
-               finish_reason: Optional[str], include_usage: bool) -> dict:
+               finish_reason: Optional[str], include_usage: bool, logprobs: Optional[dict] = None) -> dict:
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": finish_reason}]}
     if include_usage:
         chunk["usage"] = None
@@ -423,12 +481,18 @@ def usage_chunk(obj: str, rid: str, created: int, model: str, choices: list[Choi
             "usage": usage(choices)}
 
 
-def generate_item(rid: str, choice: Choice) -> dict:
-    """One /generate result; in a stream, `text` and `output_ids` are cumulative (SGLang's format)."""
-    return {"text": choice.text, "output_ids": list(choice.token_ids),
-            "meta_info": {"id": rid, "prompt_tokens": choice.prompt_tokens,
-                          "completion_tokens": choice.completion_tokens,
-                          "finish_reason": choice.finish_reason}}
+def generate_item(rid: str, choice: Choice, logprob_text: Optional[logprob_format.Decoder] = None) -> dict:
+    """One /generate result; in a stream, `text` and `output_ids` are cumulative (SGLang's format).
+    `logprob_text`: the decoder that fills the logprobs' text (return_text_in_logprobs), else null."""
+    return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": _meta(rid, choice, logprob_text)}
+
+
+def _meta(rid: str, choice: Choice, logprob_text: Optional[logprob_format.Decoder]) -> dict:
+    meta = {"id": rid, "prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.completion_tokens,
+            "finish_reason": choice.finish_reason}
+    if choice.logprobs is not None:
+        meta.update(logprob_format.generate(logprob_text, choice.logprobs))
+    return meta
 
 
 # One encoder for every event: building one per call costs about as much as encoding a small chunk.
@@ -442,17 +506,17 @@ def sse(data: dict) -> str:
 class GenerateEvents:
     """The SSE events of one streamed /generate: `generate_item` plus `index` per update, with each
     choice's cumulative `output_ids` kept encoded and extended by the new ids (encoding the whole list
-    on every event makes a stream quadratic in its length)."""
+    on every event makes a stream quadratic in its length; logprobs, when asked, are re-encoded)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, logprob_text: Optional[logprob_format.Decoder] = None) -> None:
         self._ids = [""] * n
+        self._logprob_text = logprob_text
 
     def event(self, rid: str, index: int, choice: Choice, new_ids: list[int]) -> str:
         if new_ids:
             add = ",".join(map(str, new_ids))
             self._ids[index] = f"{self._ids[index]},{add}" if self._ids[index] else add
-        meta = _encode({"id": rid, "prompt_tokens": choice.prompt_tokens,
-                        "completion_tokens": choice.completion_tokens, "finish_reason": choice.finish_reason})
+        meta = _encode(_meta(rid, choice, self._logprob_text))
         return (f'data: {{"text":{_encode(choice.text)},"output_ids":[{self._ids[index]}],'
                 f'"meta_info":{meta},"index":{index}}}\n\n')
 

@@ -24,7 +24,8 @@ import uvicorn
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.reconcile.controller import ConfigSource
-from appliance.server.app import ServerState, build_app
+from appliance.server.app import build_app
+from appliance.server.state import ServerState
 
 log = logging.getLogger(__name__)
 

@@ -153,6 +153,9 @@ class Metrics:
                               registry=r)
         self.prompt_tokens = Counter("appliance_prompt_tokens", "Prompt tokens of requests that produced "
                                      "a first token.", registry=r)
+        self.prompt_tokens_computed = Counter(
+            "appliance_prompt_tokens_computed", "Prompt tokens run through the model (prefill): a "
+            "preempted prompt counts again, a prompt shared by parallel samples (n) once.", registry=r)
         self.generation_tokens = Counter("appliance_generation_tokens", "Completion tokens generated.",
                                          registry=r)
         self.requests = Counter("appliance_requests", "Finished requests by adapter and finish reason "
@@ -210,6 +213,7 @@ class Metrics:
     def record_events(self, ev: EngineEvents) -> None:
         label = self.labels
         self.prompt_tokens.inc(ev.prompt_tokens)
+        self.prompt_tokens_computed.inc(ev.prompt_tokens_computed)
         self.generation_tokens.inc(ev.generation_tokens)
         self.preemptions.inc(ev.preemptions)
         for adapter, s in ev.queue_times:

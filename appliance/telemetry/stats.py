@@ -42,6 +42,8 @@ class EngineEvents:
     """Everything counted since the previous `StatsRecorder.take()`."""
 
     prompt_tokens: int = 0  # prompt length of each request, counted once at its first token
+    # Prompt tokens run through the model: a preempted prompt counts again, a shared one (n) once.
+    prompt_tokens_computed: int = 0
     generation_tokens: int = 0  # completion tokens (a stop token the engine drops is not counted)
     preemptions: int = 0
     queue_times: list[tuple[Optional[str], float]] = field(default_factory=list)  # arrival -> first scheduled

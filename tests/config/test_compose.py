@@ -106,7 +106,7 @@ def test_config_hash_tracks_content() -> None:
     ("lora.backend=sgmv", "lora.backend"),
     ("lora.max_chunk_size=0", "lora.max_chunk_size"),
     ("lora.loader_threads=0", "lora.loader_threads"),
-    ("lora.fault_injection_read_delay_s=-1", "lora.fault_injection_read_delay_s"),
+    ("debug.fault_injection_read_delay_s=-1", "debug.fault_injection_read_delay_s"),
 ])
 def test_invalid_lora_settings_name_their_key(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -108,16 +108,18 @@ def test_llama_8b_gpu_example_composes(monkeypatch: pytest.MonkeyPatch) -> None:
     # lora.backend auto: the kernels (and the decode CUDA graphs) on a GPU, plain torch elsewhere
     import torch
 
+    from appliance.engine.runtime import lora_backend, sorted_decode
+
     assert cfg.lora.backend == "auto"
-    assert cfg.lora.resolved_backend(torch.device("cuda", 0)) == "triton"
-    assert cfg.lora.resolved_backend(torch.device("cpu")) == "torch"
+    assert lora_backend(cfg.lora, torch.device("cuda", 0)) == "triton"
+    assert lora_backend(cfg.lora, torch.device("cpu")) == "torch"
     # and on CUDA the decode graphs sort rows by slot (csgmv's chunks), as backend csgmv does
-    assert cfg.lora.sorted_decode(torch.device("cuda", 0)) and not cfg.lora.sorted_decode(torch.device("cpu"))
+    assert sorted_decode(cfg.lora, torch.device("cuda", 0)) and not sorted_decode(cfg.lora, torch.device("cpu"))
     pinned = shipped_config("model=llama-3.1-8b-instruct", "engine=gpu", "lora=gpu", "lora.backend=csgmv")
-    assert pinned.lora.resolved_backend(torch.device("cpu")) == "csgmv"  # refused later, at engine start
-    assert pinned.lora.sorted_decode(torch.device("cuda", 0))
+    assert lora_backend(pinned.lora, torch.device("cpu")) == "csgmv"  # refused later, at engine start
+    assert sorted_decode(pinned.lora, torch.device("cuda", 0))
     explicit = shipped_config("model=llama-3.1-8b-instruct", "engine=gpu", "lora=gpu", "lora.backend=triton")
-    assert not explicit.lora.sorted_decode(torch.device("cuda", 0))  # triton as given: one-token segments
+    assert not sorted_decode(explicit.lora, torch.device("cuda", 0))  # triton as given: one-token segments
 
 
 def test_readme_gpu_command_composes_without_the_demo_adapters() -> None:

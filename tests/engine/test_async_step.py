@@ -173,3 +173,29 @@ def test_async_engine_streams_settles_for_admin_calls_and_aborts(tiny_model_dir:
     assert got[last][0] == sync_run[str(last)][0][:len(got[last][0])] and len(got[last][0]) >= 2
     assert seen_in_call and all(x is None for x in seen_in_call)
     assert eng.block_manager.num_used == 0 and not eng.has_unfinished()
+
+
+def test_async_logprobs_and_penalties_match_sync(tiny_model_dir: Path) -> None:
+    """Logprobs travel with the launched step's tokens; a penalised request's steps run synchronously
+    (its penalties read every generated token) and mix with async ones without changing any token."""
+    kinds = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3),
+             SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True, logprobs=0),
+             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=1.5,
+                            repetition_penalty=1.3),
+             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)]
+
+    def go(eng: LLMEngine) -> dict:
+        res: dict[str, list] = {}
+        for i, p in enumerate(PROMPTS[:4]):
+            eng.add_request(str(i), eng.tokenizer.encode(p), kinds[i])
+        while eng.has_unfinished():
+            for out in eng.step():
+                r = res.setdefault(out.request_id, [[], []])
+                r[0] += out.token_ids
+                r[1] += [(lp.token_id, round(lp.logprob, 5), [(t, round(v, 5)) for t, v in lp.top])
+                         for lp in out.logprobs or []]
+        return res
+
+    want = go(make_engine(tiny_model_dir, False)[0])
+    assert all(len(want[str(i)][1]) == kinds[i].max_tokens for i in (0, 1, 3))
+    assert go(make_engine(tiny_model_dir, True)[0]) == want

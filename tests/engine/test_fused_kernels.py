@@ -11,7 +11,7 @@ import pytest
 
 from appliance.config.schema import ConfigError
 from appliance.engine.engine import LLMEngine
-from appliance.engine.model_runner import resolve_fused_kernels
+from appliance.engine.runtime import resolve_fused_kernels
 from tests.conftest import default_config
 from tests.engine.test_static_decode import run_lengths, uncaptured_static_decode
 

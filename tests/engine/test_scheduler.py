@@ -224,3 +224,36 @@ def test_slot_waits_and_preemptions_are_recorded() -> None:
     assert [q for q, _ in s.stats.events.queue_times] == ["x", "y"]
     events = s.stats.take()
     assert events.preemptions == 0 and s.stats.events.slot_waits == []
+
+
+def test_parallel_samples_share_the_prompt_full_blocks() -> None:
+    s = make(block_size=4, max_num_batched_tokens=64)
+    a = add(s, "a", 10)  # blocks [0-3][4-7][8-9]: the first two are full and shared
+    kids = [add(s, f"k{i}", 10) for i in range(3)]
+    for k in kids:
+        k.prompt_source = a
+    out = s.schedule()
+    assert [x.seq for x in out.prefills] == [a]  # the samples wait for its prompt
+    assert all(k.wait_reason == "budget" and not k.block_table for k in kids)
+    fake_step(s, out)
+    out = s.schedule()
+    shared = a.block_table[:2]
+    for k in kids:
+        assert k.block_table[:2] == shared and k.block_table[2] != a.block_table[2]
+    assert [(x.seq, x.num_new_tokens) for x in out.prefills] == [(k, 2) for k in kids]
+    assert s.bm.num_used == 2 + 4  # two shared blocks, four private last blocks
+    fake_step(s, out)
+    for q in [a, *kids]:
+        s.remove(q)
+    assert s.bm.num_used == 0  # ref counts: each shared block freed once, by its last owner
+
+
+def test_a_sample_whose_source_finished_computes_the_prompt_alone() -> None:
+    s = make(block_size=4)
+    a = add(s, "a", 9)
+    k = add(s, "k", 9)
+    k.prompt_source = a
+    fake_step(s, s.schedule())
+    s.remove(a)
+    out = s.schedule()
+    assert [(x.seq, x.num_new_tokens) for x in out.prefills] == [(k, 9)] and k.prompt_source is None

@@ -15,6 +15,7 @@ import pytest
 from appliance.engine.cuda_graph import StaticDecode
 from appliance.engine.engine import LLMEngine
 from appliance.engine.request import SamplingParams
+from appliance.engine.runtime import graphs_off_reason
 from tests.conftest import default_config
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
@@ -89,11 +90,11 @@ def test_split_k_and_graph_choice_on_a_given_sm_count(tiny_model_dir: Path) -> N
     eng = engine_for(tiny_model_dir, "torch")
     r = eng.runner
     assert r.decode_splits(64, 8192) == 1  # cpu: never split
-    assert "cpu" in r.graphs_off_reason(eng.cfg.engine)
+    assert "cpu" in r.runtime.decode_graphs_off
     r._sms = 132  # an H200's SM count; the tiny model has 2 KV heads
     assert r.decode_splits(0, 8192) == 1  # a step without decodes
     assert r.decode_splits(64, 8192) == 1  # 128 programs: no split
     assert r.decode_splits(16, 2048) == 4  # 32 programs <= 132 / 4: parts of 512 tokens
     assert r.decode_splits(1, 131072) == 64  # capped
-    e = default_config("engine.enforce_eager=true").engine
-    assert r.graphs_off_reason(e) == "engine.enforce_eager is true"
+    assert graphs_off_reason(default_config("engine.enforce_eager=true"), r.device, r.attention_backend,
+                             None) == "engine.enforce_eager is true"

@@ -10,6 +10,7 @@ import torch
 from appliance.bench.adapters import write_adapter
 from appliance.engine.engine import LLMEngine
 from appliance.engine.request import SamplingParams
+from appliance.engine.runtime import warmup_on
 from appliance.engine.warmup import PREFILL_LENGTHS, plan_warmup
 from appliance.models.llama import ModelArgs
 from appliance.models.weights import read_hf_config
@@ -18,9 +19,9 @@ from tests.conftest import default_config
 
 def test_warmup_default_is_on_for_cuda_only() -> None:
     e = default_config().engine
-    assert e.warmup is None and e.warmup_on("cuda") and not e.warmup_on("cpu")
-    assert default_config("engine.warmup=true").engine.warmup_on("cpu")
-    assert not default_config("engine.warmup=false").engine.warmup_on("cuda")
+    assert e.warmup is None and warmup_on(e, "cuda") and not warmup_on(e, "cpu")
+    assert warmup_on(default_config("engine.warmup=true").engine, "cpu")
+    assert not warmup_on(default_config("engine.warmup=false").engine, "cuda")
 
 
 def test_plan_covers_the_tile_buckets_within_the_limits() -> None:

@@ -21,7 +21,7 @@ import torch
 from kernels import reference as ref
 from kernels.lora_apply import lora_apply
 from kernels.lora_expand import lora_expand
-from kernels.lora_linear import lora_linear, lora_linear_pays
+from kernels.lora_linear import lora_linear
 from kernels.lora_shrink import lora_shrink
 from kernels.segments import LoRASegments, csgmv_segments, sgmv_segments
 
@@ -368,7 +368,6 @@ def test_lora_linear_against_reference(partials: Optional[bool], dtype: torch.dt
     token_slots = torch.tensor([s for n_, s in zip(lens, slots) for _ in range(n_)])
     want = ref.lora_linear(x, W, A, B, token_slots, offs, r_t)
     segs = segments(strategy, lens, slots, 8)
-    assert lora_linear_pays(T, segs, torch.device("cpu"))
     # the shrink's K splits combined through planes of partial sums or atomics, or the launcher's choice
     # (K splits with short last ranges are covered by the shrink tests above)
     kw = {} if partials is None else dict(split_k=3, partials=partials)
@@ -379,15 +378,6 @@ def test_lora_linear_against_reference(partials: Optional[bool], dtype: torch.dt
     torch.testing.assert_close(got[base], (x[base].float() @ W.float().T).to(dtype), atol=atol, rtol=rtol)
     add_after = ref.lora_expand(x @ W.T, ref.lora_shrink(x, A, token_slots, r_t), B, token_slots, offs, r_t)
     torch.testing.assert_close(got, add_after, atol=atol, rtol=rtol)
-
-
-def test_lora_linear_pays_only_for_prefill_shapes() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not lora_linear_pays(4, sgmv_segments([1, 1, 1, 1], [0, 1, -1, 0], cpu), cpu)  # decode
-    assert lora_linear_pays(6, sgmv_segments([5, 1], [0, -1], cpu), cpu)
-    long_ = sgmv_segments([2048], [0], cpu)
-    assert lora_linear_pays(2048, long_, cuda) and lora_linear_pays(64, sgmv_segments([64], [0], cpu), cuda)
-    assert not lora_linear_pays(32, sgmv_segments([32], [0], cpu), cuda)
 
 
 def test_write_mode_refuses_segments_that_miss_rows() -> None:

@@ -4,9 +4,11 @@ the base linear. Runs the Triton kernels (interpreter on CPU)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from appliance.lora.backend import policy
 from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.layers import LoRAContext, LoRALinear
 from kernels import reference as ref
@@ -28,7 +30,7 @@ def wrapped(bias: bool, backend: str) -> tuple[LoRALinear, LoRAContext]:
     return lin, ctx
 
 
-def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
+def test_prefill_and_decode_steps_match_the_torch_twin(monkeypatch: pytest.MonkeyPatch) -> None:
     """aside: lora.decode_side_stream's path for the decode layout (the shrink beside the base GEMM, the
     expand after it; on CPU without the side stream), through both of its branches: steps lora_apply
     would fuse (kept in the plain order) and steps it would not (on CPU lora_apply always fuses, so
@@ -38,8 +40,7 @@ def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
         for bias, aside in ((False, False), (True, False), (False, "fused"), (False, "split")):
             lin, ctx = wrapped(bias, backend)
             ctx.decode_aside = bool(aside)
-            if aside == "split":
-                lin._fuses = lambda *args: False
+            monkeypatch.setattr(policy, "_fuse_pays", lambda pairs, device: aside != "split")
             for seg_lens, seg_slots in (([5, 3, 7, 2], [0, -1, 1, 2]), ([1, 1, 1, 1], [1, 0, -1, 0])):
                 x = torch.randn(sum(seg_lens), 32, device=DEV)
                 ctx.info = LoRABatchInfo.build(seg_lens, seg_slots, ranks, DEV, backend=backend, max_chunk_size=4)
@@ -54,7 +55,7 @@ def test_prefill_and_decode_steps_match_the_torch_twin() -> None:
                 torch.testing.assert_close(got[base], lin.base(x)[base].detach(), atol=1e-5, rtol=1e-5)
 
 
-def test_deferred_gate_up_delta_through_silu_mul_lora() -> None:
+def test_deferred_gate_up_delta_through_silu_mul_lora(monkeypatch: pytest.MonkeyPatch) -> None:
     """forward_deferred (gate_up_proj under the fused kernels): where the step allows, the base output and
     the shrink's h come back and kernels/silu_mul_lora.py adds the delta inside the activation; the
     result equals silu_mul of forward(x) (for prefill-shaped steps, whose forward(x) is lora_linear's
@@ -74,7 +75,7 @@ def test_deferred_gate_up_delta_through_silu_mul_lora() -> None:
             lin.B.copy_(torch.randn(lin.B.shape, generator=g) * 0.3)
             lin.A[1, :, 4:] = 0
             lin.B[1, :, 4:] = 0
-            lin._fuses = lambda *args: False
+            monkeypatch.setattr(policy, "_fuse_pays", lambda pairs, device: False)
             x = torch.randn(5, 32, device=DEV)
             ctx.info = LoRABatchInfo.build([1] * 5, [1, 0, -1, 2, 0], ranks, DEV, backend=backend, max_chunk_size=1)
             with torch.no_grad():
@@ -97,7 +98,7 @@ def test_deferred_gate_up_delta_through_silu_mul_lora() -> None:
                 ctx.prefill_gemm = None
             torch.testing.assert_close(got, silu_mul(y), atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{backend} aside={aside} prefill: {m}")
-            lin._fuses = lambda *args: True  # a step lora_apply runs as one launch: nothing deferred
+            monkeypatch.setattr(policy, "_fuse_pays", lambda pairs, device: True)  # one launch: nothing deferred
             ctx.info = LoRABatchInfo.build([1] * 5, [1, 0, -1, 2, 0], ranks, DEV, backend=backend, max_chunk_size=1)
             with torch.no_grad():
                 assert lin.forward_deferred(x)[1] is None
@@ -106,8 +107,6 @@ def test_deferred_gate_up_delta_through_silu_mul_lora() -> None:
 def test_load_slot_refuses_weights_that_do_not_fit_before_copying() -> None:
     """A slot fill checks every shape first and raises AdapterError (the manager frees the slot and fails
     only that adapter's requests); a RuntimeError from copy_ would have ended the engine's step."""
-    import pytest
-
     from appliance.lora.adapter import AdapterError
     from appliance.lora.layers import load_adapter_into_slot
 

@@ -317,13 +317,13 @@ def test_static_decode_with_triton_lora_matches_peft(adapters: dict[str, Path], 
     SHORT tokens, not NEW: each step runs every kernel in Triton's interpreter (~2 s with LoRA rows), and
     the prefill plus SHORT-1 decode steps already cover every row kind and async's launch-ahead. Pages
     crossing a KV block boundary in the static layout are tests/engine/test_static_decode.py's."""
-    import kernels.lora_apply
     import kernels.silu_mul_lora
+    from appliance.lora.backend import policy
     from appliance.engine.cuda_graph import StaticDecode
 
     deferred: list[int] = []  # the longest segment of each silu_mul_lora call
     if async_on:
-        monkeypatch.setattr(kernels.lora_apply, "_fuse_pays", lambda pairs, device: False)
+        monkeypatch.setattr(policy, "_fuse_pays", lambda pairs, device: False)
     real_silu_mul_lora = kernels.silu_mul_lora.silu_mul_lora
     monkeypatch.setattr(kernels.silu_mul_lora, "silu_mul_lora",
                         lambda *a, **k: (deferred.append(a[3].max_len), real_silu_mul_lora(*a, **k))[1])

@@ -1,7 +1,7 @@
 """Overlap loading (lora.overlap_loading) on the real engine: tiny random Llama, real PEFT adapters.
 
 A cold adapter (evicted from the CPU tier) is read by a background thread; the read is made slow the
-way a slow disk would (lora.fault_injection_read_delay_s sleeps, then the real read runs). While it is
+way a slow disk would (debug.fault_injection_read_delay_s sleeps, then the real read runs). While it is
 in flight, the other requests keep generating; the waiting request then produces exactly the tokens the
 engine without overlap produces; a failed read fails only its requests; unload and in-place reload
 during the read stay correct; nothing is dropped.
@@ -38,7 +38,7 @@ def overlap_engine(model_dir: Path, adapters: dict[str, Path], *extra: str) -> L
     """Overlap on, a CPU tier of 2: loading x, y, z in that order leaves x on disk only (cold)."""
     root = next(iter(adapters.values())).parent
     engine = lora_engine(model_dir, root, "lora.overlap_loading=true", "lora.max_loaded_loras=2",
-                         "lora.max_loras_per_batch=2", f"lora.fault_injection_read_delay_s={DELAY}", *extra)
+                         "lora.max_loras_per_batch=2", f"debug.fault_injection_read_delay_s={DELAY}", *extra)
     for n in ("x", "y", "z"):
         engine.lora.load(n, str(adapters[n]))
     assert engine.lora.tier("x") == "disk" and engine.lora.tier("z") == "cpu"

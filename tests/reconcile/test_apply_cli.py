@@ -117,6 +117,8 @@ def test_plan_apply_status(tmp_path: Path, tiny_model_dir: Path, root: Path) -> 
         out = cli("status", *url)
         assert out.returncode == 0, out.stderr
         assert "config: generation 1" in out.stdout and "ConfigValid: True" in out.stdout
+        # the settings with auto resolved at start (engine/runtime.py), as the engine runs them
+        assert "runtime: device=cpu, dtype=float32" in out.stdout and "lora.backend=torch" in out.stdout, out.stdout
         table = [line.split()[:4] for line in out.stdout.splitlines()]
         assert ["a", "gpu", "0", "yes"] in table or any(r[:2] == ["a", "gpu"] and r[3] == "yes" for r in table)
         assert {r[0] for r in table} >= {"NAME", "a", "b", "d"}

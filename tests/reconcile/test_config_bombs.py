@@ -2,7 +2,8 @@
 
 - YAML bombs (an alias bomb, a huge list, a huge comment) are refused before composition with a
   ConfigError naming the file (config/file_limits.py), by `compose` and by a live server's hot reload,
-  which keeps serving its previous adapters;
+  which keeps serving its previous adapters; a file saved between the check and the compose cannot
+  slip past it (Hydra composes the bytes that were checked);
 - the reconciler composes outside the admin lock, so the admin API answers while a config is parsed;
 - the watcher survives its config dir being deleted and restored (reconcile/watch.py).
 """
@@ -54,6 +55,63 @@ def test_yaml_bombs_are_refused_before_composition(tmp_path: Path, case: str) ->
     took = time.monotonic() - t0
     assert str(e.value).startswith(f"{bomb}: ") and needle in str(e.value), str(e.value)[:300]
     assert took < 30, took  # minutes before the limits (111 s for the alias bomb on this machine)
+
+
+# Just over MAX_NODES once its aliases are expanded (27,000 nodes), yet quick to compose if it got through.
+SMALL_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x]\n" + \
+    "b: &b [" + ", ".join(["*a"] * 30) + "]\n" + "c: [" + ", ".join(["*b"] * 30) + "]\n"
+
+
+def test_a_file_saved_after_the_check_is_not_what_gets_composed(tmp_path: Path) -> None:
+    """The soak found it: the limits read each file, then Hydra read it again, so a rename-save in
+    between put an unchecked bomb into the compose (a hot reload spent minutes expanding one). Here
+    the inventory is swapped for a bomb before any later open of it, as a save at that moment would:
+    the compose must give the checked content, or refuse."""
+    tree = config_tree(tmp_path / "configs", "lora:\n  enabled: true\n")
+    inv = tree / "adapters" / "team.yaml"
+    inv.write_text("a1:\n  path: /srv/a1\n")
+    want = compose_tree(tree, ["adapters=[team]"]).cfg.adapters
+    opens: list[str] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open" and str(args[0]) == str(inv):
+            opens.append(str(args[0]))
+            if len(opens) == 2:  # the check has read it; whatever opens it again sees the bomb
+                rename_save(inv, SMALL_BOMB)
+
+    _audit(hook)
+    try:
+        cfg = compose_tree(tree, ["adapters=[team]"]).cfg
+        assert cfg.adapters == want
+    except ConfigError as e:
+        assert f"more than {MAX_NODES} YAML nodes" in str(e), str(e)[:300]
+    finally:
+        _audit(None)
+    assert len(opens) >= 1
+
+
+def test_symlinked_dirs_are_composed_and_checked(tmp_path: Path) -> None:
+    """A group dir mounted through a symlink (as Kubernetes ConfigMaps do) composes from the snapshot,
+    and a bomb in it is refused (the old check walked past symlinked dirs)."""
+    tree = config_tree(tmp_path / "configs", "lora:\n  enabled: true\n")
+    real = tmp_path / "mounted"
+    shutil.move(tree / "adapters", real)
+    (tree / "adapters").symlink_to(real)
+    (real / "team.yaml").write_text("a1:\n  path: /srv/a1\n")
+    assert sorted(compose_tree(tree, ["adapters=[team]"]).cfg.adapters) == ["a1"]
+    (real / "loop").symlink_to(real)  # a loop ends
+    (real / "team.yaml").write_text(SMALL_BOMB)
+    with pytest.raises(ConfigError, match=f"more than {MAX_NODES} YAML nodes"):
+        compose_tree(tree, ["adapters=[team]"])
+
+
+def _audit(hook: Any) -> None:
+    """One process-wide audit hook (they cannot be removed) that forwards to `hook` while it is set."""
+    import sys
+
+    if not getattr(sys, "_appliance_config_hook", None):
+        sys.addaudithook(lambda e, a: sys._appliance_config_hook(e, a))  # type: ignore[attr-defined]
+    sys._appliance_config_hook = hook or (lambda e, a: None)  # type: ignore[attr-defined]
 
 
 def test_a_tree_under_the_limits_composes(tmp_path: Path) -> None:

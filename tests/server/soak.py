@@ -17,6 +17,11 @@ Per round:
   name removed from the file stays loaded as documented). At the end of the round the adapters in
   the file must be live with the file's path and pin (a pin that found no slot free under load is
   retried by the periodic resync).
+- With `attacks` on, an attacker thread sends tests/server/soak_attacks.py's mix (malformed Unicode and
+  JSON, hostile adapters through the admin API, admin races on one name, config bombs and secrets in
+  interpolations saved into the watched dir, label growth under adapter churn, never-ending chunked
+  bodies, huge stop lists and batches): each must get its expected refusal, and the clients above
+  must see none of it (they count any 429 or 5xx as a failure).
 - When the traffic is done the server must go idle: no request in flight, zero KV blocks used, no
   slot running a request, nothing retiring. Then the process's RSS is recorded.
 There are more adapters than GPU slots and than CPU-tier places, so slots and the CPU tier churn too.
@@ -40,6 +45,7 @@ from appliance.reconcile.controller import ConfigSource
 from tests.lora.test_lora_engine import NEW, make_adapter
 from tests.reconcile.trees import KEY, inventory_yaml, rename_save, write_tree
 from tests.server.conftest import ServerThread
+from tests.server.soak_attacks import ATTACK_INVENTORY, AttackCounts, Attacker, AttackSetup, label_problems
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 7477, 2030, 253, 655]]
 ADMIN = {"Authorization": f"Bearer {KEY}"}
@@ -57,6 +63,14 @@ class SoakConfig:
     disconnect_ratio: float = 0.1
     seed: int = 0
     request_timeout_s: float = 120.0  # client side: a request taking longer counts as hung
+    attacks: bool = True  # the attacker thread (tests/server/soak_attacks.py) beside the clients
+    body_timeout_s: float = 3.0  # server.body_timeout_s: how long a never-ending body holds its socket
+
+    @property
+    def max_concurrent(self) -> int:
+        """server.max_concurrent_requests: room for the clients and the attacker, not for the
+        attacker's never-ending bodies on top."""
+        return self.clients + 4
 
 
 @dataclass
@@ -69,6 +83,7 @@ class Counts:
     admin_refusals: int = 0  # pin refused with 409/400 (no slot free / limit): expected under load
     config_edits: int = 0
     by_route: dict[str, int] = field(default_factory=dict)
+    attacks: AttackCounts = field(default_factory=AttackCounts)
 
     @property
     def requests(self) -> int:
@@ -100,10 +115,14 @@ class SoakReport:
     def summary(self) -> str:
         c = self.counts
         rss = ", ".join(f"{r.rss_mib:.0f}" for r in self.rounds)
+        a = c.attacks
+        attacks = (f"; {sum(a.refused.values())} attacks refused as expected "
+                   f"({', '.join(f'{k} {v}' for k, v in sorted(a.refused.items()))}), {len(a.failures)} not"
+                   if self.config.attacks else "")
         return (f"{c.requests} requests ({c.ok} ok, {c.disconnected} disconnected, {c.refused_404} 404 while "
                 f"unloaded, {len(c.failures)} failed); {c.admin_ops} admin operations "
                 f"({c.admin_refusals} pins refused), {c.config_edits} config edits; RSS after each round "
-                f"[{rss}] MiB, peak {self.peak_rss_mib:.0f} MiB")
+                f"[{rss}] MiB, peak {self.peak_rss_mib:.0f} MiB{attacks}")
 
 
 def rss_mib() -> tuple[float, float]:
@@ -155,17 +174,26 @@ class SoakSetup:
         self.refs = references(model, {n: self.root / n for n in self.names})
         distinct = {tuple(r[0]) for r in self.refs.values()}
         assert len(distinct) >= len(self.refs) - 2, "adapters barely change the output: the checks would be weak"
+        self.attack = AttackSetup(self.root, self.root / self.names[0]) if cfg.attacks else None
         self.inventory: dict[str, dict] = {n: {"path": self.root / n} for n in self.set_b[:2]}
         self.pinned_in_file: set[str] = set()  # set B names pinned by the file at some point (never removed)
-        self.tree = write_tree(work / "configs", model, self.root, {"soak": self.inventory}, max_rank=8,
+        inventories = {"soak": self.inventory, **({ATTACK_INVENTORY: {}} if cfg.attacks else {})}
+        self.tree = write_tree(work / "configs", model, self.root, inventories, max_rank=8,
                                slots=cfg.slots, watch=True, resync_s=2, prune="none")
         text = (self.tree / "config.yaml").read_text()
         text = text.replace(f"  max_loras_per_batch: {cfg.slots}\n",
                             f"  max_loras_per_batch: {cfg.slots}\n  max_loaded_loras: {cfg.cpu_cache}\n")
         text = text.replace("  name: tiny\n", "  name: tiny\n  max_model_len: 256\n  device: cpu\n")
-        text = text.replace(f"  admin_key: {KEY}\n", f"  admin_key: {KEY}\n  log_level: warning\n")
+        text = text.replace(f"  admin_key: {KEY}\n", f"  admin_key: {KEY}\n  log_level: warning\n"
+                            f"  max_concurrent_requests: {cfg.max_concurrent}\n  body_timeout_s: {cfg.body_timeout_s}\n")
         text += "engine:\n  num_kv_blocks: 256\n  max_num_seqs: 16\n"
+        # Fewer label values than adapters: the churn must end in `other`, never in more series.
+        text += f"metrics:\n  max_adapter_labels: {self.max_labels}\n"
         (self.tree / "config.yaml").write_text(text)
+
+    @property
+    def max_labels(self) -> int:
+        return self.cfg.adapters // 2
 
     def start_server(self) -> ServerThread:
         overrides = ("server.port=0",)
@@ -179,6 +207,9 @@ class Soak:
         self._lock = threading.Lock()
         self._traffic_done = threading.Event()
         self.tok = srv.engine.tokenizer
+        self.attacker = None if setup.attack is None else Attacker(
+            srv.url, ADMIN, setup.tree, setup.attack, {n: setup.root / n for n in setup.names}, setup.refs, PROMPTS,
+            NEW, self.cfg.max_concurrent, self.counts.attacks, self.cfg.seed)
 
     # ------------------------------------------------------------------ the run
     def run(self, on_round: Optional[Callable[[RoundReport], None]] = None) -> SoakReport:
@@ -193,8 +224,11 @@ class Soak:
             self._traffic_done.clear()
             workers = [threading.Thread(target=self._client, args=(i, c), daemon=True)
                        for c in range(self.cfg.clients)]
-            churners = [threading.Thread(target=self._admin_churn, args=(i,), daemon=True),
-                        threading.Thread(target=self._config_churn, args=(i,), daemon=True)]
+            churners = [threading.Thread(target=self._admin_churn, args=(i,), name="admin-churn", daemon=True),
+                        threading.Thread(target=self._config_churn, args=(i,), name="config-churn", daemon=True)]
+            if self.attacker is not None:
+                churners.append(threading.Thread(target=self.attacker.run_round, args=(i, self._traffic_done),
+                                                 name="attacker", daemon=True))
             for t in workers + churners:
                 t.start()
             for t in workers:
@@ -203,8 +237,13 @@ class Soak:
                     self._fail(f"round {i}: a client thread never finished")
             self._traffic_done.set()
             for t in churners:
-                t.join(120)
+                t.join(300)
+                if t.is_alive():
+                    self._fail(f"round {i}: the {t.name} thread never finished")
             self._converge_config(i)
+            if self.attacker is not None:
+                self.counts.attacks.failures += [f"round {i}: {p}" for p in label_problems(
+                    self.srv.url, set(self.s.names) | {"race"}, self.s.max_labels, self.attacker.churned)]
             idle_problems += [f"round {i}: {p}" for p in self.idle_problems()]
             cur, peak = rss_mib()
             c = self.counts
@@ -214,6 +253,8 @@ class Soak:
             rounds.append(r)
             if on_round is not None:
                 on_round(r)
+        if self.attacker is not None:
+            self.attacker.close()
         return SoakReport(self.cfg, rounds, self.counts, peak, idle_problems)
 
     def _snapshot_counts(self) -> tuple[int, ...]:
@@ -433,7 +474,8 @@ def metrics_problems(url: str, counts: Counts) -> list[str]:
 
     Every request that reached the engine finished exactly once: completed ones with stop or length,
     a disconnected one with abort (or with length, when it had finished before the abort arrived).
-    404s never reach the engine; the references ran in peft, not on the server.
+    The attacker's requests on adapters it loaded count too (`served`); 404s and the attacks' refusals
+    never reach the engine; the references ran in peft, not on the server.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -447,11 +489,11 @@ def metrics_problems(url: str, counts: Counts) -> list[str]:
                 reason = sample.labels["finish_reason"]
                 finished[reason] = finished.get(reason, 0) + sample.value
     out = []
-    reached = counts.ok + counts.disconnected
+    reached = counts.ok + counts.disconnected + counts.attacks.served
     if sum(finished.values()) != reached:
         out.append(f"appliance_requests_total sums to {sum(finished.values())}, the clients saw {reached} "
                    f"requests reach the engine ({finished})")
-    if finished.get("stop", 0) + finished.get("length", 0) < counts.ok:
+    if finished.get("stop", 0) + finished.get("length", 0) < counts.ok + counts.attacks.served:
         out.append(f"fewer stop+length finishes than ok answers ({counts.ok}): {finished}")
     if finished.get("abort", 0) > counts.disconnected:
         out.append(f"more aborts than disconnects ({counts.disconnected}): {finished}")

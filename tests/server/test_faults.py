@@ -1,7 +1,7 @@
 """Fault injection on a live server (tiny model, peft-made adapters): each fault fails only the requests
 it concerns, with a clear error in the OpenAI shape, and the server goes on serving correct answers.
 
-- An exception inside a forward step: the engine's debug setting engine.fault_injection_token_id makes
+- An exception inside a forward step: the engine's debug setting debug.fault_injection_token_id makes
   the real model forward raise when a step's input holds that token (telemetry/faults.py). The request
   that holds it gets 500 (or a stream error event); the others of that step are rerun alone and
   answered, peft-exact, as are later requests.
@@ -54,7 +54,7 @@ def srv(tiny_model_dir: Path, root: Path) -> Iterator[ServerThread]:
     s = start_server(f"model.path={tiny_model_dir}", "model.name=tiny", "model.max_model_len=512",
                      "model.device=cpu", "engine.num_kv_blocks=128", "lora.enabled=true", "lora.max_lora_rank=8",
                      "lora.max_loras_per_batch=2", "lora.max_loaded_loras=2", f"lora.adapter_roots=[{root}]",
-                     "server.admin_key=faults", f"engine.fault_injection_token_id={POISON}")
+                     "server.admin_key=faults", f"debug.fault_injection_token_id={POISON}")
     yield s
     s.stop()
 

@@ -150,7 +150,7 @@ def test_too_many_adapters_in_one_request_is_400(limited: ServerThread) -> None:
     ("server.request_timeout_s=-1", "server.request_timeout_s"),
     ("server.max_adapters_per_request=0", "server.max_adapters_per_request"),
     ("server.max_request_body_bytes=0", "server.max_request_body_bytes"),
-    ("engine.fault_injection_token_id=-3", "engine.fault_injection_token_id"),
+    ("debug.fault_injection_token_id=-3", "debug.fault_injection_token_id"),
 ])
 def test_limit_keys_are_checked(override: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):

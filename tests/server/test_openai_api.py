@@ -161,7 +161,7 @@ def test_unknown_model(client: openai.OpenAI) -> None:
     dict(max_tokens=100_000),
     dict(temperature="hot"),
     dict(top_p=0),
-    dict(n=2),
+    dict(n=0),
     dict(messages=[]),
     dict(messages=[{"role": "wizard", "content": "hi"}]),
     dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
@@ -170,7 +170,8 @@ def test_unknown_model(client: openai.OpenAI) -> None:
     dict(stream_options={"include_usage": True}),
     dict(stop=["ok", ""]),
     dict(seed=-5),
-    dict(logprobs=True),
+    dict(logprobs=True, top_logprobs=21),
+    dict(top_logprobs=2),
 ], ids=lambda kw: ",".join(f"{k}={str(v)[:20]}" for k, v in kw.items()))
 def test_chat_bad_input(client: openai.OpenAI, default_server: ServerThread, kwargs: dict) -> None:
     args = dict(model=MODEL, messages=QUESTION, max_tokens=4)

@@ -39,7 +39,7 @@ def ov_srv(ov_dirs: dict[str, Path], tiny_model_dir: Path) -> Iterator[ServerThr
     server = start_server(f"model.path={tiny_model_dir}", "model.name=tiny", "model.max_model_len=512",
                           "model.device=cpu", "engine.num_kv_blocks=256", "lora.enabled=true",
                           "lora.max_lora_rank=8", "lora.max_loras_per_batch=2", "lora.max_loaded_loras=2",
-                          "lora.overlap_loading=true", "lora.fault_injection_read_delay_s=3",
+                          "lora.overlap_loading=true", "debug.fault_injection_read_delay_s=3",
                           f"lora.adapter_roots=[{ov_dirs['root']}]", "server.admin_key=secret")
     yield server
     server.stop()

@@ -102,10 +102,8 @@ def test_hostile_unknown_field_names_stay_one_header(tiny_server: ServerThread) 
 
 
 @pytest.mark.parametrize("field, value", [
-    ("repetition_penalty", 1.2), ("min_p", 0.1), ("guided_json", {"type": "object"}),
-    ("chat_template_kwargs", {"enable_thinking": False}), ("logit_bias", {"5": 1.0}), ("logprobs", True),
-    ("n", 2), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("tool_choice", "auto"), ("presence_penalty", 0.5), ("top_logprobs", 2),
+    ("guided_json", {"type": "object"}), ("chat_template_kwargs", {"enable_thinking": False}),
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
 ])
 def test_unimplemented_fields_are_refused(client: openai.OpenAI, field: str, value: object) -> None:
     with pytest.raises(openai.BadRequestError) as e:

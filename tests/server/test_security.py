@@ -77,6 +77,10 @@ def test_keys_never_leave_the_server(env_server: tuple[ServerThread, Path], capl
     status = answers[6].json()
     assert "server.api_keys=***" in status["config"]["overrides"]
     assert not any(k in status["settings"] for k in ("server.api_keys", "server.admin_key"))
+    rt = status["runtime"]  # every auto resolved once at start (engine/runtime.py); cpu takes the torch paths
+    assert (rt["device"], rt["attention_backend"], rt["decode_graphs"], rt["async_scheduling"]) == ("cpu", "torch",
+                                                                                                  False, False)
+    assert rt["lora"]["backend"] == "torch" and rt["lora"]["prefill_gemm"] is None
     out, err = capfd.readouterr()
     seen = [r.text + str(dict(r.headers)) for r in answers] + [caplog.text, out, err]
     for secret in (ADMIN_SECRET, API_SECRET):

@@ -1,7 +1,8 @@
 """Short soak (the long one: benchmarks/soak.py): see tests/server/soak.py for what runs.
 
 One soak runs for the module (2 rounds of 6 clients x 12 requests over the base model and 8 adapters,
-3 GPU slots, a CPU tier of 4, admin and YAML churn); the tests below each check one property of it.
+3 GPU slots, a CPU tier of 4, admin and YAML churn, and an attacker beside them); the tests below
+each check one property of it.
 The metrics check is a separate step that is skipped only while appliance.telemetry.metrics does not exist.
 """
 
@@ -10,10 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
+import os
+
 import pytest
 import requests
 
 from tests.server.soak import Soak, SoakConfig, SoakReport, SoakSetup, has_metrics, metrics_problems
+from tests.server.soak_attacks import ATTACK_CLASSES, SECRET_VAR
 
 CFG = SoakConfig(rounds=2, clients=6, requests_per_client=12)
 
@@ -29,6 +33,7 @@ def soak(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
         yield run, report
     finally:
         srv.stop()
+        os.environ.pop(SECRET_VAR, None)
 
 
 def test_soak_every_answer_is_right_and_none_is_lost(soak: tuple[Soak, SoakReport]) -> None:
@@ -40,6 +45,15 @@ def test_soak_every_answer_is_right_and_none_is_lost(soak: tuple[Soak, SoakRepor
     assert {"completion", "stream", "generate"} <= set(c.by_route), c.by_route
     assert c.disconnected > 0 and c.refused_404 > 0 and c.ok > c.requests // 2
     assert c.admin_ops > 0 and c.config_edits > 0
+
+
+def test_soak_every_attack_is_refused_as_expected(soak: tuple[Soak, SoakReport]) -> None:
+    """Each attack class ran and got its expected 4xx or refusal, every time (soak_attacks.py); the
+    clients' side (no 429, no 5xx, right text) is the test above."""
+    _, report = soak
+    a = report.counts.attacks
+    assert a.failures == [], a.failures[:10]
+    assert set(a.refused) == set(ATTACK_CLASSES), a.refused
 
 
 def test_soak_server_returns_to_idle(soak: tuple[Soak, SoakReport]) -> None:

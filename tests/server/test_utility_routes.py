@@ -159,3 +159,21 @@ def test_ready_follows_the_server_state(srv: ServerThread) -> None:
     finally:
         state.started, state.draining = True, False
     assert requests.get(srv.url + "/ready", timeout=10).status_code == 200
+
+
+def test_admin_answers_fit_their_models(srv: ServerThread) -> None:
+    """The admin routes' answers are what /openapi.json documents (schemas/admin.py)."""
+    from appliance.server.schemas.admin import AdapterChange, AdapterList, AdapterUnloaded
+    from tests.server.test_schemas import fits
+
+    admin = {"Authorization": "Bearer util-admin"}
+    fits(AdapterList, requests.get(srv.url + "/v1/adapters", headers=admin, timeout=30).json())
+    path = requests.get(srv.url + "/v1/adapters", headers=admin, timeout=30).json()["data"][0]["path"]
+    r = requests.post(srv.url + "/load_lora_adapter", headers=admin, timeout=60,
+                      json={"lora_name": "ad2", "lora_path": path, "pinned": True})
+    fits(AdapterChange, r.json())
+    fits(AdapterChange, requests.post(srv.url + "/pin_lora_adapter", headers=admin, timeout=60,
+                                      json={"lora_name": "ad2", "pinned": False}).json())
+    fits(AdapterList, requests.get(srv.url + "/v1/adapters", headers=admin, timeout=30).json())
+    fits(AdapterUnloaded, requests.post(srv.url + "/unload_lora_adapter", headers=admin, timeout=60,
+                                        json={"lora_name": "ad2"}).json())

@@ -47,7 +47,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Itera
     # every time) and every cold read slowed to 0.3 s: loads are in flight, and requests wait for
     # them, while Prometheus scrapes (the "Adapter loads in flight" panel).
     server = lora_server(tiny_model_dir, next(iter(dirs.values())).parent, "lora.overlap_loading=true",
-                         "lora.max_loaded_loras=2", "lora.fault_injection_read_delay_s=0.3")
+                         "lora.max_loaded_loras=2", "debug.fault_injection_read_delay_s=0.3")
     for name, path in dirs.items():
         load(server, name, path)
     yield server

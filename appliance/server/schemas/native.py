@@ -8,7 +8,8 @@ from typing import Annotated, Optional, Union
 from pydantic import BaseModel, Field
 
 from appliance.server.schemas.base import Closed, array_or_object, one_message
-from appliance.server.schemas.openai import SEED_MAX, Number, Stop, TokenIds
+from appliance.engine.request import MAX_LOGPROBS
+from appliance.server.schemas.openai import SEED_MAX, LogitBias, Number, Penalty, Stop, TokenIds
 
 
 class GenerateSamplingParams(Closed):
@@ -21,6 +22,11 @@ class GenerateSamplingParams(Closed):
     ignore_eos: Optional[bool] = None
     stop: Optional[Stop] = None
     stop_token_ids: Optional[TokenIds] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[Number] = Field(None, gt=0)
+    min_p: Optional[Number] = Field(None, ge=0, le=1)
+    logit_bias: Optional[LogitBias] = None
 
 
 _Text = Annotated[str, Field(min_length=1)]
@@ -43,6 +49,9 @@ class GenerateRequest(Closed):
                                   one_message("must be an adapter name, null, or (for a batch) an array of "
                                               "one adapter name or null per input.")]] = Field(
         None, description="(SGLang) the adapter by name, for every input or one per input")
+    return_logprob: Optional[bool] = Field(None, description="meta_info.output_token_logprobs / output_top_logprobs")
+    top_logprobs_num: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_text_in_logprobs: Optional[bool] = Field(None, description="each logprob with its token's text")
 
 
 class GenerateMetaInfo(BaseModel):
@@ -50,6 +59,9 @@ class GenerateMetaInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     finish_reason: Optional[str]
+    output_token_logprobs: Optional[list[list[Union[float, int, Optional[str]]]]] = Field(
+        None, description="return_logprob: [logprob, token id, text or null] per generated token")
+    output_top_logprobs: Optional[list[list[list[Union[float, int, Optional[str]]]]]] = None
 
 
 class GenerateItem(BaseModel):

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+from appliance.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from appliance.server.schemas.base import Open, one_message
 
 SEED_MAX = 2**63 - 1
@@ -23,6 +24,9 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 Number = Annotated[float, Field(allow_inf_nan=False)]
 Stop = Annotated[Union[str, list[str]], one_message("must be a string or an array of strings."),
                  Field(description="stop strings (server.max_stop_strings, server.max_stop_chars)")]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
+                      Field(max_length=MAX_LOGIT_BIAS, description="token id (a string) -> added to its logit")]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
 
 
 class StreamOptions(Open):
@@ -43,16 +47,16 @@ class Sampling(Open):
     ignore_eos: Optional[bool] = Field(None, description="(vLLM)")
     stop: Optional[Stop] = None
     stop_token_ids: Optional[TokenIds] = Field(None, description="(vLLM)")
-    n: Optional[int] = Field(None, ge=1, description="only 1 is supported")
+    n: Optional[int] = Field(None, ge=1, description="samples per prompt; they share the prompt's KV")
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = Field(None, description="only with stream: true")
     user: Optional[str] = Field(None, description="accepted; not used")
+    logit_bias: Optional[LogitBias] = None
+    presence_penalty: Optional[Penalty] = Field(None, description="minus this once per token already generated")
+    frequency_penalty: Optional[Penalty] = Field(None, description="minus this times the token's count so far")
+    repetition_penalty: Optional[Number] = Field(None, gt=0, description="(vLLM) CTRL/HF, over prompt and output")
+    min_p: Optional[Number] = Field(None, ge=0, le=1, description="(vLLM) relative to the top token's probability")
     # Known, not implemented: refused unless absent or at their default (UNSUPPORTED_*).
-    logit_bias: Optional[dict[str, Number]] = Field(None, description="not supported")
-    presence_penalty: Optional[Number] = Field(None, description="not supported (only 0)")
-    frequency_penalty: Optional[Number] = Field(None, description="not supported (only 0)")
-    repetition_penalty: Optional[Number] = Field(None, description="(vLLM) not supported (only 1)")
-    min_p: Optional[Number] = Field(None, description="(vLLM) not supported (only 0)")
     response_format: Optional[dict[str, Any]] = Field(None, description='only {"type": "text"}')
     guided_json: Optional[Union[str, dict[str, Any]]] = Field(None, description="(vLLM) not supported")
     guided_regex: Optional[str] = Field(None, description="(vLLM) not supported")
@@ -75,8 +79,8 @@ class CompletionRequest(Sampling):
     prompt: CompletionPrompt
     max_tokens: Optional[int] = Field(None, ge=1, description="default 16, capped to the context left")
     echo: Optional[bool] = Field(None, description="not supported (only false)")
-    logprobs: Optional[int] = Field(None, description="not supported")
-    best_of: Optional[int] = Field(None, description="not supported (only 1)")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="the k most likely tokens too")
+    best_of: Optional[int] = Field(None, ge=1, description=">= n; the n of highest cumulative logprob; not streamed")
     suffix: Optional[str] = Field(None, description='not supported (only "")')
 
 
@@ -103,8 +107,8 @@ class ChatCompletionRequest(Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Optional[int] = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="wins over max_tokens")
-    logprobs: Optional[bool] = Field(None, description="not supported (only false)")
-    top_logprobs: Optional[int] = Field(None, description="not supported (only 0)")
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
     tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (only [])")
     tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description='not supported (only "none")')
     parallel_tool_calls: Optional[bool] = Field(None, description="accepted; no tools are called")
@@ -122,13 +126,11 @@ def _equals(default: Any) -> Callable[[Any], bool]:
 
 
 _SHARED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _equals({}), "presence_penalty": _equals(0), "frequency_penalty": _equals(0),
-    "repetition_penalty": _equals(1), "min_p": _equals(0), "response_format": _equals({"type": "text"}),
+    "response_format": _equals({"type": "text"}),
     "guided_json": _never, "guided_regex": _never, "guided_choice": _never, "guided_grammar": _never,
 }
-UNSUPPORTED_COMPLETION = {**_SHARED, "echo": _equals(False), "logprobs": _never, "best_of": _equals(1),
-                          "suffix": _equals("")}
-UNSUPPORTED_CHAT = {**_SHARED, "logprobs": _equals(False), "top_logprobs": _equals(0), "tools": _equals([]),
+UNSUPPORTED_COMPLETION = {**_SHARED, "echo": _equals(False), "suffix": _equals("")}
+UNSUPPORTED_CHAT = {**_SHARED, "tools": _equals([]),
                     "tool_choice": _equals("none"), "audio": _never, "modalities": _equals(["text"]),
                     "chat_template_kwargs": _equals({})}
 
@@ -144,10 +146,17 @@ class Usage(BaseModel):
 FinishReason = Optional[Literal["stop", "length"]]
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int] = Field(description="from the completion's start")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: FinishReason
 
 
@@ -165,10 +174,25 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: FinishReason
 
 
@@ -189,7 +213,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: FinishReason
 
 

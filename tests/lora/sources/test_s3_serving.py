@@ -114,7 +114,8 @@ def test_bad_remote_paths_are_refused_and_change_nothing(srv: ServerThread, made
     upload(s3, d, "team/deleted")
     s3.delete_object(Bucket=BUCKET, Key="team/deleted/adapter_model.safetensors")
     s3.put_object(Bucket=BUCKET, Key="team/not-peft/adapter_config.json", Body=b'{"peft_type": "IA3"}')
-    s3.put_object(Bucket=BUCKET, Key="team/not-peft/adapter_model.safetensors", Body=(d / "adapter_model.safetensors").read_bytes())
+    s3.put_object(Bucket=BUCKET, Key="team/not-peft/adapter_model.safetensors",
+                  Body=(d / "adapter_model.safetensors").read_bytes())
     before = listed(srv)
     r = load(srv, "bad", path)
     assert r.status_code == 400, r.text
