@@ -12,7 +12,7 @@ import torch
 from appliance.config.schema import ConfigError
 from appliance.engine.engine import LLMEngine
 from appliance.engine.request import RequestError, SamplingParams
-from conftest import REPO, default_config
+from tests.conftest import REPO, default_config
 
 TINY = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
