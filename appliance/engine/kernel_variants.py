@@ -34,13 +34,8 @@ def compiled_keys() -> Optional[set[str]]:
 
 
 def compiled_variants() -> Optional[int]:
-    """How many variants `compiled_keys` names (None likewise)."""
-    keys = compiled_keys()
-    return None if keys is None else len(keys)
-
-
-def variant_count() -> Optional[int]:
-    """The number of variants `compiled_keys` would name, without building the keys (cheap per step)."""
+    """How many variants `compiled_keys` names (None likewise), without building the keys: cheap
+    enough to check around every eager step."""
     if interpreter_active():
         return None
     n = 0
@@ -58,12 +53,11 @@ class CompileWatch:
 
     def __init__(self) -> None:
         self._keys = compiled_keys()
-        self._count = None if self._keys is None else len(self._keys)
 
     def new_since_last(self) -> list[str]:
-        if self._count is None or variant_count() == self._count:
+        if self._keys is None or compiled_variants() == len(self._keys):
             return []
         keys = compiled_keys() or set()
-        new = sorted(keys - (self._keys or set()))
-        self._keys, self._count = keys, len(keys)
+        new = sorted(keys - self._keys)
+        self._keys = keys
         return new
