@@ -14,7 +14,7 @@ failing to run).
 
 The tests' shapes are tiny, and on them lora_gemm takes its CPU tiles (mma.sync): the H200's own
 configurations would never be compiled here. So the launchers are also called at Llama-3.1-8B shapes
-with the tiles a GPU takes (PRODUCTION: lora_gemm's DEFAULT_TILES, fused shrink and h given, one tile a
+with the tiles a GPU takes (PRODUCTION: lora_gemm's tiles in kernels/configs/NVIDIA_H200.json, fused shrink and h given, one tile a
 program and the persistent grid; lora_shrink's 128-row prefill tiles). Every kernel whose PTX has wgmma
 then goes through `ptxas -v` once more: ptxas info C7515 (it serialized the kernel's wgmmas because a
 non-wgmma instruction defines accumulator registers while one is in flight: the right numbers at half
@@ -130,7 +130,8 @@ def _production_launches() -> None:
 
     import kernels.platform as platform
     from bench_kernels_gpu import LLAMA_8B, offsets
-    from kernels.lora_gemm import DEFAULT_TILES, lora_gemm
+    from kernels.lora_gemm import lora_gemm
+    from kernels.tile_config import for_device
     from kernels.lora_shrink import lora_shrink
     from kernels.segments import sgmv_segments
 
@@ -152,7 +153,7 @@ def _production_launches() -> None:
             platform.interpreter_active = lambda: False
             try:
                 lora_gemm(x, w, None if fused else h, B, segs.row_slots, ranks, offs, A=A if fused else None,
-                          tiles=DEFAULT_TILES)
+                          tiles=for_device("NVIDIA H200").gemm(N, K))
             except Exception:  # noqa: BLE001 - recorded in ERRORS by _compile_only
                 pass
             finally:

@@ -5,5 +5,6 @@ accumulating into it, or lora_gemm.py: one Triton GEMM computing h in its grid a
 its epilogue), over the per-step segments of segments.py (backends `triton` and `csgmv`),
 each kernel starting with segment_tile.py's prologue. Attention: paged_attention.py (decode). The
 model's fused elementwise ops (engine.fused_kernels): rms_norm.py (residual add + RMSNorm),
-rope_kv.py (RoPE + K/V cache write), silu_mul.py. platform.py says where they run.
+rope_kv.py (RoPE + K/V cache write), silu_mul.py. platform.py says where they run; tile_config.py
+reads the tuned tiles in configs/ (one JSON file per device).
 Importing this package does not import triton (the `torch` backend needs none)."""

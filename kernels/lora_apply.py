@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_expand import check_out_slices, lora_expand
-from kernels.lora_gemm import block_n_for, platform_reason
+from kernels.lora_gemm import block_n_for, device_tiles, platform_reason
 from kernels.lora_shrink import lora_shrink
 from kernels.lora_bodies import gemv_expand, gemv_shrink
 from kernels.segment_tile import segment_row, segment_tile
@@ -113,10 +113,6 @@ def _lora_fused_tma_kernel(
         acc = tl.sum(bt * hv[None, :], axis=1)
         out = (yt.to(tl.float32) + acc[None, :]).to(y_ty)
         tl.store(y_row + cols, out, mask=cols < c_hi)
-
-
-# The TMA body's tiles (block_k, block_n, stages, warps), tuned on Llama-3.1-8B projections.
-TMA_TILES = (256, 256, 4, 4)
 
 
 def tma_unfit_reason(y: torch.Tensor, x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -231,7 +227,8 @@ def _launch_tma(y, x, A, B, segs, slot_ranks, offs, scalings, widest, block_k, b
     T, K = x.shape
     S, n, R, _ = A.shape
     OUT = y.shape[1]
-    d_bk, d_bn, d_st, d_w = TMA_TILES
+    d = device_tiles(x.device).apply_tma
+    d_bk, d_bn, d_st, d_w = d.block_k, d.block_n, d.num_stages, d.num_warps
     # a copy-engine box is at most 256 elements a side; BLOCK_N must divide every slice boundary
     block_k = min(block_k or d_bk, 256, max(16, triton.next_power_of_2(K)))
     block_n = block_n_for(offs, min(block_n or d_bn, 256, max(16, triton.next_power_of_2(widest))))

@@ -12,7 +12,6 @@ Design and figures: docs/architecture.md "LoRA kernels", docs/performance.md.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional, Sequence
 
@@ -21,8 +20,9 @@ import triton
 import triton.language as tl
 
 from kernels.lora_expand import check_out_slices
-from kernels import platform
+from kernels import platform, tile_config
 from kernels.platform import dot_upcast
+from kernels.tile_config import DeviceTiles, GemmTiles, block_n_for
 
 _NO_SLOT = tl.constexpr(2**31 - 1)  # "no slot left" in the epilogue's walk over a tile's slots
 
@@ -175,43 +175,14 @@ def _lora_gemm_kernel(
         y_desc.store([m0, n0], acc.to(y_desc.dtype))  # out-of-bounds rows/columns are not written
 
 
-@dataclasses.dataclass(frozen=True)
-class GemmTiles:
-    """lora_gemm's launch configuration; block_n shrinks to divide the slice boundaries."""
-
-    block_m: int  # BLOCK_M rows of a tile
-    block_n: int  # BLOCK_N columns of a tile (at most)
-    block_k: int  # BLOCK_K, the main loop's K step
-    num_warps: int
-    num_stages: int  # the main loop's pipeline depth
-    group_m: Optional[int] = None  # row tiles sweeping the columns together; None = group_m_for
-    persistent: Optional[bool] = None  # None = for outputs over PERSISTENT_MIN_OUT columns
-    block_ks: Optional[int] = None  # the fused shrink's K step; None = block_k
-    shrink_stages: Optional[int] = None  # its pipeline depth; None = 4 where A's block is <= 32 rows, else 3
-
-
-# Tiled for Llama-3.1-8B bf16 projections (docs/performance.md); the interpreter needs only the math.
-DEFAULT_TILES = GemmTiles(128, 256, 64, num_warps=8, num_stages=3, block_ks=128)
-_CPU_TILES = GemmTiles(32, 32, 32, num_warps=4, num_stages=1, group_m=2, persistent=False, shrink_stages=1)
-# A persistent grid paid only for the widest outputs (gate_up_proj).
-PERSISTENT_MIN_OUT = 16384
 # Polls of a row tile's flag before a tile computes that row tile's h itself (see the kernel's wait).
 SPIN_LIMIT = 20000
 
 
-def group_m_for(num_pid_n: int, persistent: bool) -> int:
-    """Row tiles grouped to sweep the columns together: more for wide column grids (tuned, one tile a program)."""
-    return 16 if num_pid_n >= 24 and not persistent else 8
-
-
-def block_n_for(out_offsets: Sequence[int], block_n: int) -> int:
-    """The widest power-of-two BLOCK_N <= block_n (>= 16) dividing every inner slice boundary, or 0."""
-    bounds = list(out_offsets[1:-1])
-    while block_n >= 16:
-        if all(o % block_n == 0 for o in bounds):
-            return block_n
-        block_n //= 2
-    return 0
+@functools.lru_cache(maxsize=None)
+def device_tiles(device: torch.device) -> DeviceTiles:
+    """This device's tile file (kernels/configs/): by the GPU's name on CUDA, cpu.json for the interpreter."""
+    return tile_config.for_device(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -265,7 +236,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     [S, n, R, in] given (the shrink runs inside this launch), or [T, n, R] / [P, T, n, R] fp32 from
     lora_shrink (planes summed); B [S, out, R] same dtype as x; row_slots [T] int32 (slot of each row,
     -1 = base); slot_ranks [S] int32; out_offsets [n + 1] slice boundaries; scalings [S] fp32 or None.
-    tiles: the launch configuration (None = DEFAULT_TILES on CUDA, small tiles under the interpreter).
+    tiles: the launch configuration (None = this device's entry for [out, in] in kernels/configs/).
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -302,14 +273,10 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != size or t.device != x.device:
             raise ValueError(f"lora_gemm: {name} must be int32 [{size}] on {x.device}, got {t.dtype} "
                              f"{tuple(t.shape)} on {t.device}")
-    if tiles is None:
-        tiles = DEFAULT_TILES if x.device.type == "cuda" else _CPU_TILES
-    block_m, block_k, num_warps, num_stages = tiles.block_m, tiles.block_k, tiles.num_warps, tiles.num_stages
-    persistent = N > PERSISTENT_MIN_OUT if tiles.persistent is None else tiles.persistent
-    block_n = block_n_for(out_offsets, tiles.block_n)
-    group_m = tiles.group_m
-    if group_m is None:
-        group_m = group_m_for(triton.cdiv(N, block_n), persistent)
+    dev_tiles = device_tiles(x.device)
+    launch = dev_tiles.gemm_launch(dev_tiles.gemm(N, K) if tiles is None else tiles, out_offsets, R)
+    block_m, block_n, block_k = launch.block_m, launch.block_n, launch.block_k
+    persistent, group_m = launch.persistent, launch.group_m
     if T == 0:
         return y
     o1 = out_offsets[1] if n > 1 else N
@@ -326,10 +293,7 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
     # row tiles' "h written" flags; without FUSED_SHRINK never read (no memset)
     flags = torch.zeros(num_pid_m, dtype=torch.int32, device=x.device) if fused else slot_ranks
     block_nr = max(16, triton.next_power_of_2(n * R))
-    block_ks = tiles.block_ks or block_k
-    shrink_stages = tiles.shrink_stages
-    if shrink_stages is None:
-        shrink_stages = 4 if block_nr <= 32 else 3
+    block_ks, shrink_stages = launch.block_ks, launch.shrink_stages
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     if fused:
         xs_desc = TensorDescriptor.from_tensor(x, [block_m, block_ks])
@@ -347,6 +311,6 @@ def lora_gemm(x: torch.Tensor, weight: torch.Tensor, h: Optional[torch.Tensor], 
         BLOCK_NR=block_nr, BLOCK_KS=block_ks, SHRINK_STAGES=shrink_stages, GROUP_M=group_m, PERSISTENT=persistent,
         NUM_PROGS=progs, SPIN_LIMIT=SPIN_LIMIT, FUSED_SHRINK=fused, HAS_SCALE=scalings is not None,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=dot_upcast(x.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return y

@@ -121,7 +121,7 @@ def test_the_waits_way_out_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) 
     lens, slots, ranks = [20, 9, 3, 30, 15], [0, 2, -1, 1, 0], [16, 5, 1, 8]
     x, W, A, B, offs, ts, r = case(torch.bfloat16, lens, slots, ranks, 40, [32, 16, 16], 16, seed=3)
     tiles = GemmTiles(32, 32, 32, num_warps=4, num_stages=1, group_m=2, persistent=False) if DEV.type == "cpu" \
-        else lg.DEFAULT_TILES
+        else lg.device_tiles(DEV).gemm_default
     got = run("triton", x, W, A, B, offs, ts, r, lens, slots, tiles=tiles)
     torch.testing.assert_close(got.double(), want(x, W, A, B, offs, ts, r), atol=3e-2, rtol=2e-2)
     monkeypatch.setattr(lg, "SPIN_LIMIT", 0)
