@@ -88,14 +88,13 @@ def run_online(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequen
     two p99 TTFTs as "ttft_p99_vs_single"."""
     from appliance.engine.kernel_variants import compiled_keys
 
-    aeng = AsyncEngine(engine)
     loads: dict[str, list[float]] = {"cpu": [], "gpu": [], "cpu_failed": [], "gpu_failed": []}
 
     def sink(ev: EngineEvents) -> None:  # engine thread
         for ld in ev.loads:
             loads[ld.tier if ld.ok else f"{ld.tier}_failed"].append(ld.duration_s)
 
-    aeng.set_stats_sink(sink)
+    aeng = AsyncEngine(engine, stats_sink=sink)
     aeng.start()
     pool = engine.lora.pool if engine.lora is not None else None
 

@@ -32,13 +32,18 @@ OnOutput = Callable[[Union[RequestOutput, BaseException]], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, stats_sink: Optional[Callable[[EngineEvents], None]] = None) -> None:
+        """stats_sink receives the engine's stats events after every loop iteration, on the engine thread
+        (appliance/telemetry/metrics.py; thread-safe to read from elsewhere, as prometheus_client's
+        collectors are); None = they are dropped, so they never pile up. Events since the engine was
+        built (startup adapter loads included) reach it first."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
+        # The engine's doorbell: callers and the LoRA reader threads wake the loop through it.
+        self._bell = engine.doorbell
+        self._wakeup = self._lock = self._bell.cond
         # Inbox, filled by callers, drained by the engine thread at the start of each step.
         # (request id, prompt ids, params, adapter, arrival time: when the caller submitted it, prompt source)
         self._to_add: list[tuple[str, list[int], SamplingParams, Optional[str], float, Optional[str]]] = []
@@ -50,15 +55,10 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self._dead: Optional[BaseException] = None
-        # Receives the engine's stats events after every loop iteration, on the engine thread
-        # (appliance/telemetry/metrics.py); None = they are dropped, so they never pile up.
-        self._stats_sink: Optional[Callable[[EngineEvents], None]] = None
-        # Overlap loading: the loop sleeps while every waiter waits on a read; `_reads_done` closes the
-        # race of a read ending during the step that saw it in flight.
-        self._idle = False
-        self._reads_done = 0
-        if engine.lora is not None:
-            engine.lora.set_load_listener(self._read_finished)
+        self._stats_sink = stats_sink
+        # Overlap loading: the loop sleeps while every waiter waits on a read, until a read ends after
+        # the step that saw them wait began (the doorbell's ring count then; None = not idle).
+        self._idle_at: Optional[int] = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # ----------------------------------------------------------------- lifecycle
@@ -73,12 +73,6 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive() and not self._stop
-
-    def set_stats_sink(self, sink: Optional[Callable[[EngineEvents], None]]) -> None:
-        """Where the engine's stats events go (called on the engine thread; must be thread-safe to read
-        from elsewhere, as prometheus_client's collectors are). Set it before `start` to miss nothing
-        (events since the engine was built, startup adapter loads included, are kept until then)."""
-        self._stats_sink = sink
 
     async def stats(self) -> EngineSnapshot:
         """Hand the events so far to the sink and return the engine's state, read on the engine thread
@@ -109,8 +103,6 @@ class AsyncEngine:
             self._wakeup.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
-        if self.engine.lora is not None:
-            self.engine.lora.set_load_listener(None)  # the engine may be driven again (benchmarks)
 
     @property
     def stepping(self) -> bool:
@@ -205,12 +197,12 @@ class AsyncEngine:
             while True:
                 with self._lock:
                     while not (self._stop or self._to_add or self._to_abort or self._calls
-                               or (self.engine.has_unfinished() and not self._idle)):
+                               or (self.engine.has_unfinished() and self._idle_at != self._bell.rings)):
                         self._wakeup.wait()
                     if self._stop:
                         break
-                    self._idle = False
-                    reads_seen = self._reads_done
+                    self._idle_at = None
+                    reads_seen = self._bell.rings
                     to_add, self._to_add = self._to_add, []
                     to_abort, self._to_abort = self._to_abort, []
                     calls, self._calls = self._calls, []
@@ -238,7 +230,7 @@ class AsyncEngine:
                     self._deliver(self.engine.step())
                     blocked = self.engine.blocked_on_loads()
                     with self._lock:
-                        self._idle = blocked and self._reads_done == reads_seen
+                        self._idle_at = reads_seen if blocked else None
                 self._flush_stats()
         except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
             log.exception("engine loop died")
@@ -253,13 +245,6 @@ class AsyncEngine:
                 _call(loop, on_output, err)
             for _, loop, fut in calls:
                 _resolve(loop, fut, error=err)
-
-    def _read_finished(self) -> None:
-        """A background adapter read ended (called on its reader thread): wake the loop."""
-        with self._lock:
-            self._reads_done += 1
-            self._idle = False
-            self._wakeup.notify_all()
 
     def _flush_stats(self) -> None:
         events = self.engine.stats.take()

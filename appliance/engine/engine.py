@@ -35,6 +35,7 @@ import torch
 from appliance.config.schema import ApplianceConfig, ConfigError
 from appliance.engine.async_step import LaunchedStep
 from appliance.engine.block_manager import BlockManager
+from appliance.engine.doorbell import Doorbell
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import (AdapterNotFoundError, RequestError, RequestOutput, SamplingParams,
                                       TokenLogprob)
@@ -51,7 +52,6 @@ from appliance.engine.tokenizer import (
     has_tokenizer,
     partial_stop_len,
 )
-from appliance.engine.kernel_variants import CompileWatch
 from appliance.engine.warmup import WarmupReport, plan_warmup, run_warmup
 
 if TYPE_CHECKING:
@@ -84,7 +84,14 @@ class LLMEngine:
             raise
 
     def _build(self, cfg: ApplianceConfig, model_path: Path) -> None:
-        self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group, leader=self.tp)
+        # Events for metrics, recorded where they happen (here, the scheduler, the LoRA manager); the
+        # async engine takes them after every loop iteration. Created first: startup loads count too.
+        self.stats = StatsRecorder()
+        # Rung by the LoRA manager's background reads; the async engine's loop sleeps on it.
+        self.doorbell = Doorbell()
+        self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group, leader=self.tp,
+                                  lora=self._lora_manager if cfg.lora.enabled else None)
+        self.lora: Optional[LoRAManager] = self.runner.lora
         self.tokenizer: Tokenizer | IdsOnlyTokenizer
         if cfg.model.init == "random" and not has_tokenizer(model_path):
             eos = read_hf_config(model_path).get("eos_token_id")
@@ -97,23 +104,7 @@ class LLMEngine:
             raise ConfigError(f"model.path: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                               f"only {self.runner.args.vocab_size}")
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
-        # Events for metrics, recorded where they happen (here, the scheduler, the LoRA manager); the
-        # async engine takes them after every loop iteration. Created first: startup loads count too.
-        self.stats = StatsRecorder()
-        self.lora: Optional[LoRAManager] = None
-        if cfg.lora.enabled:
-            # Imported here so a base-only engine never loads the LoRA modules.
-            from appliance.lora.manager import LoRAManager as Manager
-
-            sync = None
-            if self.tp is not None:
-                from appliance.parallel.lora import AdapterSync
-
-                sync = AdapterSync(self.tp.group, self.tp.layout)
-            self.lora = Manager(cfg.lora, self.runner.runtime.lora, self.runner.model, cfg.model.name,
-                                self.runner.dtype, self.runner.device, stats=self.stats, args=self.runner.args,
-                                tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s)
-            self.runner.lora = self.lora
+        if self.lora is not None:
             self._load_configured_adapters(cfg)
         overlap = self.lora is not None and cfg.lora.overlap_loading
         self.scheduler = Scheduler(cfg.engine, self.block_manager, self.lora.pool if self.lora else None,
@@ -137,12 +128,27 @@ class LLMEngine:
         if self.runner.runtime.warmup:
             self.warmup = self._warm_up(cfg)
             if self.warmup.compiled is not None:
-                self.runner.compile_watch = CompileWatch()
+                self.runner.watch_compiles()
         # Async scheduling applies to steps over the static decode buffers (module docstring); null = on
         # wherever those are set up (cuda graphs) at tp_size 1. Under TP the other ranks would need the
         # sampled tokens, which only rank 0 has (the config check refuses true with tp_size > 1).
         self.async_scheduling = self.runner.runtime.async_scheduling
         self._inflight: Optional[LaunchedStep] = None
+
+    def _lora_manager(self, runner: ModelRunner) -> LoRAManager:
+        """The LoRA manager over the runner's model (the runner calls this once it sized its KV cache)."""
+        # Imported here so a base-only engine never loads the LoRA modules.
+        from appliance.lora.manager import LoRAManager as Manager
+
+        cfg = self.cfg
+        sync = None
+        if self.tp is not None:
+            from appliance.parallel.lora import AdapterSync
+
+            sync = AdapterSync(self.tp.group, self.tp.layout)
+        return Manager(cfg.lora, runner.runtime.lora, runner.model, cfg.model.name, runner.dtype, runner.device,
+                       stats=self.stats, args=runner.args, tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s,
+                       on_read_done=self.doorbell.ring)
 
     def _warm_up(self, cfg: ApplianceConfig) -> WarmupReport:
         e = cfg.engine
@@ -415,7 +421,7 @@ class LLMEngine:
 
     def blocked_on_loads(self) -> bool:
         """Nothing runs and waiting requests can only be waiting for background reads: the async
-        engine may sleep until a read ends (LoRAManager.set_load_listener) or new work arrives."""
+        engine may sleep until a read ends (the doorbell rings) or new work arrives."""
         if self.lora is None or self.scheduler.running:
             return False
         if any(q.wait_reason != "load" for q in self.scheduler.waiting):

@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, cfg: ApplianceConfig, model_path: str, tp: Optional[TPGroup] = None,
-                 leader: Optional["TPLeader"] = None) -> None:
+                 leader: Optional["TPLeader"] = None,
+                 lora: Optional[Callable[["ModelRunner"], "LoRAManager"]] = None) -> None:
         # tp: this rank's tensor-parallel group (None: tp_size 1, a SingleRank: no process group, no collectives).
         # leader: TP rank 0's sender of each step's batch and the decode setup (parallel/launcher.py).
+        # lora: builds the LoRA manager over this runner's model, called last (after the KV cache is sized).
         self.leader = leader
         self.tp: TPGroup | SingleRank = tp if tp is not None else SingleRank(resolve_device(cfg.model.device))
         tp = self.tp
@@ -78,7 +80,6 @@ class ModelRunner:
         self.model.use_fused_kernels(self.fused_kernels == "triton")
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 0)
-        self.lora: Optional["LoRAManager"] = None  # set by the engine when lora.enabled (after sizing)
         self.num_blocks = tp.min_int(self._num_kv_blocks(cfg))  # block ids mean the same on every rank
         a = self.model.args  # this rank's heads (all of them without TP)
         # One tensor for the whole cache: [layers, k|v, blocks + 1, block_size, kv_heads, head_dim]. The
@@ -88,11 +89,16 @@ class ModelRunner:
                                     a.head_dim, dtype=self.dtype, device=self.device)
         # Decode-only steps over static buffers (CUDA graphs on cuda); set up by setup_decode_graphs.
         self.static_decode: Optional[StaticDecode] = None
-        # Set once the start-up warm-up compiled the kernels: eager steps then log what it missed.
+        # Set by watch_compiles once the start-up warm-up compiled the kernels: eager steps then log what it missed.
         self.compile_watch: Optional[CompileWatch] = None
+        self.lora: Optional["LoRAManager"] = lora(self) if lora is not None else None
         log.info("model on %s in %s; KV cache %d blocks x %d tokens (%.2f GiB); fused kernels %s", self.device,
                  self.dtype, self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, self.fused_kernels)
+
+    def watch_compiles(self) -> None:
+        """From now on, eager steps log the kernel variants they compile (the warm-up should have)."""
+        self.compile_watch = CompileWatch()
 
     def bytes_per_block(self) -> int:
         a = self.model.args

@@ -110,10 +110,14 @@ class LoRALinear(nn.Module):
 
 
 def apply_lora(model: LlamaModel, targets: tuple[str, ...], num_slots: int, max_rank: int,
-               backend: str = "torch", max_chunk_size: int = 16, sorted_decode: bool = False) -> LoRAContext:
-    """Wrap the projections that carry any of `targets`; return the context the runner fills per step."""
+               backend: str = "torch", max_chunk_size: int = 16, sorted_decode: bool = False,
+               prefill_gemm: Optional[str] = None, decode_aside: bool = False,
+               side_stream: Optional["torch.cuda.Stream"] = None) -> LoRAContext:
+    """Wrap the projections that carry any of `targets`; return the context the runner fills per step.
+    The keywords are LoRAContext's fields of the same names (the resolved runtime settings)."""
     ctx = LoRAContext(backend=backend, num_slots=num_slots, max_chunk_size=max_chunk_size,
-                      sorted_decode=sorted_decode and backend != "torch")
+                      sorted_decode=sorted_decode and backend != "torch", prefill_gemm=prefill_gemm,
+                      decode_aside=decode_aside, side_stream=side_stream)
     for i, layer in enumerate(model.layers):
         for path, names in FUSED_SLICES.items():
             if not set(names) & set(targets):

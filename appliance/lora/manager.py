@@ -67,9 +67,10 @@ class LoRAManager:
     def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, base_name: str,
                  dtype: torch.dtype, device: torch.device, stats: Optional[StatsRecorder] = None,
                  args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None,
-                 read_delay_s: float = 0.0) -> None:
+                 read_delay_s: float = 0.0, on_read_done: Optional[Callable[[], None]] = None) -> None:
         # runtime: lora.* with auto resolved for this device at start (engine/runtime.py);
-        # read_delay_s: debug.fault_injection_read_delay_s.
+        # read_delay_s: debug.fault_injection_read_delay_s; on_read_done: called on a reader thread
+        # whenever a background read ends (the engine's Doorbell.ring, which wakes an idle loop).
         self.cfg = cfg
         self.read_delay_s = read_delay_s
         # Loads (disk -> cpu, cpu -> gpu) and evictions of both tiers, for metrics.
@@ -90,19 +91,17 @@ class LoRAManager:
         self.host = HostCache(cfg.max_loaded_loras, self._read_weights,
                               on_evict=lambda _: self.stats.eviction("cpu", "lru"))
         self.backend = runtime.backend
-        self.ctx: LoRAContext = apply_lora(model, cfg.resolved_targets(), cfg.max_loras_per_batch,
-                                           cfg.max_lora_rank, self.backend, cfg.max_chunk_size,
-                                           runtime.sorted_decode)
+        aside = runtime.decode_side_stream
+        self.ctx: LoRAContext = apply_lora(
+            model, cfg.resolved_targets(), cfg.max_loras_per_batch, cfg.max_lora_rank, self.backend,
+            cfg.max_chunk_size, runtime.sorted_decode, prefill_gemm=runtime.prefill_gemm, decode_aside=aside,
+            side_stream=torch.cuda.Stream(device) if aside and device.type == "cuda" else None)
         self.slot_ranks = [0] * cfg.max_loras_per_batch
-        self.ctx.prefill_gemm = runtime.prefill_gemm
-        if runtime.decode_side_stream:
-            self.ctx.decode_aside = True
-            self.ctx.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Overlap loading: background cold reads, and on CUDA side-stream copies (module docstring).
         self.reader: Optional[BackgroundReader[Weights]] = None
         self.copier = None
         if cfg.overlap_loading:
-            self.reader = BackgroundReader(cfg.loader_threads)
+            self.reader = BackgroundReader(cfg.loader_threads, on_done=on_read_done)
             if device.type == "cuda":
                 from appliance.lora.copier import SlotCopier
 
@@ -318,11 +317,6 @@ class LoRAManager:
         """(background reads not yet polled, side-stream copies not yet completed)."""
         return (self.reader.in_flight if self.reader is not None else 0,
                 self.copier.in_flight if self.copier is not None else 0)
-
-    def set_load_listener(self, fn: Optional[Callable[[], None]]) -> None:
-        """`fn()` is called on a reader thread whenever a background read ends (wakes an idle loop)."""
-        if self.reader is not None:
-            self.reader.on_done = fn
 
     def close(self) -> None:
         if self.reader is not None:

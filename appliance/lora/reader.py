@@ -35,8 +35,8 @@ class BackgroundReader(Generic[T]):
         self._lock = threading.Lock()
         self._busy: set[str] = set()  # started, outcome not yet polled
         self._done: list[ReadOutcome[T]] = []  # finished, not yet polled
-        # Called on the reading thread after each read ends (the async engine wakes its loop with it).
-        self.on_done = on_done
+        # Called on the reading thread after each read ends (the engine's doorbell: wakes the async loop).
+        self._on_done = on_done
 
     def start(self, key: str, read: Callable[[], T]) -> bool:
         """Queue `read()` for `key` unless a read of it is already in flight. True when queued now."""
@@ -79,5 +79,5 @@ class BackgroundReader(Generic[T]):
         outcome = ReadOutcome(key, result, time.perf_counter() - t0)
         with self._lock:
             self._done.append(outcome)
-        if self.on_done is not None:
-            self.on_done()
+        if self._on_done is not None:
+            self._on_done()

@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.engine import LLMEngine
 from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineStoppedError, QueueFullError,
                                       RequestError, RequestOutput)
 from appliance.engine.tokenizer import Tokenizer
@@ -60,14 +61,17 @@ class _ClientGone(Exception):
     """The client disconnected before the answer; nothing to send."""
 
 
-def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> Starlette:
+def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource] = None,
+              metrics: Optional[Metrics] = None) -> Starlette:
     """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`, `app.state.metrics`
-    its `Metrics` (None when metrics.enabled is false; the reconciler reports through it). `source`: the
-    config dir and overrides `cfg` was composed from, which hot reload composes again."""
+    its `Metrics` (None when metrics.enabled is false; the reconciler reports through it): `metrics`, built
+    by build_metrics and fed by the engine (AsyncEngine's stats_sink). `source`: the config dir and overrides
+    `cfg` was composed from, which hot reload composes again."""
+    if cfg.metrics.enabled and metrics is None:
+        raise ValueError("build_app: metrics.enabled needs the engine's Metrics (build_metrics)")
     api = _Api(engine, cfg, source)
     # One limit shared by every inference route (server.max_concurrent_requests).
     limit = ConcurrencyLimit(cfg.server.max_concurrent_requests, api.body, api.admit)
-    metrics = _metrics(engine, cfg)
     utility = UtilityApi(api.tokenizer, engine.max_model_len, api.auth, api._read_json, api.resolve_model,
                          cfg.server.strict_fields, ignored_header)
     routes = [
@@ -114,17 +118,17 @@ def _reconcile_metrics(metrics: Metrics, reconciler: Reconciler) -> Callable[[Re
     return on_record
 
 
-def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
-    """The app's collectors, fed with the engine's stats events from now on; None when disabled."""
+def build_metrics(engine: LLMEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
+    """The app's collectors for `engine`, to be fed with its stats events (AsyncEngine's stats_sink:
+    `record_events`); None when metrics.enabled is false."""
     if not cfg.metrics.enabled:
         return None
     from appliance import __version__
 
-    lora = engine.engine.lora  # its backend with auto resolved for the device
+    lora = engine.lora  # its backend with auto resolved for the device
     metrics = Metrics(cfg.metrics, BuildInfo(__version__, cfg.model.name,
                                              lora.backend if lora is not None else cfg.lora.backend),
                       eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled)
-    engine.set_stats_sink(metrics.record_events)
     return metrics
 
 

@@ -24,7 +24,8 @@ import uvicorn
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.reconcile.controller import ConfigSource
-from appliance.server.app import build_app
+from appliance.server.app import build_app, build_metrics
+from appliance.telemetry.metrics import Metrics
 from appliance.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -36,14 +37,11 @@ _CONNECTION_CLOSE_TIMEOUT_S = 5
 def serve(cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
     """Load the model, start the engine and serve until a signal; returns after a clean shutdown.
     With `source` (where cfg was composed from) and reconcile.watch, the config dir is hot-reloaded."""
-    from appliance.engine.engine import LLMEngine
-
     _setup_logging(cfg.server.log_level)
     log.info("loading model %s from %s", cfg.model.name, cfg.model.path)
-    engine = AsyncEngine(LLMEngine.from_config(cfg))
-    engine.start()
+    engine, metrics = start_engine(cfg)
     try:
-        make_server(engine, cfg, source).run()
+        make_server(engine, cfg, source, metrics).run()
     finally:
         engine.shutdown()
         # Then the other tensor-parallel ranks (none at tp_size 1); killed if a step is stuck.
@@ -51,10 +49,22 @@ def serve(cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
     log.info("server stopped")
 
 
-def make_server(engine: AsyncEngine, cfg: ApplianceConfig,
-                source: Optional[ConfigSource] = None) -> "DrainingServer":
-    """A uvicorn server for a started `engine` on cfg.server.host/port (port 0 = any free port)."""
-    app = build_app(engine, cfg, source)
+def start_engine(cfg: ApplianceConfig) -> tuple[AsyncEngine, Optional[Metrics]]:
+    """The engine for cfg, started, with its metrics (None when disabled) as its stats sink."""
+    from appliance.engine.engine import LLMEngine
+
+    llm = LLMEngine.from_config(cfg)
+    metrics = build_metrics(llm, cfg)
+    engine = AsyncEngine(llm, stats_sink=metrics.record_events if metrics is not None else None)
+    engine.start()
+    return engine, metrics
+
+
+def make_server(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource] = None,
+                metrics: Optional[Metrics] = None) -> "DrainingServer":
+    """A uvicorn server for a started `engine` on cfg.server.host/port (port 0 = any free port); `metrics`
+    as start_engine returns them."""
+    app = build_app(engine, cfg, source, metrics)
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
                             log_level=cfg.server.log_level, lifespan="off",
                             timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT_S)

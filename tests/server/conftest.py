@@ -11,10 +11,8 @@ import pytest
 import requests
 
 from appliance.config.schema import ApplianceConfig
-from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.engine import LLMEngine
 from appliance.reconcile.controller import ConfigSource
-from appliance.server.run import DrainingServer, make_server
+from appliance.server.run import DrainingServer, make_server, start_engine
 from tests.conftest import default_config
 
 API_KEY = "test-key"
@@ -25,9 +23,8 @@ class ServerThread:
 
     def __init__(self, cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
         self.cfg = cfg
-        self.engine = AsyncEngine(LLMEngine.from_config(cfg))
-        self.engine.start()
-        self.server: DrainingServer = make_server(self.engine, cfg, source)
+        self.engine, metrics = start_engine(cfg)
+        self.server: DrainingServer = make_server(self.engine, cfg, source, metrics)
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     def start(self, timeout_s: float = 60.0) -> "ServerThread":
