@@ -67,6 +67,13 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return compiled
 
+    def matcher(self, spec: GrammarSpec, stop_token_ids: Iterable[int] = ()) -> Any:
+        """A fresh GrammarMatcher for one sequence; `stop_token_ids` (the request's own) end it too,
+        besides the tokenizer's EOS, once the grammar is complete."""
+        extra = sorted(set(stop_token_ids) - set(self.tokenizer_info.stop_token_ids))
+        stops = (list(self.tokenizer_info.stop_token_ids) + extra) if extra else None
+        return self._xgr.GrammarMatcher(self.compile(spec), override_stop_tokens=stops)
+
     def cached(self, spec: GrammarSpec) -> bool:
         with self._lock:
             return spec.key() in self._cache
@@ -74,7 +81,8 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self._compiler
         if spec.kind == "json_object":
-            return c.compile_builtin_json_grammar()
+            # OpenAI's json_object is an object (xgrammar's builtin JSON grammar takes any value).
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if spec.kind == "json_schema":
             # Compact JSON: with free whitespace, small models pad with newlines until max_tokens.
             return c.compile_json_schema(spec.value, any_whitespace=False)
