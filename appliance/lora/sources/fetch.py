@@ -49,7 +49,7 @@ class AdapterSources:
             return None
         uri = parse_uri(path)
         check_allowed(uri, self.allowed)
-        fetcher = self._fetcher(uri.scheme)
+        fetcher = self.fetcher(uri.scheme)
         rev = fetcher.resolve(uri, self.cfg.max_adapter_bytes)
         self.cache.root.mkdir(parents=True, exist_ok=True)
         d, downloaded = self.cache.get(str(uri), str(rev), lambda tmp: fetcher.download(uri, rev, tmp))
@@ -69,7 +69,7 @@ class AdapterSources:
         fetched = self.fetch(path)
         return (path, None) if fetched is None else (str(fetched.dir), fetched)
 
-    def _fetcher(self, scheme: str) -> Any:
+    def fetcher(self, scheme: str) -> Any:
         with self._lock:
             return self._make(scheme)
 
