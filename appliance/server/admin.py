@@ -223,7 +223,8 @@ def adapter_view(lora: LoRAManager, entry: AdapterEntry) -> dict[str, Any]:
     """One adapter as GET /v1/adapters shows it.
 
     tier: "gpu" when its current weights hold a slot, "cpu" when they are in the host cache, else
-    "disk" (registered; read again on the next request). in_flight: requests (waiting or running) on
+    "disk" (registered; read again on the next request), "remote" (its disk-cache entry evicted; fetched
+    again on the next request). in_flight: requests (waiting or running) on
     its current weights; requests still on the weights before an in-place reload are under `retiring`.
     """
     key = lora.current[entry.name]

@@ -42,6 +42,11 @@ class AdapterSources:
         self._fetchers: dict[str, Any] = {}
         self._lock = threading.Lock()  # the fetchers are made once, by whichever thread asks first
 
+    def check(self, path: str) -> None:
+        """SourceError unless `path` is local or a well-formed URI under lora.allowed_sources (no store call)."""
+        if is_remote(path):
+            check_allowed(parse_uri(path), self.allowed)
+
     def fetch(self, path: str) -> Optional[Fetched]:
         """None for a local path (read as before); else the adapter in the disk cache at its current
         revision. SourceError (nothing fetched) when the URI is malformed or not allowed."""

@@ -5,6 +5,7 @@ response names the AWS credentials."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -86,6 +87,12 @@ def test_yaml_and_admin_adapters_from_s3_match_peft(srv: ServerThread, made: dic
     r = load(srv, "fromapi", made["mlp6"][1])
     assert r.status_code == 200, r.text
     assert listed(srv)["fromapi"]["path"] == made["mlp6"][1]
+    # One CPU entry and a disk cache for one adapter: fromapi's download evicted fromyaml's entry.
+    assert listed(srv)["fromyaml"]["tier"] == "remote"
+    metrics = requests.get(srv.url + "/metrics", timeout=30).text
+    assert 'appliance_lora_adapters{tier="remote"} 1.0' in metrics
+    downloads = re.search(r'appliance_lora_load_duration_seconds_count\{tier="disk"\} (\S+)', metrics)
+    assert downloads is not None and float(downloads.group(1)) == 2  # fromyaml at start, fromapi now
     assert oracle["qv4"] != oracle["mlp6"]  # else the comparison below could not tell them apart
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     tok = Tokenizer(tiny_model_dir)
