@@ -136,7 +136,7 @@ class LoRAManager:
         except AdapterError as e:
             return PreparedLoad(error=shown_as_source(e, fetched), fetch_s=fetch_s)
         if fetched is not None:
-            spec = replace(spec, source=fetched.source)
+            spec = replace(spec, source=fetched.source, revision=fetched.revision)
         try:
             weights = self._pinned(adapter_weights(spec, files, self.dtype))
         except AdapterError as e:
@@ -179,7 +179,8 @@ class LoRAManager:
             self.tp.drop(key)  # refused: the other ranks forget the shard they read
             raise
         fields = dict(path=spec.source or str(resolved), pinned=pinned, checksum=spec.checksum, rank=spec.rank,
-                      target_modules=spec.target_modules, base_model_name=spec.base_model_name)
+                      target_modules=spec.target_modules, base_model_name=spec.base_model_name,
+                      revision=spec.revision or "")
         entry = self.registry.replace(name, **fields) if old is not None else self.registry.add(name, **fields)
         self.current[name] = key
         self.keys[key] = KeyState(spec)

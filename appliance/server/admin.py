@@ -234,7 +234,7 @@ def adapter_view(lora: LoRAManager, entry: AdapterEntry) -> dict[str, Any]:
     return {"name": entry.name, "path": entry.path, "pinned": entry.pinned, "id": entry.id,
             "rank": entry.rank, "target_modules": list(entry.target_modules), "checksum": entry.checksum,
             "base_model_name": entry.base_model_name, "generation": entry.generation, "tier": tier,
-            "slot": slot, "in_flight": st.in_flight if st is not None else 0}
+            "slot": slot, "in_flight": st.in_flight if st is not None else 0, "revision": entry.revision or None}
 
 
 def snapshot(lora: LoRAManager) -> dict[str, Any]:
