@@ -148,6 +148,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     a("--decode-adapters", type=int, default=d.decode_adapters)
     a("--profile-decode", action="store_true",
       help="after the timed decode steps, profile 2 more (torch.profiler) and record the top kernels")
+    a("--decode-logprobs", type=int, default=None, metavar="K",
+      help="also time the decode steps with logprobs=K (top-K alternatives) on every row")
     a("--prefill-requests", type=int, default=d.prefill_requests, help="0 = skip the prefill phase")
     a("--prefill-len", type=int, default=d.prefill_len)
     a("--prefill-adapters", type=int, default=d.prefill_adapters)

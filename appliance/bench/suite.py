@@ -225,11 +225,15 @@ class Bench:
 
         def decode() -> None:
             prompts = random_prompts(o.decode_batch, o.decode_context, vocab, o.seed + 2)
+            variants = [("plain", {})]
+            if o.decode_logprobs is not None:
+                variants.append((f"logprobs{o.decode_logprobs}", {"logprobs": o.decode_logprobs}))
             for d in (0, o.decode_adapters):
                 keys = [None if d == 0 else names[r0][i % d] for i in range(o.decode_batch)]
-                self.res["decode_step"].append(decode_step(
-                    eng, prompts, keys, o.decode_steps, self.res["ceilings"]["copy_gb_s"] * 1e9, r0, o.targets,
-                    progress=o.progress, profile=o.profile_decode))
+                for variant, sampling in variants:
+                    self.res["decode_step"].append(decode_step(
+                        eng, prompts, keys, o.decode_steps, self.res["ceilings"]["copy_gb_s"] * 1e9, r0, o.targets,
+                        progress=o.progress, profile=o.profile_decode, variant=variant, sampling=sampling))
 
         if o.decode_steps > 0:
             self._phase("decode_step", decode)
