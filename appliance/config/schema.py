@@ -225,6 +225,34 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 @dataclass
+class ResolverConfig:
+    """Load on first request (appliance/lora/sources/resolver.py): `lora.resolver.*`."""
+
+    # URI templates tried in order for a request that names an unknown adapter, `{name}` standing for
+    # it (e.g. s3://bucket/adapters/{name}, hf://my-org/{name}); each must lie under lora.allowed_sources.
+    # Empty: off (an unknown adapter is a 404).
+    sources: list[str] = field(default_factory=list)
+    # How long a name that resolved to nothing (or to an adapter that cannot be served) is answered
+    # from memory, without asking the store again.
+    miss_ttl_s: float = 60.0
+    # Most names looked up or remembered as misses at once: past it an unknown name gets 404 without a
+    # store call, so the store sees at most this many lookups per miss_ttl_s.
+    max_misses: int = 1024
+
+    def check(self, allowed_sources: list[str]) -> None:
+        from appliance.lora.sources.resolver import parse_templates
+
+        try:
+            parse_templates(self.sources, allowed_sources)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not self.miss_ttl_s > 0:
+            raise ConfigError(f"lora.resolver.miss_ttl_s: must be > 0, got {self.miss_ttl_s}")
+        if self.max_misses < 1:
+            raise ConfigError(f"lora.resolver.max_misses: must be >= 1, got {self.max_misses}")
+
+
+@dataclass
 class LoRAConfig:
     """Engine-level LoRA settings; they change only with a restart."""
 
@@ -288,6 +316,8 @@ class LoRAConfig:
     s3_region: Optional[str] = None
     # huggingface_hub's cache for hf:// adapters; null = its default (HF_HOME).
     hub_cache_dir: Optional[str] = None
+    # Load on first request from remote sources; off unless resolver.sources is set.
+    resolver: ResolverConfig = field(default_factory=ResolverConfig)
 
     def read_roots(self) -> list[str]:
         """Where the adapter reader may open files: adapter_roots, and the remote adapters' cache dir
@@ -338,6 +368,7 @@ class LoRAConfig:
         if url is not None and (not url.startswith(("http://", "https://")) or "@" in url.split("/")[2]):
             raise ConfigError("lora.s3_endpoint_url: must be an http:// or https:// URL without user info "
                               "(credentials come from the AWS environment)")
+        self.resolver.check(self.allowed_sources)
 
 
 @dataclass

@@ -583,6 +583,7 @@ class LLMEngine:
             lora = LoRASnapshot(slots=pool.slots, slots_used=pool.used, slots_pinned=pool.pinned,
                                 adapters_gpu=tiers["gpu"], adapters_cpu=tiers["cpu"],
                                 adapters_registered=sum(tiers.values()), reads_in_flight=reads,
-                                copies_in_flight=copies)
+                                copies_in_flight=copies, adapters_disk=tiers["disk"],
+                                adapters_remote=tiers["remote"])
         return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
                               kv_usage=bm.num_used / bm.num_blocks, lora=lora)

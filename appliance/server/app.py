@@ -36,12 +36,14 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
+from appliance.lora.sources.resolver import AdapterResolver
 from appliance.telemetry.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
 from appliance.server import logprob_format, protocol, samples
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
+from appliance.server.first_use import FirstUse
 from appliance.server.group import RequestGroup
 from appliance.server.limits import BodyLimits, ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
@@ -143,6 +145,7 @@ class _Api:
         ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
         self.state = ServerState(Reconciler(cfg, ops, source, runtime=engine.engine.runner.runtime.view()))
         self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler)
+        self.first_use = FirstUse(ops, AdapterResolver(cfg.lora.resolver, cfg.lora.allowed_sources), cfg.model.name)
 
     # ------------------------------------------------------------------------------ plain routes
     async def models(self, request: Request) -> Response:
@@ -298,6 +301,7 @@ class _Api:
             names, param = req.lora_paths, "lora_path"
         else:
             names, param = [req.model] * len(req.jobs), "model"
+        await self.first_use.ensure(names, param)  # lora.resolver: unknown adapters loaded on first use
         keys = self.resolve_model(names, param)
         for job, name, key in zip(req.jobs, names, keys):
             job.adapter = name if key is not None else None
