@@ -81,6 +81,16 @@ class StatsRecorder:
 
 
 @dataclass(frozen=True)
+class AdapterResidency:
+    """One adapter whose weights are in memory: registered names only (config or admin API)."""
+
+    name: str
+    tier: LoadTier  # gpu (a slot) or cpu (host memory, no slot); adapters on disk only are left out
+    pinned: bool
+    rank: int
+
+
+@dataclass(frozen=True)
 class LoRASnapshot:
     slots: int  # lora.max_loras_per_batch
     slots_used: int  # slots holding weights, retiring weights of unloaded adapters included
@@ -93,6 +103,8 @@ class LoRASnapshot:
     # lora.overlap_loading: background disk reads not yet taken in, side-stream copies not yet done.
     reads_in_flight: int = 0
     copies_in_flight: int = 0
+    # Adapters in memory, sorted by name: bounded by the tiers (lora.max_loaded_loras, the slots).
+    resident: tuple[AdapterResidency, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,3 +113,6 @@ class EngineSnapshot:
     waiting: dict[str, int]  # WaitReason -> requests
     kv_usage: float  # used KV blocks / all KV blocks, 0..1
     lora: Optional[LoRASnapshot]  # None when lora.enabled is false
+    # Distinct adapter names (sorted) of the running batch's and the queue's requests.
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
