@@ -381,6 +381,9 @@ class MetricsConfig:
     # Adapters that get their own `adapter` label value on the latency and request metrics, in the
     # order they are first seen; later ones share the value "other". Bounds the number of series.
     max_adapter_labels: int = 32
+    # true: also export the model-server protocol metrics the Gateway API Inference Extension reads,
+    # under vLLM's names (vllm:num_requests_waiting, vllm:lora_requests_info, ...).
+    gateway_compat: bool = False
 
     def check(self) -> None:
         if self.max_adapter_labels < 0:
@@ -502,6 +505,21 @@ class DebugConfig:
                               f"{self.fault_injection_read_delay_s}")
 
 
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass
+class LoggingConfig:
+    """Process logs (appliance/server/logs.py); one line per finished HTTP request either way."""
+
+    # text: human lines; json: one JSON object a line (python-json-logger), for log pipelines.
+    format: str = "text"
+
+    def check(self) -> None:
+        if self.format not in LOG_FORMATS:
+            raise ConfigError(f"logging.format: must be one of {', '.join(LOG_FORMATS)}, got {self.format!r}")
+
+
 @dataclass
 class ApplianceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -512,6 +530,7 @@ class ApplianceConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     # The wanted adapters, name -> settings: loaded at start, then kept in step by the reconciler.
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
 
@@ -539,6 +558,7 @@ class ApplianceConfig:
                               "set it to null or false")
         self.reconcile.check()
         self.debug.check()
+        self.logging.check()
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")
         for name in self.adapters:
@@ -599,3 +619,4 @@ def register_configs() -> None:
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="reconcile", name="reconcile_schema", node=ReconcileConfig)
     cs.store(group="debug", name="debug_schema", node=DebugConfig)
+    cs.store(group="logging", name="logging_schema", node=LoggingConfig)

@@ -584,6 +584,8 @@ class LLMEngine:
                                 adapters_gpu=tiers["gpu"], adapters_cpu=tiers["cpu"],
                                 adapters_registered=sum(tiers.values()), reads_in_flight=reads,
                                 copies_in_flight=copies, adapters_disk=tiers["disk"],
-                                adapters_remote=tiers["remote"])
+                                adapters_remote=tiers["remote"], resident=self.lora.residency())
+        running, waiting = self.scheduler.adapter_names()
         return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
-                              kv_usage=bm.num_used / bm.num_blocks, lora=lora)
+                              kv_usage=bm.num_used / bm.num_blocks, lora=lora, running_adapters=running,
+                              waiting_adapters=waiting)

@@ -21,7 +21,7 @@ import torch
 
 from appliance.config.schema import LoRAConfig
 from appliance.engine.runtime import LoRARuntime
-from appliance.telemetry.stats import LoadTier, StatsRecorder
+from appliance.telemetry.stats import AdapterResidency, LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, adapter_weights, load_adapter_weights, read_adapter
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.cache import HostCache
@@ -244,6 +244,16 @@ class LoRAManager:
         for name in self.current:
             out[self.tier(name)] += 1
         return out
+
+    def residency(self) -> tuple[AdapterResidency, ...]:
+        """The adapters whose weights are in memory (gpu or cpu tier), sorted by name."""
+        out = []
+        for name in sorted(self.current):
+            tier = self.tier(name)
+            if tier in ("gpu", "cpu"):  # in memory; disk and remote are not resident
+                entry = self.registry.get(name)
+                out.append(AdapterResidency(name, tier, entry.pinned, entry.rank))  # type: ignore[arg-type]
+        return tuple(out)
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:
         """Pin or unpin a loaded adapter without reloading it (same weights, same key). Pinning takes a

@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, request_response
@@ -50,6 +51,7 @@ from appliance.server.openapi import openapi_route
 from appliance.server.probes import Probes
 from appliance.server.state import ServerState
 from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
+from appliance.server.request_log import RequestLog, record_of
 from appliance.server.scrape import ScrapeApi
 from appliance.server.utility import UtilityApi
 
@@ -90,7 +92,8 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
         e.message = reconciler.env.redact(e.message)  # values from ${oc.env:...} never leave (config/env.py)
         return e.response()
 
-    app = Starlette(routes=routes, exception_handlers={
+    # Inside the 500 handler, outside the others: it sees every answer, and the 500s as exceptions.
+    app = Starlette(routes=routes, middleware=[Middleware(RequestLog, metrics=metrics)], exception_handlers={
         ApiError: api_error,
         HTTPException: _http_error,
         _ClientGone: _client_gone,
@@ -125,7 +128,8 @@ def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
     lora = engine.engine.lora  # its backend with auto resolved for the device
     metrics = Metrics(cfg.metrics, BuildInfo(__version__, cfg.model.name,
                                              lora.backend if lora is not None else cfg.lora.backend),
-                      eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled)
+                      eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled,
+                      lora_slots=cfg.lora.max_loras_per_batch)
     engine.set_stats_sink(metrics.record_events)
     return metrics
 
@@ -195,7 +199,7 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, model = await self._parse(request, protocol.parse_completion)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{record_of(request).request_id}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
@@ -208,7 +212,7 @@ class _Api:
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, model = await self._parse(request, protocol.parse_chat)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{record_of(request).request_id}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
@@ -256,7 +260,7 @@ class _Api:
         """SGLang-style /generate. Streams carry cumulative `text` / `output_ids` per `index`."""
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, _ = await self._parse(request, protocol.parse_generate)
-        group = await self._start(request, req, f"gen-{uuid.uuid4().hex}", deadline)
+        group = await self._start(request, req, f"gen-{record_of(request).request_id}", deadline)
         if req.stream:
             return _SSEResponse(self._generate_stream(group, self.tokenizer if req.logprob_text else None))
         choices = await self._collect(request, group)
@@ -303,6 +307,7 @@ class _Api:
             names, param = [req.model] * len(req.jobs), "model"
         await self.first_use.ensure(names, param)  # lora.resolver: unknown adapters loaded on first use
         keys = self.resolve_model(names, param)
+        record_of(request).adapter = ",".join(sorted({k for k in keys if k is not None})) or None
         for job, name, key in zip(req.jobs, names, keys):
             job.adapter = name if key is not None else None
         model = req.model if req.model is not None and keys and keys[0] is not None else base
@@ -326,7 +331,12 @@ class _Api:
         request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
         jobs = req.jobs if req.best_of == 1 else samples.expand(req.jobs, req.best_of, ranked=req.best_of > req.n)
-        group = RequestGroup(self.engine, jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
+        rec = record_of(request)
+        # A client's X-Request-Id may repeat; the engine's ids must not.
+        tag = f"#{uuid.uuid4().hex[:12]}" if rec.client_id else ""
+        group = RequestGroup(self.engine, jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request,
+                             engine_tag=tag)
+        rec.choices = group.choices
         try:
             # Structured outputs: each distinct grammar compiled in a worker thread before anything is queued.
             for job in {j.params.grammar.key(): j for j in jobs if j.params.grammar is not None}.values():
@@ -334,6 +344,7 @@ class _Api:
             await _unless_disconnected(request, group.start())
         except EngineError as e:
             raise _to_api_error(e) from None
+        rec.first_token()
         return group
 
     @staticmethod
