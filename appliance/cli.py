@@ -445,6 +445,8 @@ def _show(args: argparse.Namespace) -> int:
     cfg.server.api_keys = ["***"] * len(cfg.server.api_keys)
     if cfg.server.admin_key is not None:
         cfg.server.admin_key = "***"
+    for tenant in cfg.tenants.values():
+        tenant.keys = ["***"] * len(tenant.keys)
     data = env.mask_tree(OmegaConf.to_container(OmegaConf.structured(cfg)))  # the rest: <from env VAR>
     print(env.redact(OmegaConf.to_yaml(data)), end="")
     return 0
