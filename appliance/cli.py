@@ -473,6 +473,8 @@ def _shown(composed: "Composed") -> dict:
     cfg.server.api_keys = ["***"] * len(cfg.server.api_keys)
     if cfg.server.admin_key is not None:
         cfg.server.admin_key = "***"
+    for tenant in cfg.tenants.values():
+        tenant.keys = ["***"] * len(tenant.keys)
     data = env.mask_tree(OmegaConf.to_container(OmegaConf.structured(cfg)))  # the rest: <from env VAR>
     assert isinstance(data, dict)
     return data

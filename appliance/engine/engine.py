@@ -39,6 +39,7 @@ from appliance.engine.async_step import LaunchedStep
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.grammar.compiler import GrammarCompiler
 from appliance.engine.grammar.mask import MaskFiller
+from appliance.engine.fair_share import Share
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import (AdapterNotFoundError, RequestError, RequestOutput, SamplingParams,
                                       TokenLogprob)
@@ -237,13 +238,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, adapter: Optional[str] = None,
-                    prompt_source: Optional[str] = None) -> None:
+                    prompt_source: Optional[str] = None, share: Optional[Share] = None) -> None:
         """`adapter`: the LoRA adapter as the client named it (name or "<base>:<adapter>"; None or the
         base model's name = base). It is resolved here, on the engine thread, so a reload in place
         between the caller's check and this call gives the request the new weights, and an unload
         gives AdapterNotFoundError. `prompt_source`: the id of an earlier request with the same prompt
         and adapter (another of `n` samples) whose prompt KV this one shares; ignored when that
-        request is gone or differs."""
+        request is gone or differs. `share`: its tenant and weight for fair admission (None = the
+        flow of requests without a tenant)."""
         params.validate()
         self.check_request(prompt_token_ids, params)
         if request_id in self.seqs:
@@ -253,7 +255,8 @@ class LLMEngine:
             self.lora.request_added(key)  # type: ignore[union-attr]
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        arrival_time if arrival_time is not None else time.monotonic(), adapter=key,
-                       adapter_name=None if key is None else self.lora.name_of(key))  # type: ignore[union-attr]
+                       adapter_name=None if key is None else self.lora.name_of(key),  # type: ignore[union-attr]
+                       share=share)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
