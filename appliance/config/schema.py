@@ -108,6 +108,9 @@ class EngineConfig:
     # null = on wherever decode steps run as CUDA graphs at parallel.tp_size 1; true also runs it on the
     # uncaptured static step (tests); not available with tp_size > 1 yet.
     async_scheduling: Optional[bool] = None
+    # Automatic prefix caching: full KV blocks already computed for the same tokens under the same
+    # adapter weights (and cache_salt) are reused instead of recomputed (engine/prefix_cache.py).
+    enable_prefix_caching: bool = True
 
     def graph_batch_sizes(self) -> list[int]:
         """The sizes to capture, ascending."""
