@@ -553,4 +553,5 @@ class LLMEngine:
                                 adapters_registered=sum(tiers.values()), reads_in_flight=reads,
                                 copies_in_flight=copies)
         return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
-                              kv_usage=bm.num_used / bm.num_blocks, lora=lora)
+                              kv_usage=bm.num_used / bm.num_blocks, lora=lora,
+                              prefix_cache_blocks=bm.num_cached)

@@ -104,3 +104,4 @@ class EngineSnapshot:
     waiting: dict[str, int]  # WaitReason -> requests
     kv_usage: float  # used KV blocks / all KV blocks, 0..1
     lora: Optional[LoRASnapshot]  # None when lora.enabled is false
+    prefix_cache_blocks: int = 0  # KV blocks holding a cached prefix, in use or idle (0 with caching off)

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from appliance.server.schemas.base import Closed, array_or_object, one_message
 from appliance.engine.request import MAX_LOGPROBS
-from appliance.server.schemas.openai import SEED_MAX, LogitBias, Number, Penalty, Stop, TokenIds
+from appliance.server.schemas.openai import SEED_MAX, CacheSalt, LogitBias, Number, Penalty, Stop, TokenIds
 
 
 class GenerateSamplingParams(Closed):
@@ -27,6 +27,7 @@ class GenerateSamplingParams(Closed):
     repetition_penalty: Optional[Number] = Field(None, gt=0)
     min_p: Optional[Number] = Field(None, ge=0, le=1)
     logit_bias: Optional[LogitBias] = None
+    cache_salt: Optional[CacheSalt] = None
 
 
 _Text = Annotated[str, Field(min_length=1)]
