@@ -148,6 +148,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     a("--decode-adapters", type=int, default=d.decode_adapters)
     a("--profile-decode", action="store_true",
       help="after the timed decode steps, profile 2 more (torch.profiler) and record the top kernels")
+    a("--decode-json-schema", default=None, metavar="NAME|FILE",
+      help="also time each decode row with this JSON schema constraining every sequence: a built-in "
+           "(record, flat) or a schema file; reports the step time against the unconstrained one")
     a("--prefill-requests", type=int, default=d.prefill_requests, help="0 = skip the prefill phase")
     a("--prefill-len", type=int, default=d.prefill_len)
     a("--prefill-adapters", type=int, default=d.prefill_adapters)

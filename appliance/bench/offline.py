@@ -13,6 +13,7 @@ import torch
 
 from appliance.bench.adapters import adapter_numel
 from appliance.engine.engine import LLMEngine
+from appliance.engine.grammar.spec import GrammarSpec
 from appliance.engine.request import SamplingParams
 from appliance.models.weights import hf_weight_shapes
 from appliance.engine.kernel_variants import compiled_keys
@@ -96,7 +97,7 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
                 steps: int, copy_bw: float, rank: int, targets: Sequence[str], progress: bool = False,
-                profile: bool = False) -> dict:
+                profile: bool = False, grammar: Optional[GrammarSpec] = None) -> dict:
     """Prefill len(prompts) sequences, then time pure decode steps of all of them together: B2B_BLOCKS
     blocks of `steps` steps back to back (step_ms: the median of the blocks' mean step, what a serving
     loop gets; with async scheduling the host's work for a step overlaps the device's run of the one
@@ -108,7 +109,8 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
 
     floor = bytes one decode step must read (weights except the embedding table, KV of every sequence,
     the A/B of each distinct adapter) / copy bandwidth measured in the same run. profile: 2 more steps
-    under torch.profiler; the 24 kernels of most device time per step go to "top_kernels"."""
+    under torch.profiler; the 24 kernels of most device time per step go to "top_kernels". grammar: every
+    sequence constrained by it (compiled before the timing; with EOS ignored it restarts when complete)."""
     from tqdm import tqdm
 
     dev = engine.runner.device
@@ -116,7 +118,9 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
     # Sequences that finish their prefill early decode while the others prefill (at most one step each
     # per sequence still prefilling), so max_tokens leaves room for that and for the timed steps.
     for rid, p, a in zip(ids, prompts, adapters):
-        engine.add_request(rid, p, greedy((B2B_BLOCKS + 1) * steps + len(prompts) + 8), adapter=a)
+        params = greedy((B2B_BLOCKS + 1) * steps + len(prompts) + 8)
+        params.grammar = grammar
+        engine.add_request(rid, p, params, adapter=a)
     serial, blocks = [], []
     k0 = compiled_keys()
     try:
@@ -169,7 +173,7 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
             "step_ms": round(step_s * 1e3, 3), "step_ms_blocks": [round(b * 1e3, 3) for b in blocks],
             "step_ms_serial": round(statistics.median(serial) * 1e3, 3),
             "compiled_during": None if new is None else len(new), **({"compiled_kernels": new} if new else {}),
-            "async_scheduling": engine.async_scheduling,
+            "async_scheduling": engine.async_scheduling and grammar is None,
             "weight_gb": round(weights * elt / 1e9, 3), "kv_gb": round(kv * elt / 1e9, 3),
             "adapter_gb": round(lora * elt / 1e9, 3), "adapter_bytes": int(lora * elt),
             "floor_ms": round(floor_s * 1e3, 4),

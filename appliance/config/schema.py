@@ -108,6 +108,10 @@ class EngineConfig:
     # null = on wherever decode steps run as CUDA graphs at parallel.tp_size 1; true also runs it on the
     # uncaptured static step (tests); not available with tp_size > 1 yet.
     async_scheduling: Optional[bool] = None
+    # Structured outputs (engine/grammar/): compiled grammars kept (LRU by kind and text), and the
+    # threads xgrammar uses to compile one and to fill a step's token masks (1 = fill on the engine thread).
+    grammar_cache_size: int = 256
+    grammar_threads: int = 4
 
     def graph_batch_sizes(self) -> list[int]:
         """The sizes to capture, ascending."""
@@ -132,7 +136,8 @@ class EngineConfig:
             if not 1 <= n <= self.max_num_seqs:
                 raise ConfigError(f"engine.cuda_graph_batch_sizes: {n} must be in [1, engine.max_num_seqs = "
                                   f"{self.max_num_seqs}]")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests"):
+        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests",
+                    "grammar_cache_size", "grammar_threads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be >= 1, got {getattr(self, key)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

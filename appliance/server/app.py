@@ -341,6 +341,9 @@ class _Api:
         jobs = req.jobs if req.best_of == 1 else samples.expand(req.jobs, req.best_of, ranked=req.best_of > req.n)
         group = RequestGroup(self.engine, jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
         try:
+            # Structured outputs: each distinct grammar compiled in a worker thread before anything is queued.
+            for job in {j.params.grammar.key(): j for j in jobs if j.params.grammar is not None}.values():
+                await _unless_disconnected(request, self.engine.compile_grammar(job.params))
             await _unless_disconnected(request, group.start())
         except EngineError as e:
             raise _to_api_error(e) from None
@@ -483,7 +486,7 @@ def _to_api_error(e: ApiError | EngineError) -> ApiError:
     if isinstance(e, AdapterNotFoundError):
         return ApiError(404, str(e), param="model", code="model_not_found")
     if isinstance(e, RequestError):
-        return bad_request(str(e))
+        return bad_request(str(e), e.param)
     if isinstance(e, QueueFullError):
         return too_many(f"The server is busy: {e}; retry later.", "queue_full")
     if isinstance(e, EngineStoppedError):
