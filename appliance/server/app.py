@@ -233,9 +233,9 @@ class _Api:
     def _chat_stream(self, group: RequestGroup, created: int, model: str,
                      req: ParsedRequest) -> AsyncIterator[str]:
         rid, include_usage = group.request_id, req.include_usage
-        # OpenAI opens each choice with the role.
-        head = [protocol.sse(_with_usage(protocol.chat_chunk(rid, created, model, i,
-                                                             {"role": "assistant", "content": ""}, None,
+        # OpenAI opens each choice with the role (and no content yet where the answer may be only calls).
+        opening = {"role": "assistant"} if req.tool_use is not None else {"role": "assistant", "content": ""}
+        head = [protocol.sse(_with_usage(protocol.chat_chunk(rid, created, model, i, opening, None,
                                                              include_usage), group, req))
                 for i in range(len(group.choices))]
 

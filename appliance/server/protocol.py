@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Union
 
 from jinja2 import TemplateError
 
+from appliance.engine.grammar.spec import GrammarSpec
 from appliance.engine.request import RequestError, SamplingParams, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import cut
@@ -348,11 +349,19 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     n, _ = _samples(req.n, None, stream, 1, limits)
     tool_use = resolve_tools(req)
-    if tool_use is not None and tool_use.forced:
-        raise bad_request("'tool_choice' \"required\" or a named function is not supported yet.", "tool_choice")
     ids = chat_prompt(req.messages, limits.tokenizer, tools=tool_use.tools if tool_use else None)
     _check_prompt_len(ids, limits, "messages")
-    return ParsedRequest(req.model, [Job(ids, build(len(ids), limits.max_model_len))], stream, include_usage,
+    params = build(len(ids), limits.max_model_len)
+    if tool_use is not None and tool_use.schema is not None:  # required / named: the calls are constrained
+        if params.grammar is not None:
+            raise bad_request(f"'{params.grammar.param}' cannot be combined with 'tool_choice' \"required\" or a "
+                              "named function (both constrain the output).", params.grammar.param)
+        params.grammar = GrammarSpec.json_schema(tool_use.schema, "tools")
+        try:
+            params.validate()
+        except RequestError as e:
+            raise bad_request(str(e), e.param) from None
+    return ParsedRequest(req.model, [Job(ids, params)], stream, include_usage,
                          continuous_usage=continuous, ignored_fields=unknown, n=n, best_of=n, tool_use=tool_use)
 
 

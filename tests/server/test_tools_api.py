@@ -1,7 +1,8 @@
-"""Tool calling through the official `openai` client against a live server on the default model: auto
-(well-formed either way; the parsing itself is pinned in tools/test_tool_parser.py), streamed and not
-(the client's own stream accumulator rebuilds the same answer), a follow-up turn with the tool's
-result, and the 400s, which queue nothing."""
+"""Tool calling through the official `openai` client against a live server on the default model:
+required and named choices (valid calls, by the tool's schema, from a 135M model), auto (well-formed
+either way; the parsing itself is pinned in tools/test_tool_parser.py), each streamed and not (the
+client's own stream accumulator rebuilds the same answer), a follow-up turn with the tool's result,
+and the 400s, which queue nothing."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+import jsonschema
 import openai
 import pytest
+import requests
 from openai.lib.streaming.chat import ChatCompletionStreamState
+
+from appliance.server.schemas.openai import ChatCompletionChunk, ChatCompletionResponse
 
 from tests.server.conftest import ServerThread, start_server
 
@@ -65,6 +70,58 @@ def well_formed(choice: Any, names: set[str]) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in calls]
 
 
+def valid_calls(choice: Any, may_be_cut: bool = False) -> list[tuple[str, dict]]:
+    """Each call's name is a tool's and its arguments are valid against that tool's parameters;
+    `may_be_cut`: max_tokens may have cut the last one (finish_reason length), which is left out."""
+    assert choice.finish_reason in (("tool_calls", "length") if may_be_cut else ("tool_calls",))
+    assert choice.message.content is None
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    calls = choice.message.tool_calls
+    out = []
+    for c in calls[:-1] if choice.finish_reason == "length" else calls:
+        args = json.loads(c.function.arguments)
+        jsonschema.validate(args, schemas[c.function.name])
+        out.append((c.function.name, args))
+    return out
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_gives_valid_calls_streamed_and_not(client: openai.OpenAI, parallel: bool) -> None:
+    plain, streamed = both(client, messages=ASK, tools=TOOLS, tool_choice="required",
+                           parallel_tool_calls=parallel, max_tokens=100)
+    # In parallel, a 135M model tends to repeat its call until max_tokens (a length cut is no fault).
+    calls = valid_calls(plain.choices[0], may_be_cut=parallel)
+    assert valid_calls(streamed.choices[0], may_be_cut=parallel) == calls and len(calls) >= 1
+    if not parallel:
+        assert len(calls) == 1
+    ids = [c.id for c in plain.choices[0].message.tool_calls]
+    assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
+
+
+def test_named_choice_calls_that_function(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    plain, streamed = both(client, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=60)
+    calls = valid_calls(plain.choices[0])
+    assert valid_calls(streamed.choices[0]) == calls and [n for n, _ in calls] == ["get_time"]
+
+
+def test_raw_answers_fit_the_response_models(srv: ServerThread) -> None:
+    """The JSON on the wire, not only what the client makes of it."""
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 60,
+            "temperature": 0, "parallel_tool_calls": False}
+    r = requests.post(srv.url + "/v1/chat/completions", json=body, timeout=300)
+    answer = ChatCompletionResponse.model_validate(r.json())
+    assert answer.choices[0].message.tool_calls and answer.choices[0].finish_reason == "tool_calls"
+    r = requests.post(srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300)
+    chunks = [ChatCompletionChunk.model_validate_json(line[6:]) for line in r.text.split("\n\n")
+              if line.startswith("data: {")]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])  # later: arguments only
+    assert "".join(d.function.arguments for d in deltas) == answer.choices[0].message.tool_calls[0].function.arguments
+    assert all(not c.choices[0].delta.content for c in chunks)
+
+
 def test_auto_streamed_and_not_give_one_well_formed_answer(client: openai.OpenAI) -> None:
     plain, streamed = both(client, messages=ASK, tools=TOOLS, max_tokens=60)
     names = {"get_weather", "get_time"}
@@ -105,6 +162,7 @@ def test_follow_up_turn_with_the_tool_result(client: openai.OpenAI) -> None:
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [*ASK, {"role": "tool", "content": "21C"}]}, "messages[1].tool_call_id"),
