@@ -72,6 +72,8 @@ def _check_tools(tools: list[Tool]) -> dict[str, dict[str, Any]]:
         except SchemaError as e:
             raise bad_request(f"'{param}.parameters' is not a valid JSON schema: {e.message}",
                               param + ".parameters") from None
+        except RecursionError:  # the meta-schema check recurses per level; JSON alone allows deeper
+            raise bad_request(f"'{param}.parameters' is nested too deeply.", param + ".parameters") from None
         if schema.get("type", "object") != "object":
             raise bad_request(f"'{param}.parameters' must describe an object (its \"type\" is "
                               f"{json.dumps(schema['type'])}).", param + ".parameters")

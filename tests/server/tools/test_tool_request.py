@@ -54,3 +54,12 @@ def test_auto_and_none() -> None:
     with pytest.raises(ApiError) as e:
         resolved(tool_choice="required")
     assert e.value.param == "tool_choice"
+
+
+def test_a_schema_nested_past_the_checker_is_a_400() -> None:
+    deep: dict = {}
+    for _ in range(400):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ApiError) as e:
+        resolved(tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}])
+    assert e.value.param == "tools[0].function.parameters"
