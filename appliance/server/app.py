@@ -200,8 +200,9 @@ class _Api:
             return _SSEResponse(self._completion_stream(group, created, model, req), headers)
         sampled = await self._collect(request, group)
         choices = self._best(req, sampled)
-        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer, sampled),
-                            headers=headers)
+        echo = None if req.echo is None else [req.echo_of(i, req.n) for i in range(len(choices))]
+        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer, sampled,
+                                                         echo), headers=headers)
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
@@ -228,7 +229,12 @@ class _Api:
         def usage() -> dict:
             return protocol.usage_chunk("text_completion", rid, created, model, group.choices)
 
-        return _openai_stream(group, [], chunk, usage if include_usage else None)
+        # echo: each choice opens with its prompt's text (streams have best_of == n choices per prompt).
+        head = [] if req.echo is None else [
+            protocol.sse(_with_usage(protocol.completion_chunk(rid, created, model, i, req.echo_of(i, req.n), None,
+                                                               include_usage), group, req))
+            for i in range(len(group.choices))]
+        return _openai_stream(group, head, chunk, usage if include_usage else None)
 
     def _chat_stream(self, group: RequestGroup, created: int, model: str,
                      req: ParsedRequest) -> AsyncIterator[str]:

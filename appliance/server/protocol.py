@@ -70,6 +70,11 @@ class ParsedRequest:
     n: int = 1  # choices per prompt (server/samples.py)
     best_of: int = 1  # samples per prompt, >= n; the n best are returned
     tool_use: Optional[ToolUse] = None  # chat with tools callable: the text is parsed for calls (server/tools/)
+    echo: Optional[list[str]] = None  # completions `echo`: each prompt's text, written before its choices' text
+
+    def echo_of(self, choice: int, per_prompt: int) -> str:
+        """The echoed prompt text of a choice, with `per_prompt` choices per prompt ("" without echo)."""
+        return "" if self.echo is None else self.echo[choice // per_prompt]
 
 
 @dataclass
@@ -319,8 +324,15 @@ def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     for ids in prompts:
         _check_prompt_len(ids, limits, "prompt")
         jobs.append(Job(ids, build(len(ids), COMPLETION_DEFAULT_MAX_TOKENS)))
+    echo = None
+    if req.echo:
+        if req.logprobs is not None:  # vLLM answers the prompt's logprobs then, which this server does not compute
+            raise bad_request("'echo' with 'logprobs' (the prompt's logprobs) is not supported.", "echo")
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if isinstance(req.prompt[0], str) else None
+        echo = texts if texts is not None else [limits.tokenizer.decode(ids, skip_special_tokens=False)
+                                                for ids in prompts]
     return ParsedRequest(req.model, jobs, stream, include_usage, continuous_usage=continuous,
-                         ignored_fields=unknown, n=n, best_of=best_of)
+                         ignored_fields=unknown, n=n, best_of=best_of, echo=echo)
 
 
 def _completion_prompts(prompt: Union[str, list], limits: RequestLimits) -> list[list[int]]:
@@ -447,12 +459,12 @@ def usage(choices: list[Choice]) -> dict[str, int]:
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice],
                         tok: Optional[logprob_format.Decoder] = None,
-                        sampled: Optional[list[Choice]] = None) -> dict:
+                        sampled: Optional[list[Choice]] = None, echo: Optional[list[str]] = None) -> dict:
     """`tok` decodes the tokens of logprobs (needed when a choice has them); `sampled`: every sample
-    behind `choices` (best_of), which usage counts."""
+    behind `choices` (best_of), which usage counts; `echo`: the text before each choice's (echo)."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": c.text,
+        "choices": [{"index": i, "text": c.text if echo is None else echo[i] + c.text,
                      "logprobs": None if c.logprobs is None else logprob_format.completion(tok, c.logprobs),  # type: ignore[arg-type]
                      "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],

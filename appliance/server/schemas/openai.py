@@ -95,7 +95,7 @@ class CompletionRequest(Sampling):
 
     prompt: CompletionPrompt
     max_tokens: Optional[int] = Field(None, ge=1, description="default 16, capped to the context left")
-    echo: Optional[bool] = Field(None, description="not supported (only false)")
+    echo: Optional[bool] = Field(None, description="the prompt's text before each choice's text; not with logprobs")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="the k most likely tokens too")
     best_of: Optional[int] = Field(None, ge=1, description=">= n; the n of highest cumulative logprob; not streamed")
     suffix: Optional[str] = Field(None, description='not supported (only "")')
@@ -188,7 +188,7 @@ def _equals(default: Any) -> Callable[[Any], bool]:
 
 
 _SHARED: dict[str, Callable[[Any], bool]] = {}
-UNSUPPORTED_COMPLETION = {**_SHARED, "echo": _equals(False), "suffix": _equals("")}
+UNSUPPORTED_COMPLETION = {**_SHARED, "suffix": _equals("")}
 UNSUPPORTED_CHAT = {**_SHARED, "audio": _never, "modalities": _equals(["text"]),
                     "chat_template_kwargs": _equals({})}
 
