@@ -543,12 +543,13 @@ class LLMEngine:
         lora = None
         if self.lora is not None:
             pool = self.lora.pool.stats()
-            tiers = self.lora.tier_counts()
+            by_name = self.lora.tiers()
+            tiers = self.lora.tier_counts(by_name)
             reads, copies = self.lora.loads_in_flight()
             lora = LoRASnapshot(slots=pool.slots, slots_used=pool.used, slots_pinned=pool.pinned,
                                 adapters_gpu=tiers["gpu"], adapters_cpu=tiers["cpu"],
                                 adapters_registered=sum(tiers.values()), reads_in_flight=reads,
                                 copies_in_flight=copies, adapters_disk=tiers["disk"],
-                                adapters_remote=tiers["remote"])
+                                adapters_remote=tiers["remote"], adapter_tiers=tuple(by_name.items()))
         return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
                               kv_usage=bm.num_used / bm.num_blocks, lora=lora)

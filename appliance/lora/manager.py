@@ -239,10 +239,14 @@ class LoRAManager:
         spec = self.keys[key].spec
         return "remote" if spec.source is not None and not Path(spec.path).is_dir() else "disk"
 
-    def tier_counts(self) -> dict[str, int]:
+    def tiers(self) -> dict[str, str]:
+        """Every registered adapter's tier."""
+        return {name: self.tier(name) for name in self.current}
+
+    def tier_counts(self, tiers: Optional[dict[str, str]] = None) -> dict[str, int]:
         out = {"gpu": 0, "cpu": 0, "disk": 0, "remote": 0}
-        for name in self.current:
-            out[self.tier(name)] += 1
+        for t in (tiers if tiers is not None else self.tiers()).values():
+            out[t] += 1
         return out
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:

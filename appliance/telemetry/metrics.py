@@ -117,6 +117,13 @@ class Metrics:
                                    "cpu (in host memory, no slot), disk (on disk only), remote (disk-cache "
                                    "entry evicted), registered (all, any tier).", ["tier"],
                                    registry=r)
+        self.lora_adapter_tier = Gauge("appliance_lora_adapter_tier", "Registered adapters by adapter label and "
+                                       "tier (remote, disk, cpu, gpu): 1 for an adapter with its own label, "
+                                       "the count for 'other' (past metrics.max_adapter_labels).",
+                                       ["adapter", "tier"], registry=r)
+        self._tier_series: set[tuple[str, str]] = set()  # series set so far: zeroed when they empty
+        # Its own label bound: registered adapters nobody asks for must not take the request metrics' labels.
+        self.tier_labels = AdapterLabels(cfg.max_adapter_labels)
         self.lora_evictions = Counter("appliance_lora_evictions", "Adapters evicted to make room: tier gpu "
                                       "(a slot, by lora.eviction_policy) or cpu (host memory, lru).",
                                       ["tier", "policy"], registry=r)
@@ -252,6 +259,15 @@ class Metrics:
         self.lora_adapters.labels("registered").set(lora.adapters_registered if lora else 0)
         self.lora_adapters.labels("disk").set(lora.adapters_disk if lora else 0)
         self.lora_adapters.labels("remote").set(lora.adapters_remote if lora else 0)
+        counts: dict[tuple[str, str], int] = {}
+        for name, tier in (lora.adapter_tiers if lora else ()):
+            key = (self.tier_labels(name), tier)
+            counts[key] = counts.get(key, 0) + 1
+        for key in self._tier_series - counts.keys():
+            self.lora_adapter_tier.labels(*key).set(0)
+        for key, n in counts.items():
+            self.lora_adapter_tier.labels(*key).set(n)
+        self._tier_series |= counts.keys()
         if lora is not None:
             self.lora_loads_in_flight.labels("cpu").set(lora.reads_in_flight)
             self.lora_loads_in_flight.labels("gpu").set(lora.copies_in_flight)

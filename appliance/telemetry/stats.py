@@ -98,6 +98,9 @@ class LoRASnapshot:
     # remote adapter whose disk-cache entry was evicted (remote: fetched again on its next request).
     adapters_disk: int = 0
     adapters_remote: int = 0
+    # (name, tier) of every registered adapter: names come from the registry (config, admin API,
+    # resolver), never from a request that named an unknown adapter.
+    adapter_tiers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,11 @@ def test_unknown_models_and_bad_input_change_nothing(srv: ServerThread) -> None:
     assert r.status_code == 400
     after = scrape_text(srv)
     assert after == before
-    assert Scrape(after).label_values("adapter") == {"base", "qv4"}
+    # Request metrics label only what was served; the per-adapter tier gauge, registered names only.
+    assert Scrape(after).label_values("adapter") == {"base", *srv.engine.engine.lora.registry.published}
+    served = {dict(lbls)["adapter"] for name, lbls in Scrape(after).samples
+              if "adapter" in dict(lbls) and not name.startswith("appliance_lora_adapter_tier")}
+    assert served == {"base", "qv4"}
 
 
 def test_promtool_lints_a_live_page_after_adapter_traffic(srv: ServerThread) -> None:
