@@ -21,7 +21,7 @@ import torch
 
 from appliance.config.schema import LoRAConfig
 from appliance.engine.runtime import LoRARuntime
-from appliance.telemetry.stats import LoadTier, StatsRecorder
+from appliance.telemetry.stats import AdapterResidency, LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, adapter_weights, load_adapter_weights, read_adapter
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.cache import HostCache
@@ -239,15 +239,21 @@ class LoRAManager:
         spec = self.keys[key].spec
         return "remote" if spec.source is not None and not Path(spec.path).is_dir() else "disk"
 
-    def tiers(self) -> dict[str, str]:
-        """Every registered adapter's tier."""
-        return {name: self.tier(name) for name in self.current}
-
-    def tier_counts(self, tiers: Optional[dict[str, str]] = None) -> dict[str, int]:
+    def tier_counts(self) -> dict[str, int]:
         out = {"gpu": 0, "cpu": 0, "disk": 0, "remote": 0}
-        for t in (tiers if tiers is not None else self.tiers()).values():
-            out[t] += 1
+        for name in self.current:
+            out[self.tier(name)] += 1
         return out
+
+    def residency(self) -> tuple[AdapterResidency, ...]:
+        """The adapters whose weights are in memory (gpu or cpu tier), sorted by name."""
+        out = []
+        for name in sorted(self.current):
+            tier = self.tier(name)
+            if tier in ("gpu", "cpu"):  # in memory; disk and remote are not resident
+                entry = self.registry.get(name)
+                out.append(AdapterResidency(name, tier, entry.pinned, entry.rank))  # type: ignore[arg-type]
+        return tuple(out)
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:
         """Pin or unpin a loaded adapter without reloading it (same weights, same key). Pinning takes a

@@ -6,7 +6,8 @@
     GET  /v1/adapters                          live state of every adapter, GPU slot pool, CPU tier
     GET  /v1/status                            config generation and hash, last reconcile, conditions
 
-Every admin route needs `Authorization: Bearer <server.admin_key>` (auth.AdminAuth). The names and
+Every admin route needs `Authorization: Bearer <server.admin_key>` (auth.AdminAuth), or a tenant's key
+with admin role `admin` (GET /v1/adapters and /v1/status: role `read` is enough). The names and
 bodies are SGLang's and vLLM's, so their clients and scripts work unchanged. `managed: true` (ours) is
 what `appliance apply` sends: the config owns that adapter, so `reconcile.prune: owned` may unload it
 once the config drops it; an adapter loaded without it is unmanaged and left alone.
@@ -151,9 +152,9 @@ class AdapterAdmin:
 
 class AdminApi:
     def __init__(self, ops: AdapterAdmin, cfg: ApplianceConfig, read_json: Callable[[Request], Awaitable[dict]],
-                 reconciler: "Reconciler") -> None:
+                 reconciler: "Reconciler", auth: Optional[AdminAuth] = None) -> None:
         self.ops = ops
-        self.auth = AdminAuth(cfg.server.admin_key)
+        self.auth = auth if auth is not None else AdminAuth(cfg.server.admin_key)
         self.read_json = read_json  # the app's body reader: size limit, JSON object check
         self.reconciler = reconciler  # /v1/status
 
@@ -208,11 +209,11 @@ class AdminApi:
         return validate(model, await self.read_json(request), request.url.path)
 
     async def adapters(self, request: Request) -> Response:
-        self.auth.check(request)
+        self.auth.check(request, need="read")
         return JSONResponse(await self.ops.snapshot())
 
     async def status(self, request: Request) -> Response:
-        self.auth.check(request)
+        self.auth.check(request, need="read")
         return JSONResponse(self.reconciler.status())
 
 

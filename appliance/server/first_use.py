@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from appliance.lora.sources.resolver import AdapterResolver, ResolveError
 from appliance.server.admin import AdapterAdmin
 from appliance.server.errors import ApiError
+from appliance.server.tenants import Tenant
 
 
 class FirstUse:
@@ -36,12 +37,15 @@ class FirstUse:
             out.append(n)
         return out
 
-    async def ensure(self, names: Sequence[Optional[str]], param: str) -> None:
-        """Load each unknown adapter in `names`; ApiError (4xx) when one is refused or not found."""
+    async def ensure(self, names: Sequence[Optional[str]], param: str, tenant: Optional[Tenant] = None) -> None:
+        """Load each unknown adapter in `names`; ApiError (4xx) when one is refused or not found.
+        `tenant`: names outside its adapters are not fetched (resolve_model answers them as unknown)."""
         lora = self.ops.lora
         if lora is None or not self.resolver.enabled:
             return
         for name in self.unknown(names, lora.registry.published):
+            if tenant is not None and not tenant.may_use(name):
+                continue
             try:
                 await self.resolver.resolve(name, partial(self.ops.load_resolved, name))
             except ResolveError as e:

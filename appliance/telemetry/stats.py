@@ -82,6 +82,16 @@ class StatsRecorder:
 
 
 @dataclass(frozen=True)
+class AdapterResidency:
+    """One adapter whose weights are in memory: registered names only (config or admin API)."""
+
+    name: str
+    tier: LoadTier  # gpu (a slot) or cpu (host memory, no slot); adapters on disk only are left out
+    pinned: bool
+    rank: int
+
+
+@dataclass(frozen=True)
 class LoRASnapshot:
     slots: int  # lora.max_loras_per_batch
     slots_used: int  # slots holding weights, retiring weights of unloaded adapters included
@@ -98,9 +108,8 @@ class LoRASnapshot:
     # remote adapter whose disk-cache entry was evicted (remote: fetched again on its next request).
     adapters_disk: int = 0
     adapters_remote: int = 0
-    # (name, tier) of every registered adapter: names come from the registry (config, admin API,
-    # resolver), never from a request that named an unknown adapter.
-    adapter_tiers: tuple[tuple[str, str], ...] = ()
+    # Adapters in memory, sorted by name: bounded by the tiers (lora.max_loaded_loras, the slots).
+    resident: tuple[AdapterResidency, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,3 +118,6 @@ class EngineSnapshot:
     waiting: dict[str, int]  # WaitReason -> requests
     kv_usage: float  # used KV blocks / all KV blocks, 0..1
     lora: Optional[LoRASnapshot]  # None when lora.enabled is false
+    # Distinct adapter names (sorted) of the running batch's and the queue's requests.
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()

@@ -73,25 +73,6 @@ def test_snapshot_sets_gauges_and_lora_off_reads_zero() -> None:
     assert s.get("appliance_lora_slots") == 0 and s.get("appliance_requests_waiting", reason="slot") == 0
 
 
-def test_adapter_tiers_per_adapter_with_bounded_labels() -> None:
-    m = make(max_labels=2)
-
-    def snap(*tiers: tuple[str, str]) -> None:
-        m.record_snapshot(EngineSnapshot(running=0, waiting={}, kv_usage=0.0, lora=LoRASnapshot(
-            2, 0, 0, 0, 0, len(tiers), adapter_tiers=tuple(tiers))))
-
-    snap(("a", "gpu"), ("b", "remote"), ("c", "disk"), ("d", "disk"))
-    s = page(m)
-    assert s.get("appliance_lora_adapter_tier", adapter="a", tier="gpu") == 1
-    assert s.get("appliance_lora_adapter_tier", adapter="b", tier="remote") == 1
-    assert s.get("appliance_lora_adapter_tier", adapter="other", tier="disk") == 2  # past the label bound
-    snap(("a", "cpu"), ("b", "remote"))  # a left its slot; c and d unloaded
-    s = page(m)
-    assert s.get("appliance_lora_adapter_tier", adapter="a", tier="gpu") == 0
-    assert s.get("appliance_lora_adapter_tier", adapter="a", tier="cpu") == 1
-    assert s.get("appliance_lora_adapter_tier", adapter="other", tier="disk") == 0
-
-
 def test_reconcile_api_counts_and_refuses_unknown_values() -> None:
     m = make()
     m.record_reconcile("failed", 0.5, [("load", "success"), ("pin", "success"), ("unload", "failed")])
