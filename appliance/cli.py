@@ -150,6 +150,11 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     a("--decode-adapters", type=int, default=d.decode_adapters)
     a("--profile-decode", action="store_true",
       help="after the timed decode steps, profile 2 more (torch.profiler) and record the top kernels")
+    a("--decode-logprobs", type=int, default=None, metavar="K",
+      help="also time the decode steps with logprobs=K (top-K alternatives) on every row")
+    a("--decode-json-schema", default=None, metavar="NAME|FILE",
+      help="also time each decode row with this JSON schema constraining every sequence: a built-in "
+           "(record, flat) or a schema file; reports the step time against the unconstrained one")
     a("--prefill-requests", type=int, default=d.prefill_requests, help="0 = skip the prefill phase")
     a("--prefill-len", type=int, default=d.prefill_len)
     a("--prefill-adapters", type=int, default=d.prefill_adapters)
@@ -468,6 +473,8 @@ def _shown(composed: "Composed") -> dict:
     cfg.server.api_keys = ["***"] * len(cfg.server.api_keys)
     if cfg.server.admin_key is not None:
         cfg.server.admin_key = "***"
+    for tenant in cfg.tenants.values():
+        tenant.keys = ["***"] * len(tenant.keys)
     data = env.mask_tree(OmegaConf.to_container(OmegaConf.structured(cfg)))  # the rest: <from env VAR>
     assert isinstance(data, dict)
     return data

@@ -119,7 +119,11 @@ def _compose_snapshot(cdir: Path, snap: Path, overrides: Sequence[str], config_n
         msg = str(e)
         name = next((n for n in composed.adapter_files if msg.startswith((adapter_key(n) + ".", adapter_key(n) + ":"))),
                     "")
-        raise ConfigError(env.redact(f"{composed.where(name)}{e}")) from None
+        where = composed.where(name)
+        if msg.startswith("tenants."):  # the tenants group file that holds it
+            where = next((f"{d.config_path}.yaml: " for d in defaults
+                          if d.config_path and d.config_path.startswith("tenants/")), "")
+        raise ConfigError(env.redact(f"{where}{e}")) from None
     return composed
 
 

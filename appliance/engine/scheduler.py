@@ -2,7 +2,8 @@
 
 Each step has a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs). Running
 sequences go first, oldest first (a decode token, or the next prompt chunk); then waiting ones in
-arrival order while budgets and KV blocks last. Out of blocks, the newest running sequence is
+weighted fair order across tenants (engine/fair_share.py; arrival order with one flow) while budgets
+and KV blocks last. Out of blocks, the newest running sequence is
 preempted to the front of the queue and recomputed later; nothing is dropped. `adapter_ready` keeps a
 request whose adapter is still loading waiting (reason "load"). A pending async token
 (`Sequence.num_pending`) counts, so the next step decodes on it. A sample with a `prompt_source` (`n`)
@@ -19,6 +20,7 @@ from typing import Callable, Mapping, Optional, Protocol
 
 from appliance.config.schema import EngineConfig
 from appliance.engine.block_manager import BlockManager
+from appliance.engine.fair_share import FairShare
 from appliance.engine.sequence import Sequence, SeqStatus
 from appliance.telemetry.stats import WAIT_REASONS, StatsRecorder, WaitReason
 
@@ -80,14 +82,21 @@ class Scheduler:
         self.clock = clock
         # Adapter whose new requests are held back so its slot frees for one that waited too long.
         self.draining: Optional[str] = None
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # in fair-share tag order (FIFO with one flow)
+        self.fair = FairShare()
         self.running: list[Sequence] = []  # admission order: index 0 is the oldest
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if not self.waiting:
+            self.fair.forget_idle()
+        seq.fair_tag = self.fair.tag(seq.share, len(seq.prompt_token_ids) + seq.params.max_tokens)
+        k = len(self.waiting)
+        while k > 0 and self.waiting[k - 1].fair_tag > seq.fair_tag:
+            k -= 1  # ahead of a flooding tenant's backlog: its tags lie further in virtual time
+        self.waiting.insert(k, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks and adapter slot."""
@@ -185,6 +194,7 @@ class Scheduler:
                 if got.needs_load:  # type: ignore[attr-defined]
                     out.slot_loads.append((got.slot, seq.adapter))  # type: ignore[attr-defined]
             del self.waiting[j]
+            self.fair.admitted(seq.fair_tag)
             seq.wait_reason = None
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = self.clock()

@@ -102,6 +102,9 @@ class Reconciler:
         self.last = ReconcileRecord("start", "success", now, 0.0)
         # Observers (metrics) called with each finished ReconcileRecord.
         self.listeners: list[Callable[[ReconcileRecord], None]] = []
+        # Called with every valid composed config, before its plan: what is applied live besides
+        # adapters (the tenants table, server/tenants.py).
+        self.config_listeners: list[Callable[[ApplianceConfig], None]] = []
 
     # ------------------------------------------------------------------ entry points
     async def reconcile(self, trigger: str) -> ReconcileRecord:
@@ -181,6 +184,8 @@ class Reconciler:
             self.generation += 1
             self.hash = new_hash
         self._set("ConfigValid", True, "Valid", f"generation {self.generation}")
+        for fn in self.config_listeners:
+            fn(cfg)
         if trigger == "watch" and unchanged and self.conditions["Reconciled"].status:
             return ReconcileRecord(trigger, "unchanged", started, 0.0)
         self.prune = cfg.reconcile.prune

@@ -18,6 +18,7 @@ import dataclasses
 from typing import AsyncIterator, Optional, Union
 
 from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.fair_share import Share
 from appliance.engine.request import RequestOutput
 from appliance.server.limits import Deadline
 from appliance.server.protocol import Choice, Job
@@ -27,8 +28,10 @@ _Item = tuple[int, Union[RequestOutput, BaseException]]
 
 class RequestGroup:
     def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str,
-                 deadline: Optional[Deadline] = None, window: int = 0, engine_tag: str = "") -> None:
+                 deadline: Optional[Deadline] = None, window: int = 0, engine_tag: str = "",
+                 share: Optional[Share] = None) -> None:
         self._engine = engine
+        self._share = share  # the tenant, for the scheduler's fair admission
         self._window = window if 0 < window < len(jobs) else len(jobs)  # 0 = every job at once
         self._deadline = deadline
         self._jobs = jobs
@@ -149,7 +152,8 @@ class RequestGroup:
         try:
             source = None if job.prompt_source is None else self._engine_id(job.prompt_source)
             self._engine.submit(job.prompt_ids, job.params, lambda item: self._on_output(i, item),
-                                request_id=self._engine_id(i), adapter=job.adapter, prompt_source=source)
+                                request_id=self._engine_id(i), adapter=job.adapter, prompt_source=source,
+                                share=self._share)
         except Exception as e:  # noqa: BLE001 - handed to the handler, which answers it (or 500s)
             self._queue.put_nowait((i, e))
         else:

@@ -121,16 +121,19 @@ class Metrics:
         self.lora_slots_pinned = Gauge("appliance_lora_slots_pinned", "GPU LoRA slots held by pinned "
                                        "adapters.", registry=r)
         self.lora_adapters = Gauge("appliance_lora_adapters", "Loaded adapters by tier: gpu (in a slot), "
-                                   "cpu (in host memory, no slot), registered (all, any tier).", ["tier"],
+                                   "cpu (in host memory, no slot), disk (on disk only), remote (disk-cache "
+                                   "entry evicted), registered (all, any tier).", ["tier"],
                                    registry=r)
         self.lora_evictions = Counter("appliance_lora_evictions", "Adapters evicted to make room: tier gpu "
                                       "(a slot, by lora.eviction_policy) or cpu (host memory, lru).",
                                       ["tier", "policy"], registry=r)
-        self.lora_loads = Counter("appliance_lora_loads", "Adapter weight loads: tier cpu (disk to host "
-                                  "memory) or gpu (host memory to a slot); result success or error.",
+        self.lora_loads = Counter("appliance_lora_loads", "Adapter weight loads: tier disk (remote store to "
+                                  "the disk cache), cpu (disk to host memory) or gpu (host memory to a slot); "
+                                  "result success or error.",
                                   ["tier", "result"], registry=r)
         self.lora_load_duration = Histogram("appliance_lora_load_duration_seconds", "Duration of adapter "
-                                            "weight loads (tier cpu: disk to host, gpu: host to slot).",
+                                            "weight loads (tier disk: remote to disk cache, cpu: disk to host, "
+                                            "gpu: host to slot).",
                                             ["tier"], buckets=LOAD_BUCKETS, registry=r)
         self.lora_loads_in_flight = Gauge("appliance_lora_loads_in_flight", "lora.overlap_loading: adapter "
                                           "loads under way beside the running batch: tier cpu (disk reads "
@@ -203,14 +206,15 @@ class Metrics:
         self.build_info.labels(build.version, build.model, build.backend).set(1)
         for reason in WAIT_REASONS:
             self.waiting.labels(reason)
-        for tier in ("gpu", "cpu", "registered"):
+        for tier in ("gpu", "cpu", "disk", "remote", "registered"):
             self.lora_adapters.labels(tier)
         if lora_enabled:
             self.lora_evictions.labels("gpu", self.eviction_policy)
             self.lora_evictions.labels("cpu", "lru")
             for tier in ("cpu", "gpu"):
-                self.lora_load_duration.labels(tier)
                 self.lora_loads_in_flight.labels(tier)
+            for tier in ("disk", "cpu", "gpu"):
+                self.lora_load_duration.labels(tier)
                 for result in ("success", "error"):
                     self.lora_loads.labels(tier, result)
         for reason in FINISH_REASONS:
@@ -262,6 +266,8 @@ class Metrics:
         self.lora_adapters.labels("gpu").set(lora.adapters_gpu if lora else 0)
         self.lora_adapters.labels("cpu").set(lora.adapters_cpu if lora else 0)
         self.lora_adapters.labels("registered").set(lora.adapters_registered if lora else 0)
+        self.lora_adapters.labels("disk").set(lora.adapters_disk if lora else 0)
+        self.lora_adapters.labels("remote").set(lora.adapters_remote if lora else 0)
         if lora is not None:
             self.lora_loads_in_flight.labels("cpu").set(lora.reads_in_flight)
             self.lora_loads_in_flight.labels("gpu").set(lora.copies_in_flight)

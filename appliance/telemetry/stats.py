@@ -19,8 +19,9 @@ from typing import Literal, Optional
 # (lora.overlap_loading) its adapter's weights are still being read from disk or copied to the GPU.
 WaitReason = Literal["slot", "kv", "budget", "load"]
 WAIT_REASONS: tuple[WaitReason, ...] = ("slot", "kv", "budget", "load")
-# LoRA tiers: "cpu" = disk -> host memory, "gpu" = host memory -> a GPU slot.
-LoadTier = Literal["cpu", "gpu"]
+# LoRA tiers: "disk" = a remote store -> the disk cache (a download), "cpu" = disk -> host memory,
+# "gpu" = host memory -> a GPU slot.
+LoadTier = Literal["disk", "cpu", "gpu"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ class LoRASnapshot:
     # lora.overlap_loading: background disk reads not yet taken in, side-stream copies not yet done.
     reads_in_flight: int = 0
     copies_in_flight: int = 0
+    # Registered adapters whose weights are on disk only: a local dir or the disk cache (disk), or a
+    # remote adapter whose disk-cache entry was evicted (remote: fetched again on its next request).
+    adapters_disk: int = 0
+    adapters_remote: int = 0
     # Adapters in memory, sorted by name: bounded by the tiers (lora.max_loaded_loras, the slots).
     resident: tuple[AdapterResidency, ...] = ()
 
