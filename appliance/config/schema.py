@@ -108,6 +108,10 @@ class EngineConfig:
     # null = on wherever decode steps run as CUDA graphs at parallel.tp_size 1; true also runs it on the
     # uncaptured static step (tests); not available with tp_size > 1 yet.
     async_scheduling: Optional[bool] = None
+    # Structured outputs (engine/grammar/): compiled grammars kept (LRU by kind and text), and the
+    # threads xgrammar uses to compile one and to fill a step's token masks (1 = fill on the engine thread).
+    grammar_cache_size: int = 256
+    grammar_threads: int = 4
 
     def graph_batch_sizes(self) -> list[int]:
         """The sizes to capture, ascending."""
@@ -132,7 +136,8 @@ class EngineConfig:
             if not 1 <= n <= self.max_num_seqs:
                 raise ConfigError(f"engine.cuda_graph_batch_sizes: {n} must be in [1, engine.max_num_seqs = "
                                   f"{self.max_num_seqs}]")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests"):
+        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests",
+                    "grammar_cache_size", "grammar_threads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}: must be >= 1, got {getattr(self, key)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -220,6 +225,34 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 @dataclass
+class ResolverConfig:
+    """Load on first request (appliance/lora/sources/resolver.py): `lora.resolver.*`."""
+
+    # URI templates tried in order for a request that names an unknown adapter, `{name}` standing for
+    # it (e.g. s3://bucket/adapters/{name}, hf://my-org/{name}); each must lie under lora.allowed_sources.
+    # Empty: off (an unknown adapter is a 404).
+    sources: list[str] = field(default_factory=list)
+    # How long a name that resolved to nothing (or to an adapter that cannot be served) is answered
+    # from memory, without asking the store again.
+    miss_ttl_s: float = 60.0
+    # Most names looked up or remembered as misses at once: past it an unknown name gets 404 without a
+    # store call, so the store sees at most this many lookups per miss_ttl_s.
+    max_misses: int = 1024
+
+    def check(self, allowed_sources: list[str]) -> None:
+        from appliance.lora.sources.resolver import parse_templates
+
+        try:
+            parse_templates(self.sources, allowed_sources)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not self.miss_ttl_s > 0:
+            raise ConfigError(f"lora.resolver.miss_ttl_s: must be > 0, got {self.miss_ttl_s}")
+        if self.max_misses < 1:
+            raise ConfigError(f"lora.resolver.max_misses: must be >= 1, got {self.max_misses}")
+
+
+@dataclass
 class LoRAConfig:
     """Engine-level LoRA settings; they change only with a restart."""
 
@@ -283,6 +316,8 @@ class LoRAConfig:
     s3_region: Optional[str] = None
     # huggingface_hub's cache for hf:// adapters; null = its default (HF_HOME).
     hub_cache_dir: Optional[str] = None
+    # Load on first request from remote sources; off unless resolver.sources is set.
+    resolver: ResolverConfig = field(default_factory=ResolverConfig)
 
     def read_roots(self) -> list[str]:
         """Where the adapter reader may open files: adapter_roots, and the remote adapters' cache dir
@@ -333,6 +368,7 @@ class LoRAConfig:
         if url is not None and (not url.startswith(("http://", "https://")) or "@" in url.split("/")[2]):
             raise ConfigError("lora.s3_endpoint_url: must be an http:// or https:// URL without user info "
                               "(credentials come from the AWS environment)")
+        self.resolver.check(self.allowed_sources)
 
 
 @dataclass
@@ -345,6 +381,9 @@ class MetricsConfig:
     # Adapters that get their own `adapter` label value on the latency and request metrics, in the
     # order they are first seen; later ones share the value "other". Bounds the number of series.
     max_adapter_labels: int = 32
+    # true: also export the model-server protocol metrics the Gateway API Inference Extension reads,
+    # under vLLM's names (vllm:num_requests_waiting, vllm:lora_requests_info, ...).
+    gateway_compat: bool = False
 
     def check(self) -> None:
         if self.max_adapter_labels < 0:
@@ -466,6 +505,19 @@ class DebugConfig:
                               f"{self.fault_injection_read_delay_s}")
 
 
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass
+class LoggingConfig:
+    """Process logs (appliance/server/logs.py); one line per finished HTTP request either way."""
+
+    # text: human lines; json: one JSON object a line (python-json-logger), for log pipelines.
+    format: str = "text"
+
+    def check(self) -> None:
+        if self.format not in LOG_FORMATS:
+            raise ConfigError(f"logging.format: must be one of {', '.join(LOG_FORMATS)}, got {self.format!r}")
 TENANT_ADMIN_ROLES = ("none", "read", "admin")
 
 
@@ -538,6 +590,7 @@ class ApplianceConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     # The wanted adapters, name -> settings: loaded at start, then kept in step by the reconciler.
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
     # Who may use which adapters, how much (server/tenants.py); empty = server.api_keys alone.
@@ -567,6 +620,7 @@ class ApplianceConfig:
                               "set it to null or false")
         self.reconcile.check()
         self.debug.check()
+        self.logging.check()
         seen: dict[str, str] = {}
         for tname, tenant in self.tenants.items():
             if not tname or any(not (c.isalnum() or c in "._-") for c in tname):
@@ -637,3 +691,4 @@ def register_configs() -> None:
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="reconcile", name="reconcile_schema", node=ReconcileConfig)
     cs.store(group="debug", name="debug_schema", node=DebugConfig)
+    cs.store(group="logging", name="logging_schema", node=LoggingConfig)

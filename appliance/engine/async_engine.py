@@ -146,6 +146,16 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile `params.grammar` (if any) in a worker thread, so the engine thread finds it in the
+        compiler's cache and other requests go on meanwhile. Call before `submit`; raises RequestError
+        (naming the request field) for a spec that cannot be compiled."""
+        if params.grammar is None:
+            return
+        params.validate()
+        spec = params.grammar
+        await asyncio.to_thread(lambda: self.engine.grammar_compiler().compile(spec))
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, on_output: OnOutput,
                request_id: Optional[str] = None, adapter: Optional[str] = None,
                prompt_source: Optional[str] = None, share: Optional[Share] = None) -> str:

@@ -119,6 +119,11 @@ class Scheduler:
             out[seq.wait_reason or "budget"] += 1
         return out
 
+    def adapter_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Distinct adapter names (sorted) of the running and of the waiting requests."""
+        return (tuple(sorted({s.adapter_name for s in self.running if s.adapter_name is not None})),
+                tuple(sorted({s.adapter_name for s in self.waiting if s.adapter_name is not None})))
+
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

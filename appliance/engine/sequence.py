@@ -48,6 +48,7 @@ class Sequence:
     # Engine-side helpers owned by the engine (detokenizer, torch.Generator); opaque to control logic.
     detok: Any = None
     generator: Any = None
+    matcher: Any = None  # xgrammar GrammarMatcher of params.grammar: has accepted every output token
     text: str = ""  # all output text decoded so far (stop strings are searched here)
     sent_chars: int = 0  # how much of `text` has been handed to the caller
     sent_tokens: int = 0  # how many output tokens have been handed to the caller

@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, request_response
@@ -36,12 +37,14 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
+from appliance.lora.sources.resolver import AdapterResolver
 from appliance.telemetry.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
 from appliance.server import logprob_format, protocol, samples
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
 from appliance.server.auth import AdminAuth, ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
+from appliance.server.first_use import FirstUse
 from appliance.server.group import RequestGroup
 from appliance.server.limits import BodyLimits, ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
@@ -50,6 +53,7 @@ from appliance.server.state import ServerState
 from appliance.server.tenants import Tenant, TenantAuth, TenantTable, Ticket
 from appliance.telemetry.tenant_metrics import TenantMetrics
 from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
+from appliance.server.request_log import RequestLog, record_of
 from appliance.server.scrape import ScrapeApi
 from appliance.server.utility import UtilityApi
 
@@ -90,7 +94,8 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
         e.message = reconciler.env.redact(e.message)  # values from ${oc.env:...} never leave (config/env.py)
         return e.response()
 
-    app = Starlette(routes=routes, exception_handlers={
+    # Inside the 500 handler, outside the others: it sees every answer, and the 500s as exceptions.
+    app = Starlette(routes=routes, middleware=[Middleware(RequestLog, metrics=metrics)], exception_handlers={
         ApiError: api_error,
         HTTPException: _http_error,
         _ClientGone: _client_gone,
@@ -127,7 +132,8 @@ def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
     lora = engine.engine.lora  # its backend with auto resolved for the device
     metrics = Metrics(cfg.metrics, BuildInfo(__version__, cfg.model.name,
                                              lora.backend if lora is not None else cfg.lora.backend),
-                      eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled)
+                      eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled,
+                      lora_slots=cfg.lora.max_loras_per_batch)
     engine.set_stats_sink(metrics.record_events)
     return metrics
 
@@ -151,6 +157,7 @@ class _Api:
         admin_auth = AdminAuth(cfg.server.admin_key, role_of=self._admin_role,
                                any_role=lambda: any(t.cfg.admin != "none" for t in self.tenants.tenants.values()))
         self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler, admin_auth)
+        self.first_use = FirstUse(ops, AdapterResolver(cfg.lora.resolver, cfg.lora.allowed_sources), cfg.model.name)
 
     def _admin_role(self, token: bytes) -> Optional[str]:
         tenant = self.tenants.identify(token)
@@ -214,7 +221,7 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, model = await self._parse(request, protocol.parse_completion)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{record_of(request).request_id}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
@@ -227,7 +234,7 @@ class _Api:
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, model = await self._parse(request, protocol.parse_chat)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{record_of(request).request_id}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
@@ -275,7 +282,7 @@ class _Api:
         """SGLang-style /generate. Streams carry cumulative `text` / `output_ids` per `index`."""
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, _ = await self._parse(request, protocol.parse_generate)
-        group = await self._start(request, req, f"gen-{uuid.uuid4().hex}", deadline)
+        group = await self._start(request, req, f"gen-{record_of(request).request_id}", deadline)
         if req.stream:
             return _SSEResponse(self._generate_stream(group, self.tokenizer if req.logprob_text else None))
         choices = await self._collect(request, group)
@@ -325,7 +332,10 @@ class _Api:
         else:
             names, param = [req.model] * len(req.jobs), "model"
         ticket = _ticket(request)
-        keys = self.resolve_model(names, param, ticket.tenant if ticket is not None and ticket.tenant.scoped else None)
+        scope = ticket.tenant if ticket is not None and ticket.tenant.scoped else None
+        await self.first_use.ensure(names, param, scope)  # lora.resolver: unknown adapters loaded on first use
+        keys = self.resolve_model(names, param, scope)
+        record_of(request).adapter = ",".join(sorted({k for k in keys if k is not None})) or None
         for job, name, key in zip(req.jobs, names, keys):
             job.adapter = name if key is not None else None
         model = req.model if req.model is not None and keys and keys[0] is not None else base
@@ -349,18 +359,26 @@ class _Api:
         request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
         jobs = req.jobs if req.best_of == 1 else samples.expand(req.jobs, req.best_of, ranked=req.best_of > req.n)
+        rec = record_of(request)
+        # A client's X-Request-Id may repeat; the engine's ids must not.
+        tag = f"#{uuid.uuid4().hex[:12]}" if rec.client_id else ""
         ticket = _ticket(request)
         if ticket is not None:  # the tenant's max_tokens and tokens/min, on what goes to the engine
             ticket.reserve((len(j.prompt_ids), j.params.max_tokens) for j in jobs)
         group = RequestGroup(self.engine, jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request,
-                             ticket.tenant.share if ticket is not None else None)
+                             engine_tag=tag, share=ticket.tenant.share if ticket is not None else None)
+        rec.choices = group.choices
         if ticket is not None:
             ticket.used = lambda: (sum(c.prompt_tokens for c in group.choices),
                                    sum(c.completion_tokens for c in group.choices))
         try:
+            # Structured outputs: each distinct grammar compiled in a worker thread before anything is queued.
+            for job in {j.params.grammar.key(): j for j in jobs if j.params.grammar is not None}.values():
+                await _unless_disconnected(request, self.engine.compile_grammar(job.params))
             await _unless_disconnected(request, group.start())
         except EngineError as e:
             raise _to_api_error(e) from None
+        rec.first_token()
         if ticket is not None:
             ticket.started()
         return group
@@ -504,7 +522,7 @@ def _to_api_error(e: ApiError | EngineError) -> ApiError:
     if isinstance(e, AdapterNotFoundError):
         return ApiError(404, str(e), param="model", code="model_not_found")
     if isinstance(e, RequestError):
-        return bad_request(str(e))
+        return bad_request(str(e), e.param)
     if isinstance(e, QueueFullError):
         return too_many(f"The server is busy: {e}; retry later.", "queue_full")
     if isinstance(e, EngineStoppedError):

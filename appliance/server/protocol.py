@@ -29,6 +29,7 @@ from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import cut
 from appliance.server import logprob_format
 from appliance.server.errors import bad_request
+from appliance.server.grammar_params import generate_grammar, openai_grammar
 from appliance.server.schemas.base import extra_fields, json_type, refuse_unsupported, unknown_field_error, validate
 from appliance.server.schemas.native import GenerateRequest, GenerateSamplingParams
 from appliance.server.schemas.openai import (UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest,
@@ -223,6 +224,8 @@ def _sampling(d: Union[Sampling, GenerateSamplingParams], limits: RequestLimits,
     for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         if getattr(d, key) is not None:
             extra[key] = getattr(d, key)
+    extra["grammar"] = (generate_grammar(d, p) if isinstance(d, GenerateSamplingParams)
+                        else openai_grammar(d))
 
     def build(prompt_len: int, default_max_tokens: int) -> SamplingParams:
         room = limits.max_model_len - prompt_len
@@ -245,7 +248,7 @@ def _sampling(d: Union[Sampling, GenerateSamplingParams], limits: RequestLimits,
         try:
             params.validate()
         except RequestError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), e.param) from None
         return params
 
     return build

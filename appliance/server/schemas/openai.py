@@ -35,6 +35,21 @@ class StreamOptions(Open):
         None, description="(vLLM) the usage so far on every chunk")
 
 
+class JsonSchemaFormat(Open):
+    name: Optional[str] = Field(None, description="the schema's name (not used)")
+    description: Optional[str] = Field(None, description="not used")
+    schema_: Optional[Union[dict[str, Any], bool]] = Field(
+        None, alias="schema", description="the JSON schema the output must validate against")
+    strict: Optional[bool] = Field(None, description="accepted; the output always follows the schema")
+
+
+class ResponseFormat(Open):
+    """`{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description='with type "json_schema"')
+
+
 class Sampling(Open):
     """The sampling fields both OpenAI routes take (null = absent)."""
 
@@ -56,12 +71,14 @@ class Sampling(Open):
     frequency_penalty: Optional[Penalty] = Field(None, description="minus this times the token's count so far")
     repetition_penalty: Optional[Number] = Field(None, gt=0, description="(vLLM) CTRL/HF, over prompt and output")
     min_p: Optional[Number] = Field(None, ge=0, le=1, description="(vLLM) relative to the top token's probability")
-    # Known, not implemented: refused unless absent or at their default (UNSUPPORTED_*).
-    response_format: Optional[dict[str, Any]] = Field(None, description='only {"type": "text"}')
-    guided_json: Optional[Union[str, dict[str, Any]]] = Field(None, description="(vLLM) not supported")
-    guided_regex: Optional[str] = Field(None, description="(vLLM) not supported")
-    guided_choice: Optional[list[str]] = Field(None, description="(vLLM) not supported")
-    guided_grammar: Optional[str] = Field(None, description="(vLLM) not supported")
+    # Structured outputs (server/grammar_params.py): at most one of these five.
+    response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
+    guided_json: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="(vLLM) a JSON schema, as an object or as JSON text")
+    guided_regex: Optional[str] = Field(None, description="(vLLM) a regex the whole output matches")
+    guided_choice: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = Field(
+        None, description="(vLLM) the output is exactly one of these strings")
+    guided_grammar: Optional[str] = Field(None, description="(vLLM) an EBNF grammar (xgrammar's, root rule `root`)")
 
 
 CompletionPrompt = Annotated[
@@ -125,10 +142,7 @@ def _equals(default: Any) -> Callable[[Any], bool]:
     return lambda v: v == default
 
 
-_SHARED: dict[str, Callable[[Any], bool]] = {
-    "response_format": _equals({"type": "text"}),
-    "guided_json": _never, "guided_regex": _never, "guided_choice": _never, "guided_grammar": _never,
-}
+_SHARED: dict[str, Callable[[Any], bool]] = {}
 UNSUPPORTED_COMPLETION = {**_SHARED, "echo": _equals(False), "suffix": _equals("")}
 UNSUPPORTED_CHAT = {**_SHARED, "tools": _equals([]),
                     "tool_choice": _equals("none"), "audio": _never, "modalities": _equals(["text"]),
