@@ -109,7 +109,8 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
     floor = bytes one decode step must read (weights except the embedding table, KV of every sequence,
     the A/B of each distinct adapter) / copy bandwidth measured in the same run. profile: 2 more steps
     under torch.profiler; the 24 kernels of most device time per step go to "top_kernels". sampling: extra
-    SamplingParams fields of every row (e.g. logprobs), named by `variant` in the result."""
+    SamplingParams fields of every row (logprobs; a grammar, compiled before the timing, restarting when
+    complete since EOS is ignored), named by `variant` in the result."""
     from tqdm import tqdm
 
     dev = engine.runner.device
@@ -171,7 +172,7 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
             "step_ms": round(step_s * 1e3, 3), "step_ms_blocks": [round(b * 1e3, 3) for b in blocks],
             "step_ms_serial": round(statistics.median(serial) * 1e3, 3),
             "compiled_during": None if new is None else len(new), **({"compiled_kernels": new} if new else {}),
-            "async_scheduling": engine.async_scheduling,
+            "async_scheduling": engine.async_scheduling and grammar is None,
             "weight_gb": round(weights * elt / 1e9, 3), "kv_gb": round(kv * elt / 1e9, 3),
             "adapter_gb": round(lora * elt / 1e9, 3), "adapter_bytes": int(lora * elt),
             "floor_ms": round(floor_s * 1e3, 4),

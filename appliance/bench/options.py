@@ -45,6 +45,9 @@ class BenchOptions:
     decode_adapters: int = 64
     profile_decode: bool = False  # torch.profiler over 2 extra decode steps: top kernels into the JSON
     decode_logprobs: Optional[int] = None  # also time the decode steps with logprobs=K on every row
+    # A built-in schema name (bench/schemas.py) or a JSON schema file: each decode row runs again with it
+    # on every sequence (structured outputs), beside the unconstrained one.
+    decode_json_schema: Optional[str] = None
     # Prefill tokens/s, base and with distinct adapters (0 requests = skip).
     prefill_requests: int = 32
     prefill_len: int = 512
@@ -93,6 +96,13 @@ class BenchOptions:
                               f"lengths), got {self.baseline_hf_new_tokens}")
         if self.decode_logprobs is not None and not 0 <= self.decode_logprobs <= MAX_LOGPROBS:
             raise ConfigError(f"bench --decode-logprobs: must be in 0..{MAX_LOGPROBS}, got {self.decode_logprobs}")
+        if self.decode_json_schema is not None:
+            from appliance.bench.schemas import load_schema
+
+            try:
+                load_schema(self.decode_json_schema)
+            except ValueError as e:
+                raise ConfigError(f"bench --decode-json-schema: {e}") from None
         if any(d < 0 for d in self.adapters):
             raise ConfigError(f"bench --adapters: counts must be >= 0, got {self.adapters}")
 

@@ -24,11 +24,13 @@ import torch
 from appliance.bench import baselines, report
 from appliance.bench.adapters import adapter_name, make_adapters
 from appliance.bench.options import OVERLAP_CHOICES, BenchOptions
+from appliance.bench.schemas import load_schema
 from appliance.bench.offline import copy_bandwidth, decode_step, prefill, run_requests, throughput_row
 from appliance.bench.online import run_online
 from appliance.bench.workload import poisson_arrivals, random_prompts, zipf_choices
 from appliance.config.schema import ApplianceConfig
 from appliance.engine.engine import LLMEngine
+from appliance.engine.grammar.spec import GrammarSpec
 from appliance.engine.runtime import lora_backend, resolve_device, resolve_dtype, sorted_decode
 from appliance.models.llama import ModelArgs
 from appliance.models.weights import read_hf_config
@@ -225,15 +227,25 @@ class Bench:
 
         def decode() -> None:
             prompts = random_prompts(o.decode_batch, o.decode_context, vocab, o.seed + 2)
-            variants = [("plain", {})]
+            variants: list[tuple[str, dict]] = [("plain", {})]
             if o.decode_logprobs is not None:
                 variants.append((f"logprobs{o.decode_logprobs}", {"logprobs": o.decode_logprobs}))
+            if o.decode_json_schema is not None:
+                variants.append(("json_schema", {"grammar": GrammarSpec.json_schema(load_schema(o.decode_json_schema))}))
             for d in (0, o.decode_adapters):
                 keys = [None if d == 0 else names[r0][i % d] for i in range(o.decode_batch)]
+                plain: Optional[dict] = None
                 for variant, sampling in variants:
-                    self.res["decode_step"].append(decode_step(
-                        eng, prompts, keys, o.decode_steps, self.res["ceilings"]["copy_gb_s"] * 1e9, r0, o.targets,
-                        progress=o.progress, profile=o.profile_decode, variant=variant, sampling=sampling))
+                    row = decode_step(eng, prompts, keys, o.decode_steps, self.res["ceilings"]["copy_gb_s"] * 1e9,
+                                      r0, o.targets, progress=o.progress, profile=o.profile_decode, variant=variant,
+                                      sampling=sampling)
+                    if plain is None:
+                        plain = row
+                    else:  # the targets: this step over the plain one
+                        row["x_unconstrained"] = round(row["step_ms"] / plain["step_ms"], 3)
+                    if variant == "json_schema":
+                        row["json_schema"] = o.decode_json_schema
+                    self.res["decode_step"].append(row)
 
         if o.decode_steps > 0:
             self._phase("decode_step", decode)

@@ -19,13 +19,15 @@ reads the first one's tokens and hands them out while the device runs. A step th
 way (a prefill, an eager size) first `settle`s: the step in flight is read, so every token is known on
 the host. So `step()` returns the tokens of the step before the one it launched; callers loop while
 `has_unfinished()`, and call `settle()` before anything that needs a quiet engine (admin operations).
-A step with a penalised request (repetition, frequency, presence) does not run that way: its penalties
-count the tokens generated so far, which must all be known on the host.
+A step with a penalised request (repetition, frequency, presence) or a constrained one (a grammar:
+its matcher must accept each token before it fills the next mask) does not run that way: it needs
+the tokens generated so far on the host.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -36,6 +38,9 @@ from appliance.config.schema import ApplianceConfig, ConfigError
 from appliance.engine.async_step import LaunchedStep
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.doorbell import Doorbell
+from appliance.engine.grammar.compiler import GrammarCompiler
+from appliance.engine.grammar.mask import MaskFiller
+from appliance.engine.fair_share import Share
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import (AdapterNotFoundError, RequestError, RequestOutput, SamplingParams,
                                       TokenLogprob)
@@ -103,7 +108,9 @@ class LLMEngine:
         if self.tokenizer.vocab_size > self.runner.args.vocab_size:
             raise ConfigError(f"model.path: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                               f"only {self.runner.args.vocab_size}")
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        # Block management (and the prefix cache) lives on this process alone, also under TP.
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                          enable_caching=cfg.engine.enable_prefix_caching, stats=self.stats)
         if self.lora is not None:
             self._load_configured_adapters(cfg)
         overlap = self.lora is not None and cfg.lora.overlap_loading
@@ -134,6 +141,23 @@ class LLMEngine:
         # sampled tokens, which only rank 0 has (the config check refuses true with tp_size > 1).
         self.async_scheduling = self.runner.runtime.async_scheduling
         self._inflight: Optional[LaunchedStep] = None
+        # Structured outputs: built on first use (xgrammar's vocabulary scan takes ~0.4 s).
+        self._grammar: Optional[GrammarCompiler] = None
+        self._grammar_lock = threading.Lock()
+        self._masks: Optional[MaskFiller] = None
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The grammar compiler over this model's vocabulary (thread-safe: the async engine compiles
+        in worker threads). RequestError when the model has no tokenizer to build it from."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                if not isinstance(self.tokenizer, Tokenizer):
+                    raise RequestError("structured outputs need the model's tokenizer, and this model has none",
+                                       param="response_format")
+                self._grammar = GrammarCompiler(self.tokenizer.hf, self.runner.args.vocab_size,
+                                                self.tokenizer.eos_token_ids, self.config.grammar_cache_size,
+                                                self.config.grammar_threads)
+            return self._grammar
 
     def _lora_manager(self, runner: ModelRunner) -> LoRAManager:
         """The LoRA manager over the runner's model (the runner calls this once it sized its KV cache)."""
@@ -148,7 +172,9 @@ class LLMEngine:
             sync = AdapterSync(self.tp.group, self.tp.layout)
         return Manager(cfg.lora, runner.runtime.lora, runner.model, cfg.model.name, runner.dtype, runner.device,
                        stats=self.stats, args=runner.args, tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s,
-                       on_read_done=self.doorbell.ring)
+                       on_read_done=self.doorbell.ring,
+                       # the block manager is built after the runner (it needs the KV size), before any retire
+                       on_retire=lambda key: self.block_manager.drop_adapter(key))
 
     def _warm_up(self, cfg: ApplianceConfig) -> WarmupReport:
         e = cfg.engine
@@ -222,13 +248,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, adapter: Optional[str] = None,
-                    prompt_source: Optional[str] = None) -> None:
+                    prompt_source: Optional[str] = None, share: Optional[Share] = None) -> None:
         """`adapter`: the LoRA adapter as the client named it (name or "<base>:<adapter>"; None or the
         base model's name = base). It is resolved here, on the engine thread, so a reload in place
         between the caller's check and this call gives the request the new weights, and an unload
         gives AdapterNotFoundError. `prompt_source`: the id of an earlier request with the same prompt
         and adapter (another of `n` samples) whose prompt KV this one shares; ignored when that
-        request is gone or differs."""
+        request is gone or differs. `share`: its tenant and weight for fair admission (None = the
+        flow of requests without a tenant)."""
         params.validate()
         self.check_request(prompt_token_ids, params)
         if request_id in self.seqs:
@@ -238,12 +265,15 @@ class LLMEngine:
             self.lora.request_added(key)  # type: ignore[union-attr]
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        arrival_time if arrival_time is not None else time.monotonic(), adapter=key,
-                       adapter_name=None if key is None else self.lora.name_of(key))  # type: ignore[union-attr]
+                       adapter_name=None if key is None else self.lora.name_of(key),  # type: ignore[union-attr]
+                       share=share)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         if not params.greedy:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        if params.grammar is not None:  # compiled already when the caller used AsyncEngine.compile_grammar
+            seq.matcher = self.grammar_compiler().matcher(params.grammar, params.stop_token_ids)
         src = self.seqs.get(prompt_source) if prompt_source is not None else None
         if src is not None and src.adapter == key and src.prompt_token_ids == seq.prompt_token_ids:
             seq.prompt_source = src
@@ -348,8 +378,9 @@ class LLMEngine:
 
     @staticmethod
     def _reads_history(plan: SchedulerOutput) -> bool:
-        """Some request of the step is penalised: its sampling reads every token generated so far."""
-        return any(s.seq.params.penalized for s in plan.decodes + plan.prefills)
+        """Some request of the step is penalised or constrained: its sampling reads every token
+        generated so far (the penalties' counts, the grammar matcher's state)."""
+        return any(s.seq.params.penalized or s.seq.matcher is not None for s in plan.decodes + plan.prefills)
 
     @staticmethod
     def _drop_finished(plan: SchedulerOutput) -> bool:
@@ -458,8 +489,14 @@ class LLMEngine:
         banned = [self._banned(seq) for seq in sampling]
         history = [(seq.prompt_token_ids, seq.output_token_ids) if seq.params.penalized else ((), ())
                    for seq in sampling]
+        mask = None
+        if any(seq.matcher is not None for seq in sampling):
+            if self._masks is None:
+                self._masks = MaskFiller(self.runner.args.vocab_size, self.config.max_num_seqs,
+                                         self.runner.device, self.config.grammar_threads)
+            mask = self._masks.fill([seq.matcher for seq in sampling])
         return sampling, sampler(logits, [s.params for s in sampling], [s.generator for s in sampling], banned,
-                                 history)
+                                 history, mask)
 
     def _append_tokens(self, sampling: list[Sequence], tokens: list[int],
                        logprobs: Optional[list[Optional[TokenLogprob]]]) -> list[RequestOutput]:
@@ -488,6 +525,11 @@ class LLMEngine:
         else:
             ev.itls.append((seq.adapter_name, now - seq.last_token_time))  # type: ignore[operator]
         seq.last_token_time = now
+        if seq.matcher is not None and not seq.matcher.accept_token(tok):
+            # Only when nothing was allowed (e.g. min_tokens banned the end the grammar had reached).
+            return self._finish(seq, "error", now, f"token {tok} does not continue the request's grammar")
+        if seq.matcher is not None and seq.matcher.is_terminated() and p.ignore_eos:
+            seq.matcher.reset()  # ignore_eos (benchmarks): the row goes on with the grammar from the start
         seq.output_token_ids.append(tok)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
@@ -554,6 +596,9 @@ class LLMEngine:
             lora = LoRASnapshot(slots=pool.slots, slots_used=pool.used, slots_pinned=pool.pinned,
                                 adapters_gpu=tiers["gpu"], adapters_cpu=tiers["cpu"],
                                 adapters_registered=sum(tiers.values()), reads_in_flight=reads,
-                                copies_in_flight=copies)
+                                copies_in_flight=copies, adapters_disk=tiers["disk"],
+                                adapters_remote=tiers["remote"], resident=self.lora.residency())
+        running, waiting = self.scheduler.adapter_names()
         return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
-                              kv_usage=bm.num_used / bm.num_blocks, lora=lora)
+                              kv_usage=bm.num_used / bm.num_blocks, lora=lora, running_adapters=running,
+                              waiting_adapters=waiting, prefix_cache_blocks=bm.num_cached)

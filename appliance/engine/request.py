@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from appliance.engine.grammar.spec import GrammarSpec
+
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 MAX_LOGIT_BIAS = 300  # entries a request's logit_bias may hold (docs/operations.md)
 
@@ -26,7 +28,12 @@ class EngineStoppedError(EngineError):
 
 
 class RequestError(EngineError):
-    """A request the engine cannot take (e.g. prompt plus max_tokens beyond the context); HTTP 400."""
+    """A request the engine cannot take (e.g. prompt plus max_tokens beyond the context); HTTP 400.
+    `param`: the request field at fault, when one is (the error body's `param`)."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class AdapterNotFoundError(RequestError):
@@ -51,6 +58,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL/HF: a token of the prompt or output has its logit / p (or * p if < 0)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens whose probability is below min_p times the top token's
+    grammar: Optional[GrammarSpec] = None  # structured output: the text must match it (engine/grammar/)
+    # Prefix caching: only requests with the same salt (and adapter) share cached KV blocks; None = the
+    # shared pool. A request option, not a sampling one: it rides here so it reaches every sample (n).
+    cache_salt: Optional[str] = None
 
     def validate(self) -> None:
         """Raise RequestError with the field name when a value is out of range."""
@@ -79,9 +90,18 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise RequestError("cache_salt must be a non-empty string")
         for t, b in self.logit_bias.items():
             if not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0:
                 raise RequestError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t!r}: {b!r}")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise RequestError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+            try:
+                self.grammar.validate()
+            except ValueError as e:
+                raise RequestError(f"{self.grammar.param}: {e}", param=self.grammar.param) from None
 
     @property
     def penalized(self) -> bool:

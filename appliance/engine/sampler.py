@@ -1,8 +1,10 @@
-"""Turn logits into next tokens: bias, penalties, greedy, temperature, min-p, top-k, top-p, seeds.
+"""Turn logits into next tokens: bias, penalties, grammar masks, greedy, temperature, min-p, top-k,
+top-p, seeds.
 
 Everything stays on the logits' device until one host transfer of the chosen tokens (and, when a row
 asked, their logprobs: engine/logprobs.py) per step. The order is vLLM's: logprobs of the raw logits;
-then, in float32, logit bias, the min_tokens ban, the penalties (engine/penalties.py); greedy rows are
+then, in float32, logit bias, the min_tokens ban, the penalties (engine/penalties.py), the constrained
+rows' grammar masks (engine/grammar/mask.py: last, so no bias brings back a token); greedy rows are
 one batched argmax of that. Sampled rows are processed together (temperature, top-k and top-p masks
 are batched, min-p too; which masks apply is decided from the host-side params, never from a device value), then
 draw by the exponential race: token = argmax(p / E) with E ~ Exp(1) i.i.d. per token, which picks
@@ -22,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from appliance.engine import logprobs as lp
+from appliance.engine.grammar.mask import TokenMask, apply_mask
 from appliance.engine.penalties import apply_logit_bias, apply_penalties
 from appliance.engine.request import SamplingParams, TokenLogprob
 
@@ -51,21 +54,24 @@ class DeviceSample:
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[Optional[torch.Generator]],
            banned: Sequence[Sequence[int]] = (),
-           history: Sequence[tuple[Sequence[int], Sequence[int]]] = ()) -> list[int]:
+           history: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+           mask: Optional[TokenMask] = None) -> list[int]:
     """logits [N, V] (any float dtype; processed in float32); params/generators per row; banned[i] =
-    token ids row i may not pick; history[i] = (prompt ids, generated ids), read for penalised rows."""
-    return sample_full(logits, params, generators, banned, history)[0]
+    token ids row i may not pick; history[i] = (prompt ids, generated ids), read for penalised rows;
+    mask: the constrained rows' allowed tokens."""
+    return sample_full(logits, params, generators, banned, history, mask)[0]
 
 
 def sample_full(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[Optional[torch.Generator]],
                 banned: Sequence[Sequence[int]] = (),
-                history: Sequence[tuple[Sequence[int], Sequence[int]]] = ()
+                history: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+                mask: Optional[TokenMask] = None
                 ) -> tuple[list[int], Optional[list[Optional[TokenLogprob]]]]:
     """`sample` plus each row's logprobs (None when no row asked); one host transfer."""
     if logits.shape[0] == 0:
         return [], None
-    d = sample_on_device(logits, params, generators, banned, history)
+    d = sample_on_device(logits, params, generators, banned, history, mask)
     return DeviceSample.read(d.for_host().cpu(), params)
 
 
@@ -80,12 +86,13 @@ def _on(device: torch.device, values: list, dtype: Optional[torch.dtype] = None)
 def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[Optional[torch.Generator]],
                      banned: Sequence[Sequence[int]] = (),
-                     history: Sequence[tuple[Sequence[int], Sequence[int]]] = ()) -> DeviceSample:
+                     history: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+                     mask: Optional[TokenMask] = None) -> DeviceSample:
     """`sample_full`'s result left on the logits' device, queued without a host sync."""
     dev = logits.device
     on = lambda values, dtype=None: _on(dev, values, dtype)  # noqa: E731
     raw = logits
-    edits = any(p.logit_bias or p.penalized for p in params) or (banned and any(banned))
+    edits = any(p.logit_bias or p.penalized for p in params) or (banned and any(banned)) or mask is not None
     if edits:
         # A float32 copy: the logits may be a CUDA graph's output buffer, which must stay as it is.
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()
@@ -95,6 +102,8 @@ def sample_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
             cols_b = [t for ids in banned for t in ids]
             logits[on(rows_b, torch.long), on(cols_b, torch.long)] = float("-inf")
         apply_penalties(logits, params, history, on)
+        if mask is not None:
+            apply_mask(logits, mask)
     out = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -3,13 +3,13 @@ is a 400 whatever server.strict_fields says (a typo here is never meant)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 from pydantic import BaseModel, Field
 
 from appliance.server.schemas.base import Closed, array_or_object, one_message
 from appliance.engine.request import MAX_LOGPROBS
-from appliance.server.schemas.openai import SEED_MAX, LogitBias, Number, Penalty, Stop, TokenIds
+from appliance.server.schemas.openai import SEED_MAX, CacheSalt, LogitBias, Number, Penalty, Stop, TokenIds
 
 
 class GenerateSamplingParams(Closed):
@@ -27,6 +27,12 @@ class GenerateSamplingParams(Closed):
     repetition_penalty: Optional[Number] = Field(None, gt=0)
     min_p: Optional[Number] = Field(None, ge=0, le=1)
     logit_bias: Optional[LogitBias] = None
+    # Structured outputs (SGLang's names; server/grammar_params.py): at most one of these.
+    json_schema: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="a JSON schema (JSON text or an object) the output validates against")
+    regex: Optional[str] = Field(None, description="a regex the whole output matches")
+    ebnf: Optional[str] = Field(None, description="an EBNF grammar (xgrammar's, root rule `root`)")
+    cache_salt: Optional[CacheSalt] = None
 
 
 _Text = Annotated[str, Field(min_length=1)]

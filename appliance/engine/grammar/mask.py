@@ -1,0 +1,79 @@
+"""Per-row token masks from the rows' grammar matchers, applied to a step's logits before sampling.
+
+The engine keeps one xgrammar GrammarMatcher per constrained sequence; it has accepted every token the
+row generated so far. Each step the matchers fill a bitmask on the host (bit t of row i = token t
+allowed), which goes to the logits' device and sets the disallowed logits to -inf. Free rows get no
+mask and cost nothing; a step without constrained rows never comes here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class TokenMask:
+    """A step's masks: bits int32 [N, ceil(V / 32)] on the logits' device (rows not in `rows` are
+    unused), rows = the constrained rows' indices."""
+
+    bits: torch.Tensor
+    rows: list[int]
+    vocab_size: int
+
+
+class MaskFiller:
+    """Fills the masks of a step's constrained rows into one reused host buffer (pinned on cuda).
+
+    Reusing the buffer is safe because a step with constrained rows runs synchronously (the engine
+    reads its tokens before the next step), so the copy of the previous mask has completed.
+    """
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, threads: int) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        self.device = device
+        self._host = xgr.allocate_token_bitmask(max_rows, vocab_size)
+        if device.type == "cuda":
+            self._host = self._host.pin_memory()
+        self._batch = xgr.BatchGrammarMatcher(threads) if threads > 1 else None
+
+    def fill(self, matchers: Sequence[Optional[Any]]) -> Optional[TokenMask]:
+        """matchers[i]: row i's GrammarMatcher, None for a free row. None when no row is constrained."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        n = len(matchers)
+        if n > self._host.shape[0]:  # more rows than max_num_seqs (isolated reruns never are)
+            import xgrammar as xgr
+
+            self._host = xgr.allocate_token_bitmask(n, self.vocab_size)
+        host = self._host[:n]
+        live = [matchers[i] for i in rows]
+        if self._batch is not None:
+            self._batch.batch_fill_next_token_bitmask(live, host, indices=rows)
+        else:
+            for i, m in zip(rows, live):
+                m.fill_next_token_bitmask(host, i)
+        bits = host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
+        return TokenMask(bits, rows, self.vocab_size)
+
+
+def apply_mask(logits: torch.Tensor, mask: TokenMask) -> None:
+    """logits [N, V] in place: logits[i, t] = -inf where bit t of mask.bits[i] is 0, for i in mask.rows.
+    xgrammar's kernel (a CUDA kernel on the GPU, C++ on the CPU); `apply_mask_reference` is its twin."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, mask.bits, vocab_size=mask.vocab_size, indices=mask.rows)
+
+
+def apply_mask_reference(logits: torch.Tensor, mask: TokenMask) -> None:
+    """Pure-torch twin of `apply_mask` (the tests' oracle)."""
+    v = logits.shape[1]
+    shifts = torch.arange(32, device=mask.bits.device, dtype=torch.int32)
+    for i in mask.rows:
+        allowed = ((mask.bits[i][:, None] >> shifts) & 1).reshape(-1)[:v].bool()
+        logits[i].masked_fill_(~allowed.to(logits.device), float("-inf"))
