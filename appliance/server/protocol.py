@@ -230,7 +230,7 @@ def _sampling(d: Union[Sampling, GenerateSamplingParams], limits: RequestLimits,
     temperature, top_p, top_k, seed, ignore_eos = d.temperature, d.top_p, d.top_k, d.seed, d.ignore_eos
     extra: dict[str, Any] = {"logprobs": logprobs,
                              "logit_bias": _logit_bias(d.logit_bias, p + "logit_bias", limits.tokenizer.vocab_size)}
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "cache_salt"):
         if getattr(d, key) is not None:
             extra[key] = getattr(d, key)
     extra["grammar"] = (generate_grammar(d, p) if isinstance(d, GenerateSamplingParams)

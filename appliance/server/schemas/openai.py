@@ -27,6 +27,8 @@ Stop = Annotated[Union[str, list[str]], one_message("must be a string or an arra
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
                       Field(max_length=MAX_LOGIT_BIAS, description="token id (a string) -> added to its logit")]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256, description=(
+    "(vLLM) prefix caching: only requests with the same salt share cached KV blocks"))]
 
 
 class StreamOptions(Open):
@@ -71,6 +73,7 @@ class Sampling(Open):
     frequency_penalty: Optional[Penalty] = Field(None, description="minus this times the token's count so far")
     repetition_penalty: Optional[Number] = Field(None, gt=0, description="(vLLM) CTRL/HF, over prompt and output")
     min_p: Optional[Number] = Field(None, ge=0, le=1, description="(vLLM) relative to the top token's probability")
+    cache_salt: Optional[CacheSalt] = None
     # Structured outputs (server/grammar_params.py): at most one of these five.
     response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
     guided_json: Optional[Union[str, dict[str, Any]]] = Field(
