@@ -216,6 +216,8 @@ def _bench_serve_parser() -> argparse.ArgumentParser:
     a("--adapter-dir", default=None, help="write the synthetic adapters here and keep them (default: temp dir)")
     a("--prompt-len", type=int, default=d.prompt_len, help="mean prompt tokens")
     a("--prompt-dist", choices=LENGTH_DISTS, default=d.prompt_dist)
+    a("--shared-prefix-len", type=int, default=d.shared_prefix_len,
+      help="tokens of a fixed prefix before every prompt, one per adapter (a shared system prompt); 0 = none")
     a("--output-len", type=int, default=d.output_len, help="mean output tokens (exact per request: ignore_eos)")
     a("--output-dist", choices=LENGTH_DISTS, default=d.output_dist)
     a("--range-ratio", type=float, default=d.range_ratio, help="uniform lengths: mean·(1±r)")

@@ -112,6 +112,9 @@ class EngineConfig:
     # threads xgrammar uses to compile one and to fill a step's token masks (1 = fill on the engine thread).
     grammar_cache_size: int = 256
     grammar_threads: int = 4
+    # Automatic prefix caching: full KV blocks already computed for the same tokens under the same
+    # adapter weights (and cache_salt) are reused instead of recomputed (engine/prefix_cache.py).
+    enable_prefix_caching: bool = True
 
     def graph_batch_sizes(self) -> list[int]:
         """The sizes to capture, ascending."""

@@ -101,10 +101,12 @@ class LLMEngine:
         if self.tokenizer.vocab_size > self.runner.args.vocab_size:
             raise ConfigError(f"model.path: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                               f"only {self.runner.args.vocab_size}")
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         # Events for metrics, recorded where they happen (here, the scheduler, the LoRA manager); the
         # async engine takes them after every loop iteration. Created first: startup loads count too.
         self.stats = StatsRecorder()
+        # Block management (and the prefix cache) lives on this process alone, also under TP.
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                          enable_caching=cfg.engine.enable_prefix_caching, stats=self.stats)
         self.lora: Optional[LoRAManager] = None
         if cfg.lora.enabled:
             # Imported here so a base-only engine never loads the LoRA modules.
@@ -117,7 +119,8 @@ class LLMEngine:
                 sync = AdapterSync(self.tp.group, self.tp.layout)
             self.lora = Manager(cfg.lora, self.runner.runtime.lora, self.runner.model, cfg.model.name,
                                 self.runner.dtype, self.runner.device, stats=self.stats, args=self.runner.args,
-                                tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s)
+                                tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s,
+                                on_retire=self.block_manager.drop_adapter)
             self.runner.lora = self.lora
             self._load_configured_adapters(cfg)
         overlap = self.lora is not None and cfg.lora.overlap_loading
@@ -591,4 +594,4 @@ class LLMEngine:
         running, waiting = self.scheduler.adapter_names()
         return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
                               kv_usage=bm.num_used / bm.num_blocks, lora=lora, running_adapters=running,
-                              waiting_adapters=waiting)
+                              waiting_adapters=waiting, prefix_cache_blocks=bm.num_cached)

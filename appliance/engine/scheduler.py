@@ -8,7 +8,9 @@ preempted to the front of the queue and recomputed later; nothing is dropped. `a
 request whose adapter is still loading waiting (reason "load"). A pending async token
 (`Sequence.num_pending`) counts, so the next step decodes on it. A sample with a `prompt_source` (`n`)
 waits until that sequence computed the prompt's full blocks, then shares them and computes only the
-rest, its own partial last block included: no block is written by two sequences. Pure Python, no torch.
+rest, its own partial last block included: no block is written by two sequences. With prefix caching
+a waiting request first takes the cached blocks of its prefix (BlockManager.match) and only its
+uncached tokens count against the token budget. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -165,12 +167,14 @@ class Scheduler:
                 seq.wait_reason = "budget"  # behind the sample that computes the shared prompt
                 j += 1
                 continue
-            n = seq.num_uncomputed
+            cached = self.bm.match(seq)  # prefix caching: its longest cached prefix of full blocks
+            hit = len(cached) * self.bm.block_size
+            n = seq.num_uncomputed - hit  # only the uncached tokens take from the budget
             if n > budget:
                 if not self.cfg.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
+            if not self.bm.can_allocate(seq, seq.num_computed_tokens + hit + n, cached):
                 stopped_by = "kv"
                 break  # FIFO for KV blocks: a later, smaller request must not starve this one
             if seq.adapter is not None and self.adapter_ready is not None and not self.adapter_ready(seq.adapter):
@@ -200,7 +204,10 @@ class Scheduler:
                 seq.first_scheduled_time = self.clock()
                 self.stats.events.queue_times.append((seq.adapter_name,
                                                       seq.first_scheduled_time - seq.arrival_time))
-            self.bm.allocate(seq, seq.num_computed_tokens + n)
+            if self.bm.cache is not None and not seq.block_table:
+                self.stats.events.prefix_cache_lookups.append((seq.adapter_name, seq.num_tokens, hit))
+            self.bm.allocate(seq, seq.num_computed_tokens + hit + n, cached)
+            seq.num_computed_tokens += hit
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
@@ -263,3 +270,4 @@ class Scheduler:
         """Record that the scheduled tokens are now in the cache (call before appending sampled tokens)."""
         for s in out.prefills + out.decodes:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.bm.cache_computed(s.seq)

@@ -39,6 +39,10 @@ class Sequence:
     # Tokens whose K/V are in the cache. Preemption resets it to 0 (recompute prompt + outputs).
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix caching (engine/block_manager.py): the hash chain of its full blocks so far, and how many
+    # leading entries of block_table were offered to the cache (or taken from it).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     num_preemptions: int = 0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None

@@ -69,10 +69,12 @@ class LoRAManager:
     def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, base_name: str,
                  dtype: torch.dtype, device: torch.device, stats: Optional[StatsRecorder] = None,
                  args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None,
-                 read_delay_s: float = 0.0) -> None:
+                 read_delay_s: float = 0.0, on_retire: Optional[Callable[[str], None]] = None) -> None:
         # runtime: lora.* with auto resolved for this device at start (engine/runtime.py);
-        # read_delay_s: debug.fault_injection_read_delay_s.
+        # read_delay_s: debug.fault_injection_read_delay_s; on_retire(key): a key was unloaded or
+        # replaced, and again when its last request ends (the prefix cache drops its blocks).
         self.cfg = cfg
+        self.on_retire = on_retire
         self.read_delay_s = read_delay_s
         # Loads (disk -> cpu, cpu -> gpu) and evictions of both tiers, for metrics.
         self.stats = stats if stats is not None else StatsRecorder()
@@ -487,10 +489,14 @@ class LoRAManager:
         if st is None:
             return
         st.retired = True
+        if self.on_retire is not None:
+            self.on_retire(key)
         if st.in_flight == 0:
             self._drop(key)
 
     def _drop(self, key: str) -> None:
+        if self.on_retire is not None:
+            self.on_retire(key)  # blocks its last requests cached after the retire
         slot = self.pool.lookup(key)
         if slot is not None:
             self.pool.remove(key)  # also for pinned keys: unloading ends the pin

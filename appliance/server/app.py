@@ -52,6 +52,7 @@ from appliance.server.probes import Probes
 from appliance.server.state import ServerState
 from appliance.server.tenants import Tenant, TenantAuth, TenantTable, Ticket
 from appliance.telemetry.tenant_metrics import TenantMetrics
+from appliance.server.tools.parser import ToolCallParser
 from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
 from appliance.server.request_log import RequestLog, record_of
 from appliance.server.scrape import ScrapeApi
@@ -228,8 +229,9 @@ class _Api:
             return _SSEResponse(self._completion_stream(group, created, model, req), headers)
         sampled = await self._collect(request, group)
         choices = self._best(req, sampled)
-        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer, sampled),
-                            headers=headers)
+        echo = None if req.echo is None else [req.echo_of(i, req.n) for i in range(len(choices))]
+        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer, sampled,
+                                                         echo), headers=headers)
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
@@ -241,8 +243,8 @@ class _Api:
             return _SSEResponse(self._chat_stream(group, created, model, req), headers)
         sampled = await self._collect(request, group)
         choices = self._best(req, sampled)
-        return JSONResponse(protocol.chat_response(rid, created, model, choices, self.tokenizer, sampled),
-                            headers=headers)
+        return JSONResponse(protocol.chat_response(rid, created, model, choices, self.tokenizer, sampled,
+                                                   req.tool_use), headers=headers)
 
     def _completion_stream(self, group: RequestGroup, created: int, model: str,
                            req: ParsedRequest) -> AsyncIterator[str]:
@@ -256,21 +258,42 @@ class _Api:
         def usage() -> dict:
             return protocol.usage_chunk("text_completion", rid, created, model, group.choices)
 
-        return _openai_stream(group, [], chunk, usage if include_usage else None)
+        # echo: each choice opens with its prompt's text (streams have best_of == n choices per prompt).
+        head = [] if req.echo is None else [
+            protocol.sse(_with_usage(protocol.completion_chunk(rid, created, model, i, req.echo_of(i, req.n), None,
+                                                               include_usage), group, req))
+            for i in range(len(group.choices))]
+        return _openai_stream(group, head, chunk, usage if include_usage else None)
 
     def _chat_stream(self, group: RequestGroup, created: int, model: str,
                      req: ParsedRequest) -> AsyncIterator[str]:
         rid, include_usage = group.request_id, req.include_usage
-        # OpenAI opens each choice with the role.
-        head = [protocol.sse(_with_usage(protocol.chat_chunk(rid, created, model, i,
-                                                             {"role": "assistant", "content": ""}, None,
+        # OpenAI opens each choice with the role (and no content yet where the answer may be only calls).
+        opening = {"role": "assistant"} if req.tool_use is not None else {"role": "assistant", "content": ""}
+        head = [protocol.sse(_with_usage(protocol.chat_chunk(rid, created, model, i, opening, None,
                                                              include_usage), group, req))
                 for i in range(len(group.choices))]
 
-        def chunk(i: int, text: str, finish: Optional[str]) -> dict:
+        parsers = ([ToolCallParser(req.tool_use.forced) for _ in group.choices] if req.tool_use is not None
+                   else None)
+
+        def chunk(i: int, text: str, finish: Optional[str]) -> Optional[dict]:
+            if parsers is None:
+                delta = {"content": text} if text else {}
+            else:  # tool calls: their deltas, and no markup in the content
+                p = parsers[i]
+                got = p.feed(text)
+                if finish is not None:
+                    end = p.finish()
+                    got.content += end.content
+                    got.calls += end.calls
+                    finish = protocol.tool_finish_reason(finish, bool(p.calls))
+                delta = protocol.tool_delta(got)
+                if not delta and finish is None:
+                    return None  # held back (a tag may be starting); the logprobs go with the next chunk
             lps = logprob_format.take(group.choices[i], self.tokenizer, "chat")
-            return _with_usage(protocol.chat_chunk(rid, created, model, i, {"content": text} if text else {},
-                                                   finish, include_usage, lps), group, req)
+            return _with_usage(protocol.chat_chunk(rid, created, model, i, delta, finish, include_usage, lps),
+                               group, req)
 
         def usage() -> dict:
             return protocol.usage_chunk("chat.completion.chunk", rid, created, model, group.choices)
@@ -476,13 +499,16 @@ async def _until_disconnected(receive: Receive) -> None:
         pass
 
 
-def _openai_stream(group: RequestGroup, head: list[str], chunk: Callable[[int, str, Optional[str]], dict],
+def _openai_stream(group: RequestGroup, head: list[str],
+                   chunk: Callable[[int, str, Optional[str]], Optional[dict]],
                    usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
-    """An OpenAI stream: a chunk per update that carries text or a finish (see _sse_stream)."""
+    """An OpenAI stream: a chunk per update that carries text or a finish (see _sse_stream); `chunk`
+    returns None for an update with nothing to send yet."""
     def event(i: int, out: RequestOutput) -> Optional[str]:
         if not (out.text or out.finished):
             return None
-        return protocol.sse(chunk(i, out.text, group.choices[i].finish_reason))
+        c = chunk(i, out.text, group.choices[i].finish_reason)
+        return None if c is None else protocol.sse(c)
 
     return _sse_stream(group, head, event, usage)
 

@@ -24,7 +24,7 @@ from appliance.engine.tokenizer import Tokenizer
 from appliance.server.tenants import TenantAuth
 from appliance.server.errors import bad_request
 from appliance.server.protocol import chat_prompt, in_vocab
-from appliance.server.schemas.base import extra_fields, refuse_unsupported, unknown_field_error, validate
+from appliance.server.schemas.base import extra_fields, unknown_field_error, validate
 from appliance.server.schemas.utility import DetokenizeRequest, TokenizeRequest
 
 Resolve = Callable[[list[Optional[str]], str, Any], list[Optional[str]]]  # names, param, tenant
@@ -56,8 +56,6 @@ class UtilityApi:
         unknown = []
         try:
             if req.messages is not None:
-                for i, m in enumerate(req.messages):
-                    refuse_unsupported(m, {"tool_calls": lambda v: v == []}, f"messages[{i}].")
                 unknown = extra_fields(req)
                 if unknown and self.strict_fields:
                     raise unknown_field_error(unknown)

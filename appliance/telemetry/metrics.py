@@ -172,6 +172,17 @@ class Metrics:
                                 "(stop, length, abort, error).", ["adapter", "finish_reason"], registry=r)
         self.preemptions = Counter("appliance_preemptions", "Running requests preempted because the KV "
                                    "cache ran out (recomputed later).", registry=r)
+        # --- prefix caching (engine.enable_prefix_caching)
+        self.prefix_cache_queries = Counter("appliance_prefix_cache_queries", "Tokens of admitted requests "
+                                            "looked up in the prefix cache (prompt, or prompt + output "
+                                            "after a preemption).", ["adapter"], registry=r)
+        self.prefix_cache_hits = Counter("appliance_prefix_cache_hits", "Of those tokens, the ones found "
+                                         "cached (their KV reused, not computed).", ["adapter"], registry=r)
+        self.prefix_cache_blocks = Gauge("appliance_prefix_cache_blocks", "KV blocks holding a cached "
+                                         "prefix, held by requests or idle (idle ones are reused LRU when "
+                                         "blocks run out).", registry=r)
+        self.prefix_cache_evictions = Counter("appliance_prefix_cache_evictions", "Idle cached KV blocks "
+                                              "evicted to hold other tokens.", registry=r)
 
         # --- config and reconcile (fed by the reconciler)
         self.reconcile = Counter("appliance_reconcile", "Reconcile runs by result (success, failed, invalid, "
@@ -221,6 +232,8 @@ class Metrics:
             self.requests.labels(BASE_LABEL, reason)
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             h.labels(BASE_LABEL)
+        self.prefix_cache_queries.labels(BASE_LABEL)
+        self.prefix_cache_hits.labels(BASE_LABEL)
         for result in RECONCILE_RESULTS:
             self.reconcile.labels(result)
         for action in RECONCILE_ACTIONS:
@@ -253,12 +266,18 @@ class Metrics:
             self.lora_load_duration.labels(load.tier).observe(load.duration_s)
         for tier, policy in ev.evictions:
             self.lora_evictions.labels(tier, policy).inc()
+        for adapter, queried, hit in ev.prefix_cache_lookups:
+            a = label(adapter)
+            self.prefix_cache_queries.labels(a).inc(queried)
+            self.prefix_cache_hits.labels(a).inc(hit)
+        self.prefix_cache_evictions.inc(ev.prefix_cache_evictions)
 
     def record_snapshot(self, snap: EngineSnapshot) -> None:
         self.running.set(snap.running)
         for reason in WAIT_REASONS:
             self.waiting.labels(reason).set(snap.waiting.get(reason, 0))
         self.kv_usage.set(snap.kv_usage)
+        self.prefix_cache_blocks.set(snap.prefix_cache_blocks)
         lora = snap.lora
         self.lora_slots.set(lora.slots if lora else 0)
         self.lora_slots_used.set(lora.slots_used if lora else 0)

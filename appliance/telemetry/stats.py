@@ -47,6 +47,9 @@ class EngineEvents:
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0  # completion tokens (a stop token the engine drops is not counted)
     preemptions: int = 0
+    # Prefix caching, per admission: (adapter, prompt tokens looked up, of them found cached).
+    prefix_cache_lookups: list[tuple[Optional[str], int, int]] = field(default_factory=list)
+    prefix_cache_evictions: int = 0  # idle cached blocks reused for other tokens
     queue_times: list[tuple[Optional[str], float]] = field(default_factory=list)  # arrival -> first scheduled
     ttfts: list[tuple[Optional[str], float]] = field(default_factory=list)  # arrival -> first token
     itls: list[tuple[Optional[str], float]] = field(default_factory=list)  # between two tokens of a request
@@ -121,3 +124,4 @@ class EngineSnapshot:
     # Distinct adapter names (sorted) of the running batch's and the queue's requests.
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
+    prefix_cache_blocks: int = 0  # KV blocks holding a cached prefix, in use or idle (0 with caching off)

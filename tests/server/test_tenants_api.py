@@ -215,7 +215,12 @@ def test_no_secret_in_status_metrics_or_logs(srv: ServerThread, caplog: pytest.L
             assert secret not in text
     metrics = texts[1]
     assert 'appliance_tenant_requests_total{tenant="team-a"}' in metrics
-    assert 'appliance_tenant_rejections_total{reason="requests_per_s",tenant="rate"}' in metrics
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("appliance_tenant_")}
+    assert series['appliance_tenant_rejections_total{reason="requests_per_s",tenant="rate"}'] >= 1
+    assert series['appliance_tenant_requests_total{tenant="team-a"}'] >= 2
+    assert series['appliance_tenant_tokens_total{kind="completion",tenant="team-a"}'] >= 4
+    assert series['appliance_tenant_queue_time_seconds_count{tenant="team-a"}'] >= 1
 
 
 def test_key_rotation_through_hot_reload_with_requests_in_flight(srv: ServerThread, tree: Path) -> None:
