@@ -38,6 +38,8 @@ WORKDIR /opt/appliance/src
 COPY pyproject.toml README.md constraints.txt ./
 COPY appliance ./appliance
 COPY kernels ./kernels
+# appliance/default_configs links here: the wheel's packaged default configs.
+COPY configs ./configs
 # Versions come from TORCH_SPEC and constraints.txt (the set the suite passed with), as for `make install`.
 # hadolint ignore=DL3013
 RUN python3 -m venv "$VIRTUAL_ENV" \

@@ -3,7 +3,7 @@
     appliance serve [--config-dir DIR] [overrides...]
     appliance worker [--config-dir DIR] parallel.node_rank=K [overrides...]   (multi-host tensor parallelism)
     appliance model prepare [--config-dir DIR] [--force] [overrides...]
-    appliance config show [--config-dir DIR] [overrides...]
+    appliance config show [--config-dir DIR] [--diff] [overrides...]
     appliance validate [--config-dir DIR] [overrides...]
     appliance plan [--config-dir DIR] [--url URL] [--detailed-exitcode] [--prune MODE] [overrides...]
     appliance apply [--config-dir DIR] [--url URL] [--auto-approve] [--dry-run] [--prune MODE] [overrides...]
@@ -125,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
         dest="action", required=True, metavar="ACTION")
     show = config.add_parser("show", help="print the composed, checked config as YAML (secrets masked)")
     _config_args(show)
+    show.add_argument("--diff", action="store_true",
+                      help="print only the keys whose effective value differs from the packaged defaults")
     show.set_defaults(func=_show)
     return p
 
@@ -148,6 +150,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     a("--decode-adapters", type=int, default=d.decode_adapters)
     a("--profile-decode", action="store_true",
       help="after the timed decode steps, profile 2 more (torch.profiler) and record the top kernels")
+    a("--decode-logprobs", type=int, default=None, metavar="K",
+      help="also time the decode steps with logprobs=K (top-K alternatives) on every row")
     a("--decode-json-schema", default=None, metavar="NAME|FILE",
       help="also time each decode row with this JSON schema constraining every sequence: a built-in "
            "(record, flat) or a schema file; reports the step time against the unconstrained one")
@@ -212,6 +216,8 @@ def _bench_serve_parser() -> argparse.ArgumentParser:
     a("--adapter-dir", default=None, help="write the synthetic adapters here and keep them (default: temp dir)")
     a("--prompt-len", type=int, default=d.prompt_len, help="mean prompt tokens")
     a("--prompt-dist", choices=LENGTH_DISTS, default=d.prompt_dist)
+    a("--shared-prefix-len", type=int, default=d.shared_prefix_len,
+      help="tokens of a fixed prefix before every prompt, one per adapter (a shared system prompt); 0 = none")
     a("--output-len", type=int, default=d.output_len, help="mean output tokens (exact per request: ignore_eos)")
     a("--output-dist", choices=LENGTH_DISTS, default=d.output_dist)
     a("--range-ratio", type=float, default=d.range_ratio, help="uniform lengths: mean·(1±r)")
@@ -238,7 +244,8 @@ def _remote_args(p: argparse.ArgumentParser) -> None:
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config-dir", default=None,
-                   help="Hydra config dir holding config.yaml (default: the repository's configs/)")
+                   help="Hydra config dir: a whole tree with config.yaml, or an overrides dir without one, "
+                        "layered over the packaged defaults (default: the packaged tree)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides")
 
 
@@ -374,7 +381,10 @@ def _serve(args: argparse.Namespace) -> int:
     from appliance.reconcile.controller import ConfigSource
     from appliance.server.run import serve  # lazy: pulls in torch, the engine and uvicorn
 
-    serve(cfg, ConfigSource(resolve_config_dir(args.config_dir), tuple(args.overrides)))
+    from appliance.config.layers import is_overrides_dir
+
+    cdir = resolve_config_dir(args.config_dir)
+    serve(cfg, ConfigSource(cdir, tuple(args.overrides), layered=is_overrides_dir(cdir)))
     return 0
 
 
@@ -436,16 +446,37 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    import json
+
     from omegaconf import OmegaConf
 
     from appliance.config.compose import compose_tree
 
     composed = compose_tree(args.config_dir, args.overrides)
+    data = _shown(composed)
+    if args.diff:
+        from appliance.config.layers import differences
+
+        # Against the packaged tree with no overrides: what this dir and these overrides change.
+        for key, (default, value) in differences(_shown(compose_tree(None, ())), data).items():
+            print(composed.env.redact(f"{key}: {json.dumps(value)}  # default: {json.dumps(default)}"))
+        return 0
+    print(composed.env.redact(OmegaConf.to_yaml(data)), end="")
+    return 0
+
+
+def _shown(composed: "Composed") -> dict:
+    """The config as plain data that may be printed: keys masked, values from the environment as
+    <from env VAR>."""
+    from omegaconf import OmegaConf
+
     cfg, env = composed.cfg, composed.env
     # Keys come from env interpolation or files; never echo them to a terminal or a CI log.
     cfg.server.api_keys = ["***"] * len(cfg.server.api_keys)
     if cfg.server.admin_key is not None:
         cfg.server.admin_key = "***"
+    for tenant in cfg.tenants.values():
+        tenant.keys = ["***"] * len(tenant.keys)
     data = env.mask_tree(OmegaConf.to_container(OmegaConf.structured(cfg)))  # the rest: <from env VAR>
-    print(env.redact(OmegaConf.to_yaml(data)), end="")
-    return 0
+    assert isinstance(data, dict)
+    return data

@@ -22,9 +22,12 @@ def test_config_show_prints_composed_yaml() -> None:
 
 
 def test_config_dir_option(tmp_path: Path) -> None:
-    r = run_cli("config", "show", "--config-dir", str(tmp_path))
+    r = run_cli("config", "show", "--config-dir", str(tmp_path / "missing"))
     assert r.returncode == 1
     assert r.stderr.startswith("error: ") and "config file not found" in r.stderr
+    # A dir without config.yaml is an overrides dir over the packaged defaults (config/layers.py).
+    r = run_cli("config", "show", "--config-dir", str(tmp_path))
+    assert r.returncode == 0 and "name: SmolLM2-135M-Instruct" in r.stdout, r.stderr
 
 
 def test_overrides_may_come_before_and_after_options() -> None:

@@ -13,7 +13,6 @@ import torch
 
 from appliance.bench.adapters import adapter_numel
 from appliance.engine.engine import LLMEngine
-from appliance.engine.grammar.spec import GrammarSpec
 from appliance.engine.request import SamplingParams
 from appliance.models.weights import hf_weight_shapes
 from appliance.engine.kernel_variants import compiled_keys
@@ -31,8 +30,8 @@ class Run:
 B2B_BLOCKS = 3
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+def greedy(n: int, **extra: object) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **extra)
 
 
 def sync(device: torch.device) -> None:
@@ -97,7 +96,7 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Sequence[Optional[str]],
                 steps: int, copy_bw: float, rank: int, targets: Sequence[str], progress: bool = False,
-                profile: bool = False, grammar: Optional[GrammarSpec] = None) -> dict:
+                profile: bool = False, variant: str = "plain", sampling: Optional[dict] = None) -> dict:
     """Prefill len(prompts) sequences, then time pure decode steps of all of them together: B2B_BLOCKS
     blocks of `steps` steps back to back (step_ms: the median of the blocks' mean step, what a serving
     loop gets; with async scheduling the host's work for a step overlaps the device's run of the one
@@ -109,8 +108,9 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
 
     floor = bytes one decode step must read (weights except the embedding table, KV of every sequence,
     the A/B of each distinct adapter) / copy bandwidth measured in the same run. profile: 2 more steps
-    under torch.profiler; the 24 kernels of most device time per step go to "top_kernels". grammar: every
-    sequence constrained by it (compiled before the timing; with EOS ignored it restarts when complete)."""
+    under torch.profiler; the 24 kernels of most device time per step go to "top_kernels". sampling: extra
+    SamplingParams fields of every row (logprobs; a grammar, compiled before the timing, restarting when
+    complete since EOS is ignored), named by `variant` in the result."""
     from tqdm import tqdm
 
     dev = engine.runner.device
@@ -118,9 +118,8 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
     # Sequences that finish their prefill early decode while the others prefill (at most one step each
     # per sequence still prefilling), so max_tokens leaves room for that and for the timed steps.
     for rid, p, a in zip(ids, prompts, adapters):
-        params = greedy((B2B_BLOCKS + 1) * steps + len(prompts) + 8)
-        params.grammar = grammar
-        engine.add_request(rid, p, params, adapter=a)
+        engine.add_request(rid, p, greedy((B2B_BLOCKS + 1) * steps + len(prompts) + 8, **(sampling or {})),
+                           adapter=a)
     serial, blocks = [], []
     k0 = compiled_keys()
     try:
@@ -169,7 +168,7 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
     floor_s = (weights + kv + lora) * elt / copy_bw
     step_s = statistics.median(blocks)
     new = None if k0 is None or k1 is None else sorted(k1 - k0)
-    return {"batch": len(ids), "context": len(prompts[0]), "adapters": len(distinct), "rank": rank if distinct else 0,
+    return {"variant": variant, "batch": len(ids), "context": len(prompts[0]), "adapters": len(distinct), "rank": rank if distinct else 0,
             "step_ms": round(step_s * 1e3, 3), "step_ms_blocks": [round(b * 1e3, 3) for b in blocks],
             "step_ms_serial": round(statistics.median(serial) * 1e3, 3),
             "compiled_during": None if new is None else len(new), **({"compiled_kernels": new} if new else {}),

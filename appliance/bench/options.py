@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from appliance.config.schema import LORA_TARGETS, ConfigError
+from appliance.engine.request import MAX_LOGPROBS
 
 MODES = ("offline", "online", "all")
 # --online-overlap: the config's lora.overlap_loading, forced off or on, or one run of each: "both" = off
@@ -43,6 +44,7 @@ class BenchOptions:
     decode_steps: int = 16
     decode_adapters: int = 64
     profile_decode: bool = False  # torch.profiler over 2 extra decode steps: top kernels into the JSON
+    decode_logprobs: Optional[int] = None  # also time the decode steps with logprobs=K on every row
     # A built-in schema name (bench/schemas.py) or a JSON schema file: each decode row runs again with it
     # on every sequence (structured outputs), beside the unconstrained one.
     decode_json_schema: Optional[str] = None
@@ -92,6 +94,8 @@ class BenchOptions:
         if self.baseline_hf_new_tokens is not None and self.baseline_hf_new_tokens < 2:
             raise ConfigError(f"bench --baseline-hf-new-tokens: must be >= 2 (a per-token time needs two "
                               f"lengths), got {self.baseline_hf_new_tokens}")
+        if self.decode_logprobs is not None and not 0 <= self.decode_logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"bench --decode-logprobs: must be in 0..{MAX_LOGPROBS}, got {self.decode_logprobs}")
         if self.decode_json_schema is not None:
             from appliance.bench.schemas import load_schema
 

@@ -132,12 +132,20 @@ class ServeBench:
         o = self.opts
         vocab = tok.vocab_size if tok is not None else self._vocab()
         n, w = o.num_requests, self._max_warmup()
-        room = max_model_len - 1 - (CHAT_TEMPLATE_ROOM if route == "chat" else 0)
+        room = max_model_len - 1 - (CHAT_TEMPLATE_ROOM if route == "chat" else 0) - o.shared_prefix_len
+        if room < 2:
+            raise ConfigError(f"bench serve --shared-prefix-len {o.shared_prefix_len}: leaves no room for a "
+                              f"prompt and a reply in model.max_model_len {max_model_len}")
         out = sample_lengths(n + w, o.output_len, o.output_dist, o.seed + 1, o.range_ratio, cap=max(1, room // 2))
         plen = sample_lengths(n + w, o.prompt_len, o.prompt_dist, o.seed + 2, o.range_ratio, cap=room)
         plen = [max(1, min(p, room - k)) for p, k in zip(plen, out)]
         prompts = prompts_of_lengths(plen, vocab, o.seed + 3)
-        texts = [tok.decode(p) if route == "chat" else "" for p in prompts]
+        # One shared prefix per adapter name and one for the base model (key None), fixed by the seed.
+        keys: list[Optional[str]] = [None, *names]
+        prefixes = dict(zip(keys, prompts_of_lengths([o.shared_prefix_len] * len(keys), vocab, o.seed + 5)))
+
+        def text(ids: list[int]) -> str:
+            return tok.decode(ids) if route == "chat" else ""
 
         def assign(mix: str, k: int, seed: int) -> list[Optional[str]]:
             if mix == "base":
@@ -151,12 +159,14 @@ class ServeBench:
         specs, warm = {}, {}
         for mix in o.mixes:
             a = assign(mix, n + w, o.seed + 4)
-            specs[mix] = [RequestSpec(prompts[i], texts[i], out[i], a[i]) for i in range(n)]
-            warm[mix] = [RequestSpec(prompts[i], texts[i], min(out[i], WARMUP_OUTPUT_LEN), a[i])
+            full = [prefixes[a[i]] + prompts[i] for i in range(n + w)]
+            specs[mix] = [RequestSpec(full[i], text(full[i]), out[i], a[i]) for i in range(n)]
+            warm[mix] = [RequestSpec(full[i], text(full[i]), min(out[i], WARMUP_OUTPUT_LEN), a[i])
                          for i in range(n, n + w)]
         self.res["workload"] = {
             "api": route, "num_requests": n, "seed": o.seed, "mixes": o.mixes, "zipf_s": o.zipf,
             "prompt_len": {"dist": o.prompt_dist, "mean": o.prompt_len, "min": min(plen[:n]), "max": max(plen[:n])},
+            "shared_prefix_len": o.shared_prefix_len,
             "output_len": {"dist": o.output_dist, "mean": o.output_len, "min": min(out[:n]), "max": max(out[:n])},
             "range_ratio": o.range_ratio, "ignore_eos": True, "temperature": 0.0}
         return specs, warm

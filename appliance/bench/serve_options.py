@@ -41,6 +41,9 @@ class ServeOptions:
     adapter_dir: Optional[str] = None  # where synthetic adapters go (default: a temp dir, removed after)
     prompt_len: int = 128
     prompt_dist: str = "fixed"
+    # Tokens of a fixed random prefix before each prompt, one per adapter (the base model has its own):
+    # a system prompt shared by every chat of an application, what prefix caching saves. 0 = none.
+    shared_prefix_len: int = 0
     output_len: int = 128
     output_dist: str = "fixed"
     range_ratio: float = 0.5  # uniform: lengths in [len·(1-r), len·(1+r)]
@@ -73,6 +76,8 @@ class ServeOptions:
         for k in ("num_requests", "prompt_len", "output_len", "rank"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"bench serve --{k.replace('_', '-')}: must be >= 1, got {getattr(self, k)}")
+        if self.shared_prefix_len < 0:
+            raise ConfigError(f"bench serve --shared-prefix-len: must be >= 0, got {self.shared_prefix_len}")
         if self.warmup_requests is not None and self.warmup_requests < 0:
             raise ConfigError(f"bench serve --warmup-requests: must be >= 0, got {self.warmup_requests}")
         if self.adapters < 0:

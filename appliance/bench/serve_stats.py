@@ -91,6 +91,7 @@ def server_summary(deltas: dict[str, float]) -> dict:
                          if k.split("{")[0] == prefix and all(w in k for w in want)), 6)
 
     slot_waits = total("appliance_lora_slot_wait_seconds_count")
+    queried = total("appliance_prefix_cache_queries_total")
     return {
         "requests_by_reason": {r: total("appliance_requests_total", finish_reason=r)
                                for r in ("stop", "length", "abort", "error")},
@@ -106,6 +107,9 @@ def server_summary(deltas: dict[str, float]) -> dict:
         "slot_wait_mean_ms": _mean_ms(total("appliance_lora_slot_wait_seconds_sum"), slot_waits),
         "queue_time_mean_ms": _mean_ms(total("appliance_request_queue_time_seconds_sum"),
                                        total("appliance_request_queue_time_seconds_count")),
+        # Share of the admitted requests' tokens served from the prefix cache; None with it off.
+        "prefix_cache_hit_ratio": round(total("appliance_prefix_cache_hits_total") / queried, 4) if queried else None,
+        "prefix_cache_evictions": total("appliance_prefix_cache_evictions_total"),
     }
 
 

@@ -227,20 +227,24 @@ class Bench:
 
         def decode() -> None:
             prompts = random_prompts(o.decode_batch, o.decode_context, vocab, o.seed + 2)
-            grammars: list[Optional[GrammarSpec]] = [None]
+            variants: list[tuple[str, dict]] = [("plain", {})]
+            if o.decode_logprobs is not None:
+                variants.append((f"logprobs{o.decode_logprobs}", {"logprobs": o.decode_logprobs}))
             if o.decode_json_schema is not None:
-                grammars.append(GrammarSpec.json_schema(load_schema(o.decode_json_schema)))
+                variants.append(("json_schema", {"grammar": GrammarSpec.json_schema(load_schema(o.decode_json_schema))}))
             for d in (0, o.decode_adapters):
                 keys = [None if d == 0 else names[r0][i % d] for i in range(o.decode_batch)]
-                free = None
-                for g in grammars:
+                plain: Optional[dict] = None
+                for variant, sampling in variants:
                     row = decode_step(eng, prompts, keys, o.decode_steps, self.res["ceilings"]["copy_gb_s"] * 1e9,
-                                      r0, o.targets, progress=o.progress, profile=o.profile_decode, grammar=g)
-                    if g is None:
-                        free = row
-                    else:  # the structured-output target: this over the unconstrained step
+                                      r0, o.targets, progress=o.progress, profile=o.profile_decode, variant=variant,
+                                      sampling=sampling)
+                    if plain is None:
+                        plain = row
+                    else:  # the targets: this step over the plain one
+                        row["x_unconstrained"] = round(row["step_ms"] / plain["step_ms"], 3)
+                    if variant == "json_schema":
                         row["json_schema"] = o.decode_json_schema
-                        row["x_unconstrained"] = round(row["step_ms"] / free["step_ms"], 3)  # type: ignore[index]
                     self.res["decode_step"].append(row)
 
         if o.decode_steps > 0:

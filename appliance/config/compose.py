@@ -20,11 +20,13 @@ from omegaconf import OmegaConf
 
 from appliance.config.env import NO_ENV, EnvOrigins
 from appliance.config.file_limits import snapshot_config_files
+from appliance.config.layers import PACKAGED_CONFIG_DIR, is_overrides_dir, overlay
 from appliance.config.schema import ApplianceConfig, ConfigError, register_configs
 from appliance.lora.names import adapter_key
 
-# configs/ at the repository root; an installed wheel carries no configs, so --config-dir is then needed.
-DEFAULT_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# The packaged default tree (config/layers.py): the repository's configs/ in a checkout, package data
+# in a wheel.
+DEFAULT_CONFIG_DIR = PACKAGED_CONFIG_DIR
 # Hydra's GlobalHydra is process-wide: the server's reconciler and a test may compose at once.
 _HYDRA_LOCK = threading.Lock()
 
@@ -54,16 +56,27 @@ def resolve_config_dir(config_dir: str | os.PathLike | None) -> Path:
 
 
 def compose_tree(config_dir: str | os.PathLike | None = None, overrides: Sequence[str] = (),
-                 config_name: str = "config") -> Composed:
-    """compose_config, also telling which file each adapter comes from."""
+                 config_name: str = "config", layered: bool | None = None) -> Composed:
+    """compose_config, also telling which file each adapter comes from. `layered`: the dir is an
+    overrides dir (config/layers.py); None = as the dir looks now. A server fixes it at start, so a
+    complete tree caught mid-copy without its config.yaml fails to compose instead of composing as
+    overrides."""
     cdir = resolve_config_dir(config_dir)
-    if not (cdir / f"{config_name}.yaml").is_file():
+    if layered is None:
+        layered = config_name == "config" and is_overrides_dir(cdir)
+    if not layered and not (cdir / f"{config_name}.yaml").is_file():
         raise ConfigError(f"{cdir / (config_name + '.yaml')}: config file not found")
     register_configs()
     with tempfile.TemporaryDirectory(prefix="appliance-config-") as snap:
         # Size and (alias-expanded) node count checked on one read of each file; Hydra composes
         # those bytes, not whatever a save puts in the dir meanwhile.
-        snapshot_config_files(cdir, Path(snap))
+        if layered:  # an overrides dir over the packaged defaults (config/layers.py)
+            snapshot_config_files(PACKAGED_CONFIG_DIR, Path(snap))
+            with tempfile.TemporaryDirectory(prefix="appliance-overrides-") as user:
+                snapshot_config_files(cdir, Path(user))
+                overlay(Path(user), Path(snap), cdir)
+        else:
+            snapshot_config_files(cdir, Path(snap))
         return _compose_snapshot(cdir, Path(snap), overrides, config_name)
 
 
@@ -106,7 +119,11 @@ def _compose_snapshot(cdir: Path, snap: Path, overrides: Sequence[str], config_n
         msg = str(e)
         name = next((n for n in composed.adapter_files if msg.startswith((adapter_key(n) + ".", adapter_key(n) + ":"))),
                     "")
-        raise ConfigError(env.redact(f"{composed.where(name)}{e}")) from None
+        where = composed.where(name)
+        if msg.startswith("tenants."):  # the tenants group file that holds it
+            where = next((f"{d.config_path}.yaml: " for d in defaults
+                          if d.config_path and d.config_path.startswith("tenants/")), "")
+        raise ConfigError(env.redact(f"{where}{e}")) from None
     return composed
 
 

@@ -1,6 +1,6 @@
 """Which settings a running server applies live and which need a restart.
 
-Only the adapter inventory (`adapters:`) and `reconcile.prune` are applied live. Everything else sizes
+Only the adapter inventory (`adapters:`), the tenants (`tenants:`) and `reconcile.prune` are applied live. Everything else sizes
 or shapes the engine (model, dtype, slots, max rank, target modules, backend, tp layout, KV cache) or
 the process (port, keys, watcher): changing it live would mean rebuilding the engine under running
 requests, so the reconciler reports it as "requires restart" and never half-applies it.
@@ -53,7 +53,7 @@ def restart_settings(cfg: ApplianceConfig, in_process: bool = False, env: EnvOri
     assert isinstance(data, dict)
     out: dict[str, Any] = {}
     for section, values in data.items():
-        if section == "adapters" or not isinstance(values, dict):
+        if section in ("adapters", "tenants") or not isinstance(values, dict):  # both applied live
             continue
         for key, value in values.items():
             path = f"{section}.{key}"

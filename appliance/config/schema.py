@@ -112,6 +112,9 @@ class EngineConfig:
     # threads xgrammar uses to compile one and to fill a step's token masks (1 = fill on the engine thread).
     grammar_cache_size: int = 256
     grammar_threads: int = 4
+    # Automatic prefix caching: full KV blocks already computed for the same tokens under the same
+    # adapter weights (and cache_salt) are reused instead of recomputed (engine/prefix_cache.py).
+    enable_prefix_caching: bool = True
 
     def graph_batch_sizes(self) -> list[int]:
         """The sizes to capture, ascending."""
@@ -225,6 +228,34 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 @dataclass
+class ResolverConfig:
+    """Load on first request (appliance/lora/sources/resolver.py): `lora.resolver.*`."""
+
+    # URI templates tried in order for a request that names an unknown adapter, `{name}` standing for
+    # it (e.g. s3://bucket/adapters/{name}, hf://my-org/{name}); each must lie under lora.allowed_sources.
+    # Empty: off (an unknown adapter is a 404).
+    sources: list[str] = field(default_factory=list)
+    # How long a name that resolved to nothing (or to an adapter that cannot be served) is answered
+    # from memory, without asking the store again.
+    miss_ttl_s: float = 60.0
+    # Most names looked up or remembered as misses at once: past it an unknown name gets 404 without a
+    # store call, so the store sees at most this many lookups per miss_ttl_s.
+    max_misses: int = 1024
+
+    def check(self, allowed_sources: list[str]) -> None:
+        from appliance.lora.sources.resolver import parse_templates
+
+        try:
+            parse_templates(self.sources, allowed_sources)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not self.miss_ttl_s > 0:
+            raise ConfigError(f"lora.resolver.miss_ttl_s: must be > 0, got {self.miss_ttl_s}")
+        if self.max_misses < 1:
+            raise ConfigError(f"lora.resolver.max_misses: must be >= 1, got {self.max_misses}")
+
+
+@dataclass
 class LoRAConfig:
     """Engine-level LoRA settings; they change only with a restart."""
 
@@ -288,6 +319,8 @@ class LoRAConfig:
     s3_region: Optional[str] = None
     # huggingface_hub's cache for hf:// adapters; null = its default (HF_HOME).
     hub_cache_dir: Optional[str] = None
+    # Load on first request from remote sources; off unless resolver.sources is set.
+    resolver: ResolverConfig = field(default_factory=ResolverConfig)
 
     def read_roots(self) -> list[str]:
         """Where the adapter reader may open files: adapter_roots, and the remote adapters' cache dir
@@ -338,6 +371,7 @@ class LoRAConfig:
         if url is not None and (not url.startswith(("http://", "https://")) or "@" in url.split("/")[2]):
             raise ConfigError("lora.s3_endpoint_url: must be an http:// or https:// URL without user info "
                               "(credentials come from the AWS environment)")
+        self.resolver.check(self.allowed_sources)
 
 
 @dataclass
@@ -350,6 +384,9 @@ class MetricsConfig:
     # Adapters that get their own `adapter` label value on the latency and request metrics, in the
     # order they are first seen; later ones share the value "other". Bounds the number of series.
     max_adapter_labels: int = 32
+    # true: also export the model-server protocol metrics the Gateway API Inference Extension reads,
+    # under vLLM's names (vllm:num_requests_waiting, vllm:lora_requests_info, ...).
+    gateway_compat: bool = False
 
     def check(self) -> None:
         if self.max_adapter_labels < 0:
@@ -471,6 +508,81 @@ class DebugConfig:
                               f"{self.fault_injection_read_delay_s}")
 
 
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass
+class LoggingConfig:
+    """Process logs (appliance/server/logs.py); one line per finished HTTP request either way."""
+
+    # text: human lines; json: one JSON object a line (python-json-logger), for log pipelines.
+    format: str = "text"
+
+    def check(self) -> None:
+        if self.format not in LOG_FORMATS:
+            raise ConfigError(f"logging.format: must be one of {', '.join(LOG_FORMATS)}, got {self.format!r}")
+TENANT_ADMIN_ROLES = ("none", "read", "admin")
+
+
+@dataclass
+class TenantLimits:
+    """`tenants.<name>.limits.*`: what one tenant may take (0 = no limit); docs/tenants.md."""
+
+    # Token bucket of requests: refills at requests_per_s, holds at most burst (0 = max(1, rate)).
+    requests_per_s: float = 0.0
+    burst: int = 0
+    # Token bucket of tokens per minute: a request reserves prompt + max_tokens on admission and
+    # gets back what it did not generate when it ends, so the rate is never passed.
+    tokens_per_min: int = 0
+    max_concurrent: int = 0
+    max_tokens_per_request: int = 0
+
+    def check(self, where: str) -> None:
+        for key in ("requests_per_s", "burst", "tokens_per_min", "max_concurrent", "max_tokens_per_request"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{where}.limits.{key}: must be >= 0 (0 = no limit), got {getattr(self, key)}")
+
+
+@dataclass
+class TenantConfig:
+    """One tenant: `tenants.<name>.*` (configs/tenants/*.yaml), applied live on hot reload."""
+
+    # Bearer keys, as environment references ("${oc.env:TEAM_A_KEY}"): held only as sha256 digests.
+    keys: list[str] = field(default_factory=list, repr=False)
+    # Or their sha256 digests in hex (safe to commit; rotate by editing the file).
+    key_sha256: list[str] = field(default_factory=list)
+    # Adapter names or globs (fnmatch: "team-a-*") this tenant may use.
+    adapters: list[str] = field(default_factory=list)
+    allow_base: bool = True
+    # Share of the engine's admission among waiting requests (weighted fair queueing).
+    weight: float = 1.0
+    # Admin API: none; read (status, plan, adapters list); admin (also load, unload, pin, apply).
+    admin: str = "none"
+    limits: TenantLimits = field(default_factory=TenantLimits)
+
+    def check(self, name: str) -> None:
+        where = f"tenants.{name}"
+        if not self.keys and not self.key_sha256:
+            raise ConfigError(f"{where}: needs keys (e.g. ['${{oc.env:TEAM_KEY}}']) or key_sha256")
+        if any(not k for k in self.keys):
+            raise ConfigError(f"{where}.keys: keys must not be empty (is the environment variable set?)")
+        for i, h in enumerate(self.key_sha256):
+            if len(h) != 64 or any(c not in "0123456789abcdefABCDEF" for c in h):
+                raise ConfigError(f"{where}.key_sha256[{i}]: must be 64 hex digits (sha256 of the key)")
+        if not self.weight > 0:
+            raise ConfigError(f"{where}.weight: must be > 0, got {self.weight}")
+        if self.admin not in TENANT_ADMIN_ROLES:
+            raise ConfigError(f"{where}.admin: {self.admin!r} is not one of {', '.join(TENANT_ADMIN_ROLES)}")
+        self.limits.check(where)
+
+    def key_digests(self) -> list[str]:
+        """Every key of this tenant as a sha256 hex digest (the form the server holds)."""
+        import hashlib
+
+        return [hashlib.sha256(k.encode("utf-8")).hexdigest() for k in self.keys] + \
+            [h.lower() for h in self.key_sha256]
+
+
 @dataclass
 class ApplianceConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -481,8 +593,11 @@ class ApplianceConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     # The wanted adapters, name -> settings: loaded at start, then kept in step by the reconciler.
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
+    # Who may use which adapters, how much (server/tenants.py); empty = server.api_keys alone.
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
 
     def check(self) -> None:
         self.model.check()
@@ -490,9 +605,9 @@ class ApplianceConfig:
         self.server.check()
         self.lora.check()
         self.metrics.check()
-        if self.metrics.enabled and self.metrics.require_key and not self.server.api_keys:
-            raise ConfigError("metrics.require_key: true needs server.api_keys (the keys /metrics accepts); "
-                              "set them or set metrics.require_key to false")
+        if self.metrics.enabled and self.metrics.require_key and not self.server.api_keys and not self.tenants:
+            raise ConfigError("metrics.require_key: true needs server.api_keys or tenants (the keys /metrics "
+                              "accepts); set them or set metrics.require_key to false")
         self.parallel.check()
         if self.parallel.tp_size > 1 and self.lora.enabled and self.lora.overlap_loading:
             # Refused, not ignored: overlap's side-stream copies fill whole (unsharded) slots on rank 0
@@ -508,6 +623,17 @@ class ApplianceConfig:
                               "set it to null or false")
         self.reconcile.check()
         self.debug.check()
+        self.logging.check()
+        seen: dict[str, str] = {}
+        for tname, tenant in self.tenants.items():
+            if not tname or any(not (c.isalnum() or c in "._-") for c in tname):
+                raise ConfigError(f"tenants.{tname}: a tenant name is letters, digits, '.', '_' and '-' "
+                                  "(it is a metrics label)")
+            tenant.check(tname)
+            for digest in tenant.key_digests():
+                if digest in seen:  # one key, two tenants: which limits would apply?
+                    raise ConfigError(f"tenants.{tname}: shares a key with tenants.{seen[digest]}")
+                seen[digest] = tname
         if self.adapters and not self.lora.enabled:
             raise ConfigError(f"adapters: {sorted(self.adapters)} listed but lora.enabled is false")
         for name in self.adapters:
@@ -568,3 +694,4 @@ def register_configs() -> None:
     cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     cs.store(group="reconcile", name="reconcile_schema", node=ReconcileConfig)
     cs.store(group="debug", name="debug_schema", node=DebugConfig)
+    cs.store(group="logging", name="logging_schema", node=LoggingConfig)

@@ -24,12 +24,12 @@ def validate(config_dir: str | os.PathLike | None, overrides: Sequence[str]) -> 
     return (composed.cfg if composed is not None else None), problems
 
 
-def validate_tree(config_dir: str | os.PathLike | None,
-                  overrides: Sequence[str]) -> tuple[Optional[Composed], list[str]]:
+def validate_tree(config_dir: str | os.PathLike | None, overrides: Sequence[str],
+                  layered: Optional[bool] = None) -> tuple[Optional[Composed], list[str]]:
     """validate, with the composed tree (which files, which values came from the environment). Values
     from the environment are redacted from the problems (config/env.py)."""
     try:
-        composed = compose_tree(config_dir, overrides)
+        composed = compose_tree(config_dir, overrides, layered=layered)
     except ConfigError as e:
         return None, [str(e)]
     return composed, [composed.env.redact(p) for p in _problems(composed)]

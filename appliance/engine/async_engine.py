@@ -16,6 +16,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from appliance.engine.engine import LLMEngine
+from appliance.engine.fair_share import Share
 from appliance.engine.request import (
     EngineError,
     EngineStoppedError,
@@ -41,7 +42,8 @@ class AsyncEngine:
         self._wakeup = threading.Condition(self._lock)
         # Inbox, filled by callers, drained by the engine thread at the start of each step.
         # (request id, prompt ids, params, adapter, arrival time: when the caller submitted it, prompt source)
-        self._to_add: list[tuple[str, list[int], SamplingParams, Optional[str], float, Optional[str]]] = []
+        self._to_add: list[tuple[str, list[int], SamplingParams, Optional[str], float, Optional[str],
+                                 Optional[Share]]] = []
         self._to_abort: list[str] = []
         # Callables to run on the engine thread between steps (admin operations such as adapter loads).
         self._calls: list[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
@@ -156,14 +158,15 @@ class AsyncEngine:
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, on_output: OnOutput,
                request_id: Optional[str] = None, adapter: Optional[str] = None,
-               prompt_source: Optional[str] = None) -> str:
+               prompt_source: Optional[str] = None, share: Optional[Share] = None) -> str:
         """Hand a request to the engine; `on_output` then gets each update, and at most one error
         (after which nothing more), as calls on the caller's event loop. Returns the request id.
 
         The callback form of `generate` for callers that multiplex many requests (the HTTP server):
         no task or queue per request, so an update costs the loop one call. Raises RequestError,
         QueueFullError, EngineStoppedError at once; the caller aborts with `abort(request_id)`.
-        `prompt_source`: LLMEngine.add_request's (parallel samples share the prompt's KV).
+        `prompt_source`: LLMEngine.add_request's (parallel samples share the prompt's KV); `share`:
+        its tenant for fair admission (engine/fair_share.py).
         """
         params.validate()
         self.engine.check_request(prompt_token_ids, params)
@@ -179,7 +182,8 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"duplicate request id {rid}")
             self._streams[rid] = (asyncio.get_running_loop(), on_output)
-            self._to_add.append((rid, list(prompt_token_ids), params, adapter, time.monotonic(), prompt_source))
+            self._to_add.append((rid, list(prompt_token_ids), params, adapter, time.monotonic(), prompt_source,
+                                 share))
             self._wakeup.notify_all()
         return rid
 
@@ -237,10 +241,10 @@ class AsyncEngine:
                         _resolve(loop, fut, result=result)
                 for rid in to_abort:
                     self.engine.abort(rid)
-                for rid, ids, params, adapter, arrival, source in to_add:
+                for rid, ids, params, adapter, arrival, source, share in to_add:
                     try:
                         self.engine.add_request(rid, ids, params, arrival_time=arrival, adapter=adapter,
-                                                prompt_source=source)
+                                                prompt_source=source, share=share)
                     except EngineError as e:
                         # E.g. the adapter was unloaded between resolve and add: fail this request only.
                         self._fail(rid, e)

@@ -39,6 +39,7 @@ from appliance.engine.async_step import LaunchedStep
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.grammar.compiler import GrammarCompiler
 from appliance.engine.grammar.mask import MaskFiller
+from appliance.engine.fair_share import Share
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.request import (AdapterNotFoundError, RequestError, RequestOutput, SamplingParams,
                                       TokenLogprob)
@@ -100,10 +101,12 @@ class LLMEngine:
         if self.tokenizer.vocab_size > self.runner.args.vocab_size:
             raise ConfigError(f"model.path: tokenizer has {self.tokenizer.vocab_size} tokens but the model "
                               f"only {self.runner.args.vocab_size}")
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         # Events for metrics, recorded where they happen (here, the scheduler, the LoRA manager); the
         # async engine takes them after every loop iteration. Created first: startup loads count too.
         self.stats = StatsRecorder()
+        # Block management (and the prefix cache) lives on this process alone, also under TP.
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                          enable_caching=cfg.engine.enable_prefix_caching, stats=self.stats)
         self.lora: Optional[LoRAManager] = None
         if cfg.lora.enabled:
             # Imported here so a base-only engine never loads the LoRA modules.
@@ -116,7 +119,8 @@ class LLMEngine:
                 sync = AdapterSync(self.tp.group, self.tp.layout)
             self.lora = Manager(cfg.lora, self.runner.runtime.lora, self.runner.model, cfg.model.name,
                                 self.runner.dtype, self.runner.device, stats=self.stats, args=self.runner.args,
-                                tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s)
+                                tp=sync, read_delay_s=cfg.debug.fault_injection_read_delay_s,
+                                on_retire=self.block_manager.drop_adapter)
             self.runner.lora = self.lora
             self._load_configured_adapters(cfg)
         overlap = self.lora is not None and cfg.lora.overlap_loading
@@ -237,13 +241,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: Optional[float] = None, adapter: Optional[str] = None,
-                    prompt_source: Optional[str] = None) -> None:
+                    prompt_source: Optional[str] = None, share: Optional[Share] = None) -> None:
         """`adapter`: the LoRA adapter as the client named it (name or "<base>:<adapter>"; None or the
         base model's name = base). It is resolved here, on the engine thread, so a reload in place
         between the caller's check and this call gives the request the new weights, and an unload
         gives AdapterNotFoundError. `prompt_source`: the id of an earlier request with the same prompt
         and adapter (another of `n` samples) whose prompt KV this one shares; ignored when that
-        request is gone or differs."""
+        request is gone or differs. `share`: its tenant and weight for fair admission (None = the
+        flow of requests without a tenant)."""
         params.validate()
         self.check_request(prompt_token_ids, params)
         if request_id in self.seqs:
@@ -253,7 +258,8 @@ class LLMEngine:
             self.lora.request_added(key)  # type: ignore[union-attr]
         seq = Sequence(request_id, list(prompt_token_ids), params,
                        arrival_time if arrival_time is not None else time.monotonic(), adapter=key,
-                       adapter_name=None if key is None else self.lora.name_of(key))  # type: ignore[union-attr]
+                       adapter_name=None if key is None else self.lora.name_of(key),  # type: ignore[union-attr]
+                       share=share)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
@@ -585,6 +591,9 @@ class LLMEngine:
             lora = LoRASnapshot(slots=pool.slots, slots_used=pool.used, slots_pinned=pool.pinned,
                                 adapters_gpu=tiers["gpu"], adapters_cpu=tiers["cpu"],
                                 adapters_registered=sum(tiers.values()), reads_in_flight=reads,
-                                copies_in_flight=copies)
+                                copies_in_flight=copies, adapters_disk=tiers["disk"],
+                                adapters_remote=tiers["remote"], resident=self.lora.residency())
+        running, waiting = self.scheduler.adapter_names()
         return EngineSnapshot(running=len(self.scheduler.running), waiting=self.scheduler.waiting_by_reason(),
-                              kv_usage=bm.num_used / bm.num_blocks, lora=lora)
+                              kv_usage=bm.num_used / bm.num_blocks, lora=lora, running_adapters=running,
+                              waiting_adapters=waiting, prefix_cache_blocks=bm.num_cached)

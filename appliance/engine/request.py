@@ -59,6 +59,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens whose probability is below min_p times the top token's
     grammar: Optional[GrammarSpec] = None  # structured output: the text must match it (engine/grammar/)
+    # Prefix caching: only requests with the same salt (and adapter) share cached KV blocks; None = the
+    # shared pool. A request option, not a sampling one: it rides here so it reaches every sample (n).
+    cache_salt: Optional[str] = None
 
     def validate(self) -> None:
         """Raise RequestError with the field name when a value is out of range."""
@@ -87,6 +90,8 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise RequestError("cache_salt must be a non-empty string")
         for t, b in self.logit_bias.items():
             if not isinstance(t, int) or t < 0 or not -100.0 <= b <= 100.0:
                 raise RequestError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t!r}: {b!r}")

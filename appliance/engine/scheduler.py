@@ -2,12 +2,15 @@
 
 Each step has a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs). Running
 sequences go first, oldest first (a decode token, or the next prompt chunk); then waiting ones in
-arrival order while budgets and KV blocks last. Out of blocks, the newest running sequence is
+weighted fair order across tenants (engine/fair_share.py; arrival order with one flow) while budgets
+and KV blocks last. Out of blocks, the newest running sequence is
 preempted to the front of the queue and recomputed later; nothing is dropped. `adapter_ready` keeps a
 request whose adapter is still loading waiting (reason "load"). A pending async token
 (`Sequence.num_pending`) counts, so the next step decodes on it. A sample with a `prompt_source` (`n`)
 waits until that sequence computed the prompt's full blocks, then shares them and computes only the
-rest, its own partial last block included: no block is written by two sequences. Pure Python, no torch.
+rest, its own partial last block included: no block is written by two sequences. With prefix caching
+a waiting request first takes the cached blocks of its prefix (BlockManager.match) and only its
+uncached tokens count against the token budget. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Callable, Mapping, Optional, Protocol
 
 from appliance.config.schema import EngineConfig
 from appliance.engine.block_manager import BlockManager
+from appliance.engine.fair_share import FairShare
 from appliance.engine.sequence import Sequence, SeqStatus
 from appliance.telemetry.stats import WAIT_REASONS, StatsRecorder, WaitReason
 
@@ -80,14 +84,21 @@ class Scheduler:
         self.clock = clock
         # Adapter whose new requests are held back so its slot frees for one that waited too long.
         self.draining: Optional[str] = None
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # in fair-share tag order (FIFO with one flow)
+        self.fair = FairShare()
         self.running: list[Sequence] = []  # admission order: index 0 is the oldest
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if not self.waiting:
+            self.fair.forget_idle()
+        seq.fair_tag = self.fair.tag(seq.share, len(seq.prompt_token_ids) + seq.params.max_tokens)
+        k = len(self.waiting)
+        while k > 0 and self.waiting[k - 1].fair_tag > seq.fair_tag:
+            k -= 1  # ahead of a flooding tenant's backlog: its tags lie further in virtual time
+        self.waiting.insert(k, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks and adapter slot."""
@@ -109,6 +120,11 @@ class Scheduler:
         for seq in self.waiting:
             out[seq.wait_reason or "budget"] += 1
         return out
+
+    def adapter_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Distinct adapter names (sorted) of the running and of the waiting requests."""
+        return (tuple(sorted({s.adapter_name for s in self.running if s.adapter_name is not None})),
+                tuple(sorted({s.adapter_name for s in self.waiting if s.adapter_name is not None})))
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
@@ -151,12 +167,14 @@ class Scheduler:
                 seq.wait_reason = "budget"  # behind the sample that computes the shared prompt
                 j += 1
                 continue
-            n = seq.num_uncomputed
+            cached = self.bm.match(seq)  # prefix caching: its longest cached prefix of full blocks
+            hit = len(cached) * self.bm.block_size
+            n = seq.num_uncomputed - hit  # only the uncached tokens take from the budget
             if n > budget:
                 if not self.cfg.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.bm.can_allocate(seq, seq.num_computed_tokens + n):
+            if not self.bm.can_allocate(seq, seq.num_computed_tokens + hit + n, cached):
                 stopped_by = "kv"
                 break  # FIFO for KV blocks: a later, smaller request must not starve this one
             if seq.adapter is not None and self.adapter_ready is not None and not self.adapter_ready(seq.adapter):
@@ -180,12 +198,16 @@ class Scheduler:
                 if got.needs_load:  # type: ignore[attr-defined]
                     out.slot_loads.append((got.slot, seq.adapter))  # type: ignore[attr-defined]
             del self.waiting[j]
+            self.fair.admitted(seq.fair_tag)
             seq.wait_reason = None
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = self.clock()
                 self.stats.events.queue_times.append((seq.adapter_name,
                                                       seq.first_scheduled_time - seq.arrival_time))
-            self.bm.allocate(seq, seq.num_computed_tokens + n)
+            if self.bm.cache is not None and not seq.block_table:
+                self.stats.events.prefix_cache_lookups.append((seq.adapter_name, seq.num_tokens, hit))
+            self.bm.allocate(seq, seq.num_computed_tokens + hit + n, cached)
+            seq.num_computed_tokens += hit
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
@@ -248,3 +270,4 @@ class Scheduler:
         """Record that the scheduled tokens are now in the cache (call before appending sampled tokens)."""
         for s in out.prefills + out.decodes:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.bm.cache_computed(s.seq)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from appliance.engine.fair_share import Share
 from appliance.engine.request import SamplingParams
 
 
@@ -38,6 +39,10 @@ class Sequence:
     # Tokens whose K/V are in the cache. Preemption resets it to 0 (recompute prompt + outputs).
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Prefix caching (engine/block_manager.py): the hash chain of its full blocks so far, and how many
+    # leading entries of block_table were offered to the cache (or taken from it).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     num_preemptions: int = 0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
@@ -58,6 +63,10 @@ class Sequence:
     # Another sample of the same prompt (`n`): this sequence waits until that one has computed the
     # prompt's full blocks, then shares them (Scheduler._share_prompt). None once shared, or alone.
     prompt_source: Optional["Sequence"] = None
+    # Whose request it is for fair admission (engine/fair_share.py; None = the no-tenant flow), and
+    # its start tag there: the waiting queue is kept in tag order.
+    share: Optional[Share] = None
+    fair_tag: float = 0.0
 
     @property
     def num_known_tokens(self) -> int:

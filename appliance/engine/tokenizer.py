@@ -7,6 +7,8 @@ difference, and hold back text ending in U+FFFD until the next token completes i
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -47,13 +49,20 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
+    @functools.cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template reads `tools` (else the server writes them into the messages)."""
+        t = getattr(self.hf, "chat_template", None) or ""
+        return bool(re.search(r"\btools\b", t if isinstance(t, str) else " ".join(t.values())))
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False, tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         """Token ids of `messages` rendered by the model's chat template, by default ready for the reply.
         add_special_tokens is off by default: the template already wrote any BOS it wants."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
@@ -85,8 +94,10 @@ class IdsOnlyTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return ""
 
+    supports_tools = False
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            add_special_tokens: bool = False) -> list[int]:
+                            add_special_tokens: bool = False, tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         return self.encode("")
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:

@@ -74,6 +74,8 @@ class AdapterSpec:
     checksum: str  # sha256 of adapter_config.json bytes + adapter_model.safetensors bytes
     # The remote URI it was fetched from (path is then its disk-cache entry); None: a local dir.
     source: Optional[str] = field(default=None, compare=False)
+    # Its revision there (etag:... for s3, commit:... for hf); None: a local dir.
+    revision: Optional[str] = field(default=None, compare=False)
 
 
 @dataclass

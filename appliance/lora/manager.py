@@ -21,7 +21,7 @@ import torch
 
 from appliance.config.schema import LoRAConfig
 from appliance.engine.runtime import LoRARuntime
-from appliance.telemetry.stats import LoadTier, StatsRecorder
+from appliance.telemetry.stats import AdapterResidency, LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, adapter_weights, load_adapter_weights, read_adapter
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.cache import HostCache
@@ -54,6 +54,8 @@ class PreparedLoad:
     read_s: float = 0.0  # reading the weights (the disk -> cpu load's duration)
     error: Optional[AdapterError] = None
     read_failed: bool = False  # the error came from reading the weights (counted as a failed cpu load)
+    fetch_s: Optional[float] = None  # a remote adapter's download (remote -> disk load); None: none ran
+    fetch_failed: bool = False  # the error came from the store or the download (a failed disk load)
 
 
 @dataclass
@@ -67,10 +69,12 @@ class LoRAManager:
     def __init__(self, cfg: LoRAConfig, runtime: LoRARuntime, model: LlamaModel, base_name: str,
                  dtype: torch.dtype, device: torch.device, stats: Optional[StatsRecorder] = None,
                  args: Optional[ModelArgs] = None, tp: Optional["AdapterSync"] = None,
-                 read_delay_s: float = 0.0) -> None:
+                 read_delay_s: float = 0.0, on_retire: Optional[Callable[[str], None]] = None) -> None:
         # runtime: lora.* with auto resolved for this device at start (engine/runtime.py);
-        # read_delay_s: debug.fault_injection_read_delay_s.
+        # read_delay_s: debug.fault_injection_read_delay_s; on_retire(key): a key was unloaded or
+        # replaced, and again when its last request ends (the prefix cache drops its blocks).
         self.cfg = cfg
+        self.on_retire = on_retire
         self.read_delay_s = read_delay_s
         # Loads (disk -> cpu, cpu -> gpu) and evictions of both tiers, for metrics.
         self.stats = stats if stats is not None else StatsRecorder()
@@ -118,20 +122,28 @@ class LoRAManager:
         touching engine state, so it may run on any thread (the admin API runs it on a worker thread: the
         batch keeps running meanwhile). Never raises AdapterError: a refusal is handed to `load`, which
         reports it after its own checks."""
-        t0 = time.perf_counter()
         fetched = None
         try:
-            local, fetched = self.sources.local(path)  # a remote URI: allowlist, then the disk cache
+            self.sources.check(path)  # a remote URI outside the allowlist: refused before any store call
+        except AdapterError as e:
+            return PreparedLoad(error=e)
+        t0 = time.perf_counter()
+        try:
+            local, fetched = self.sources.local(path)  # a remote URI: resolved, then the disk cache
+        except AdapterError as e:  # the store refused, or the download failed: a failed remote -> disk load
+            return PreparedLoad(error=e, fetch_s=time.perf_counter() - t0, fetch_failed=True)
+        fetch_s = time.perf_counter() - t0 if fetched is not None and fetched.downloaded else None
+        try:
             spec, files = read_adapter(local, self.cfg, self.args)
         except AdapterError as e:
-            return PreparedLoad(error=shown_as_source(e, fetched))
+            return PreparedLoad(error=shown_as_source(e, fetched), fetch_s=fetch_s)
         if fetched is not None:
-            spec = replace(spec, source=fetched.source)
+            spec = replace(spec, source=fetched.source, revision=fetched.revision)
         try:
             weights = self._pinned(adapter_weights(spec, files, self.dtype))
         except AdapterError as e:
-            return PreparedLoad(error=e, read_failed=True, read_s=time.perf_counter() - t0)
-        return PreparedLoad(spec.path, spec, weights, time.perf_counter() - t0)
+            return PreparedLoad(error=e, read_failed=True, read_s=time.perf_counter() - t0, fetch_s=fetch_s)
+        return PreparedLoad(spec.path, spec, weights, time.perf_counter() - t0, fetch_s=fetch_s)
 
     def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False,
              prepared: Optional[PreparedLoad] = None) -> AdapterEntry:
@@ -151,6 +163,8 @@ class LoRAManager:
             raise LoRAStateError(f"adapter name {shown(name)} is the base model's name", 400)
         if prepared is None:
             prepared = self.prepare(path)
+        if prepared.fetch_s is not None:  # recorded here, on the engine thread (StatsRecorder is not thread-safe)
+            self.stats.load("disk", not prepared.fetch_failed, prepared.fetch_s)
         if prepared.error is not None:
             # A corrupt file fails here, before any change (counted as a failed disk -> cpu load).
             if prepared.read_failed:
@@ -167,7 +181,8 @@ class LoRAManager:
             self.tp.drop(key)  # refused: the other ranks forget the shard they read
             raise
         fields = dict(path=spec.source or str(resolved), pinned=pinned, checksum=spec.checksum, rank=spec.rank,
-                      target_modules=spec.target_modules, base_model_name=spec.base_model_name)
+                      target_modules=spec.target_modules, base_model_name=spec.base_model_name,
+                      revision=spec.revision or "")
         entry = self.registry.replace(name, **fields) if old is not None else self.registry.add(name, **fields)
         self.current[name] = key
         self.keys[key] = KeyState(spec)
@@ -215,16 +230,32 @@ class LoRAManager:
         return key.rpartition("@")[0]
 
     def tier(self, name: str) -> str:
-        """Where a registered adapter's current weights are: "gpu" (a slot), "cpu" (host memory) or
-        "disk" (read again on its next request)."""
+        """Where a registered adapter's current weights are: "gpu" (a slot), "cpu" (host memory),
+        "disk" (read again on its next request) or "remote" (its disk-cache entry evicted: fetched
+        again on its next request)."""
         key = self.current[name]
-        return "gpu" if self.pool.lookup(key) is not None else "cpu" if key in self.host else "disk"
+        if self.pool.lookup(key) is not None:
+            return "gpu"
+        if key in self.host:
+            return "cpu"
+        spec = self.keys[key].spec
+        return "remote" if spec.source is not None and not Path(spec.path).is_dir() else "disk"
 
     def tier_counts(self) -> dict[str, int]:
-        out = {"gpu": 0, "cpu": 0, "disk": 0}
+        out = {"gpu": 0, "cpu": 0, "disk": 0, "remote": 0}
         for name in self.current:
             out[self.tier(name)] += 1
         return out
+
+    def residency(self) -> tuple[AdapterResidency, ...]:
+        """The adapters whose weights are in memory (gpu or cpu tier), sorted by name."""
+        out = []
+        for name in sorted(self.current):
+            tier = self.tier(name)
+            if tier in ("gpu", "cpu"):  # in memory; disk and remote are not resident
+                entry = self.registry.get(name)
+                out.append(AdapterResidency(name, tier, entry.pinned, entry.rank))  # type: ignore[arg-type]
+        return tuple(out)
 
     def set_pinned(self, name: str, pinned: bool) -> AdapterEntry:
         """Pin or unpin a loaded adapter without reloading it (same weights, same key). Pinning takes a
@@ -458,10 +489,14 @@ class LoRAManager:
         if st is None:
             return
         st.retired = True
+        if self.on_retire is not None:
+            self.on_retire(key)
         if st.in_flight == 0:
             self._drop(key)
 
     def _drop(self, key: str) -> None:
+        if self.on_retire is not None:
+            self.on_retire(key)  # blocks its last requests cached after the retire
         slot = self.pool.lookup(key)
         if slot is not None:
             self.pool.remove(key)  # also for pinned keys: unloading ends the pin

@@ -37,6 +37,7 @@ class AdapterEntry:
     target_modules: tuple[str, ...]
     base_model_name: str  # as the adapter's config states it; informational
     generation: int = 0  # bumped by every in-place reload
+    revision: str = ""  # a remote adapter's revision (etag:..., commit:...); "" for a local dir
 
     @property
     def cache_key(self) -> str:
@@ -46,7 +47,7 @@ class AdapterEntry:
 
 
 # Fields an in-place reload may change. name, id and generation are the registry's own bookkeeping.
-_REPLACEABLE = frozenset({"path", "pinned", "checksum", "rank", "target_modules", "base_model_name"})
+_REPLACEABLE = frozenset({"path", "pinned", "checksum", "rank", "target_modules", "base_model_name", "revision"})
 
 
 def check_name(name: str) -> None:
@@ -69,14 +70,14 @@ class Registry:
         self.published = tuple(self._entries)
 
     def add(self, name: str, path: str, *, checksum: str, rank: int, target_modules: Iterable[str],
-            base_model_name: str, pinned: bool = False) -> AdapterEntry:
+            base_model_name: str, pinned: bool = False, revision: str = "") -> AdapterEntry:
         check_name(name)
         if name in self._entries:
             raise LoRAStateError(f"adapter {name!r} is already loaded (from "
                                  f"{self._entries[name].path}); unload it first or use load_inplace", 409)
         entry = AdapterEntry(name=name, path=path, pinned=pinned, id=self._next_id, checksum=checksum,
                              rank=rank, target_modules=tuple(target_modules),
-                             base_model_name=base_model_name)
+                             base_model_name=base_model_name, revision=revision)
         self._entries[name] = entry
         self._next_id += 1
         self._publish()

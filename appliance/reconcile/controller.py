@@ -37,6 +37,7 @@ class ConfigSource:
 
     config_dir: Path
     overrides: tuple[str, ...] = ()
+    layered: Optional[bool] = None  # an overrides dir over the packaged tree (config/layers.py); None = look
 
 
 class LiveOps(AdapterOps, Protocol):
@@ -87,7 +88,8 @@ class Reconciler:
         self.restart: list[SettingChange] = []
         # Values from ${oc.env:...} of the running config and the last composed one: never shown
         # (/v1/status, logs). The source composed again: `running` is already resolved.
-        self.env_running = compose_tree(source.config_dir, source.overrides).env if source else NO_ENV
+        self.env_running = compose_tree(source.config_dir, source.overrides,
+                                        layered=source.layered).env if source else NO_ENV
         self.env = self.env_running
         self._compose_lock = asyncio.Lock()  # composes in order, outside ops.lock (see reconcile)
         # The config dir watcher (reconcile/watch.py): off | watching | waiting (dir gone) | stopped.
@@ -100,6 +102,9 @@ class Reconciler:
         self.last = ReconcileRecord("start", "success", now, 0.0)
         # Observers (metrics) called with each finished ReconcileRecord.
         self.listeners: list[Callable[[ReconcileRecord], None]] = []
+        # Called with every valid composed config, before its plan: what is applied live besides
+        # adapters (the tenants table, server/tenants.py).
+        self.config_listeners: list[Callable[[ApplianceConfig], None]] = []
 
     # ------------------------------------------------------------------ entry points
     async def reconcile(self, trigger: str) -> ReconcileRecord:
@@ -159,7 +164,8 @@ class Reconciler:
             return None
         from appliance.config.validate import validate_tree
 
-        return await asyncio.to_thread(validate_tree, self.source.config_dir, list(self.source.overrides))
+        return await asyncio.to_thread(validate_tree, self.source.config_dir, list(self.source.overrides),
+                                       self.source.layered)
 
     async def _reconcile(self, trigger: str, started: float,
                          validated: Optional[tuple[Optional[Composed], list[str]]]) -> ReconcileRecord:
@@ -178,6 +184,8 @@ class Reconciler:
             self.generation += 1
             self.hash = new_hash
         self._set("ConfigValid", True, "Valid", f"generation {self.generation}")
+        for fn in self.config_listeners:
+            fn(cfg)
         if trigger == "watch" and unchanged and self.conditions["Reconciled"].status:
             return ReconcileRecord(trigger, "unchanged", started, 0.0)
         self.prune = cfg.reconcile.prune

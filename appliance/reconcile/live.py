@@ -39,12 +39,13 @@ def desired_state(cfg: ApplianceConfig, engine_cfg: Optional[ApplianceConfig] = 
         if mismatches:
             broken[name] = "; ".join(mismatches)
             continue
-        states[name] = AdapterState(name, fetched.source if fetched else str(spec.path), a.pinned, spec.checksum)
+        states[name] = AdapterState(name, fetched.source if fetched else str(spec.path), a.pinned, spec.checksum,
+                                    revision=fetched.revision if fetched else "")
     return states, broken
 
 
 def live_adapters(body: dict[str, Any]) -> dict[str, AdapterState]:
     """The adapters of a GET /v1/adapters body as AdapterStates."""
     return {d["name"]: AdapterState(d["name"], d["path"], bool(d["pinned"]), d["checksum"],
-                                    managed=bool(d.get("managed", True)))
+                                    managed=bool(d.get("managed", True)), revision=d.get("revision") or "")
             for d in body.get("data", [])}

@@ -25,6 +25,12 @@ class AdapterState:
     # Owned by the config (declared there, now or before): what `prune: owned` may unload. Adapters
     # loaded only through the admin API are unmanaged.
     managed: bool = True
+    revision: str = ""  # a remote adapter's resolved revision (etag:..., commit:...); "" for a local dir
+
+    @property
+    def shown(self) -> str:
+        """The path, and a remote adapter's revision, as plan lines show them."""
+        return f"{self.path} at {self.revision}" if self.revision else self.path
 
 
 @dataclass(frozen=True)
@@ -75,14 +81,15 @@ def plan(desired: dict[str, AdapterState], live: dict[str, AdapterState], prune:
                 if name not in unmanaged and name not in kept]
     for name in sorted(desired.keys() - live.keys()):
         d = desired[name]
-        actions.append(Action("load", name, f"not loaded ({d.path}{', pinned' if d.pinned else ''})", d))
+        actions.append(Action("load", name, f"not loaded ({d.shown}{', pinned' if d.pinned else ''})", d))
     for name in sorted(desired.keys() & live.keys()):
         d, l = desired[name], live[name]
         if d.path != l.path:
             actions.append(Action("reload", name, f"path changed: {l.path} -> {d.path}", d))
         elif d.checksum != l.checksum:
-            actions.append(Action("reload", name, f"weights changed: checksum {l.checksum[:12]} -> {d.checksum[:12]}",
-                                  d))
+            moved = f"; revision {l.revision} -> {d.revision}" if l.revision != d.revision else ""
+            actions.append(Action("reload", name, f"weights changed: checksum {l.checksum[:12]} -> "
+                                  f"{d.checksum[:12]}{moved}", d))
         elif d.pinned != l.pinned:
             actions.append(Action("pin" if d.pinned else "unpin", name, f"pinned: {l.pinned} -> {d.pinned}", d))
         elif not l.managed and prune == "owned":  # ownership matters only to prune: owned

@@ -6,7 +6,8 @@
     GET  /v1/adapters                          live state of every adapter, GPU slot pool, CPU tier
     GET  /v1/status                            config generation and hash, last reconcile, conditions
 
-Every admin route needs `Authorization: Bearer <server.admin_key>` (auth.AdminAuth). The names and
+Every admin route needs `Authorization: Bearer <server.admin_key>` (auth.AdminAuth), or a tenant's key
+with admin role `admin` (GET /v1/adapters and /v1/status: role `read` is enough). The names and
 bodies are SGLang's and vLLM's, so their clients and scripts work unchanged. `managed: true` (ours) is
 what `appliance apply` sends: the config owns that adapter, so `reconcile.prune: owned` may unload it
 once the config drops it; an adapter loaded without it is unmanaged and left alone.
@@ -38,7 +39,7 @@ from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import EngineError, EngineStoppedError
 from appliance.lora.adapter import AdapterError
-from appliance.lora.manager import LoRAManager
+from appliance.lora.manager import LoRAManager, PreparedLoad
 from appliance.lora.names import name_problem, shown
 from appliance.lora.registry import AdapterEntry, LoRAStateError
 from appliance.server.auth import AdminAuth
@@ -71,8 +72,9 @@ class AdapterAdmin:
         self.managed: set[str] = set(managed)
 
     async def load(self, name: str, path: str, pinned: bool = False, inplace: bool = False,
-                   managed: bool = False) -> dict[str, Any]:
-        """`managed`: the config owns it; else a new name is unmanaged and a reload keeps its owner."""
+                   managed: bool = False, prepared: Optional[PreparedLoad] = None) -> dict[str, Any]:
+        """`managed`: the config owns it; else a new name is unmanaged and a reload keeps its owner.
+        `prepared`: the files already read (LoRAManager.prepare), else read here on a worker thread."""
         lora = self.enabled()
         problem = name_problem(name)  # before any file is read; the registry applies the same rule
         if problem is not None:
@@ -81,12 +83,26 @@ class AdapterAdmin:
         # The files are read, parsed and checked on a worker thread while the batch runs (an adapter's
         # config may be slow to check: thousands of rank_pattern keys); only the commit (names, pin,
         # registry) takes the engine thread. A refusal comes back from `load`, after its name checks.
-        prepared = await asyncio.to_thread(lora.prepare, path)
+        if prepared is None:
+            prepared = await asyncio.to_thread(lora.prepare, path)
         view = await run_on_engine(self.engine, lambda: adapter_view(
             lora, lora.load(name, path, pinned=pinned, inplace=inplace, prepared=prepared)))
         self.created.setdefault(view["id"], int(time.time()))  # an in-place reload keeps its card's date
         self.set_managed(name, managed, keep=inplace and not managed)
         return {**view, "managed": name in self.managed}
+
+    async def load_resolved(self, name: str, uri: str) -> None:
+        """Load `name` from `uri` on its first request (lora.resolver): unmanaged and unpinned. The
+        fetch and read run before the lock, so admin calls and reconciles are not held up by a slow
+        store; a fetch or read refusal is raised as the AdapterError it is (SourceMissing: nothing
+        there), with nothing changed."""
+        lora = self.enabled()
+        prepared = await asyncio.to_thread(lora.prepare, uri)
+        if prepared.error is not None:
+            raise prepared.error
+        async with self.lock:
+            if name not in lora.registry.published:  # else loaded meanwhile by the admin API or a reconcile
+                await self.load(name, uri, prepared=prepared)
 
     async def unload(self, name: str) -> int:
         """Unload `name`; returns how many requests still run on it (they finish on its weights)."""
@@ -136,9 +152,9 @@ class AdapterAdmin:
 
 class AdminApi:
     def __init__(self, ops: AdapterAdmin, cfg: ApplianceConfig, read_json: Callable[[Request], Awaitable[dict]],
-                 reconciler: "Reconciler") -> None:
+                 reconciler: "Reconciler", auth: Optional[AdminAuth] = None) -> None:
         self.ops = ops
-        self.auth = AdminAuth(cfg.server.admin_key)
+        self.auth = auth if auth is not None else AdminAuth(cfg.server.admin_key)
         self.read_json = read_json  # the app's body reader: size limit, JSON object check
         self.reconciler = reconciler  # /v1/status
 
@@ -193,11 +209,11 @@ class AdminApi:
         return validate(model, await self.read_json(request), request.url.path)
 
     async def adapters(self, request: Request) -> Response:
-        self.auth.check(request)
+        self.auth.check(request, need="read")
         return JSONResponse(await self.ops.snapshot())
 
     async def status(self, request: Request) -> Response:
-        self.auth.check(request)
+        self.auth.check(request, need="read")
         return JSONResponse(self.reconciler.status())
 
 
@@ -208,7 +224,8 @@ def adapter_view(lora: LoRAManager, entry: AdapterEntry) -> dict[str, Any]:
     """One adapter as GET /v1/adapters shows it.
 
     tier: "gpu" when its current weights hold a slot, "cpu" when they are in the host cache, else
-    "disk" (registered; read again on the next request). in_flight: requests (waiting or running) on
+    "disk" (registered; read again on the next request), "remote" (its disk-cache entry evicted; fetched
+    again on the next request). in_flight: requests (waiting or running) on
     its current weights; requests still on the weights before an in-place reload are under `retiring`.
     """
     key = lora.current[entry.name]
@@ -218,7 +235,7 @@ def adapter_view(lora: LoRAManager, entry: AdapterEntry) -> dict[str, Any]:
     return {"name": entry.name, "path": entry.path, "pinned": entry.pinned, "id": entry.id,
             "rank": entry.rank, "target_modules": list(entry.target_modules), "checksum": entry.checksum,
             "base_model_name": entry.base_model_name, "generation": entry.generation, "tier": tier,
-            "slot": slot, "in_flight": st.in_flight if st is not None else 0}
+            "slot": slot, "in_flight": st.in_flight if st is not None else 0, "revision": entry.revision or None}
 
 
 def snapshot(lora: LoRAManager) -> dict[str, Any]:

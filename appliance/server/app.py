@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, request_response
@@ -36,18 +37,24 @@ from appliance.engine.request import (AdapterNotFoundError, EngineError, EngineS
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import shown
 from appliance.lora.registry import LoRAStateError, resolve_model_name
+from appliance.lora.sources.resolver import AdapterResolver
 from appliance.telemetry.metrics import BuildInfo, Metrics
 from appliance.reconcile.controller import ConfigSource, Reconciler, ReconcileRecord
 from appliance.server import logprob_format, protocol, samples
 from appliance.server.admin import AdapterAdmin, AdminApi, adapter_card, run_on_engine
-from appliance.server.auth import ApiKeyAuth
+from appliance.server.auth import AdminAuth, ApiKeyAuth
 from appliance.server.errors import ApiError, bad_request, error_body
+from appliance.server.first_use import FirstUse
 from appliance.server.group import RequestGroup
 from appliance.server.limits import BodyLimits, ConcurrencyLimit, Deadline, too_many
 from appliance.server.openapi import openapi_route
 from appliance.server.probes import Probes
 from appliance.server.state import ServerState
+from appliance.server.tenants import Tenant, TenantAuth, TenantTable, Ticket
+from appliance.telemetry.tenant_metrics import TenantMetrics
+from appliance.server.tools.parser import ToolCallParser
 from appliance.server.protocol import Choice, ParsedRequest, RequestLimits
+from appliance.server.request_log import RequestLog, record_of
 from appliance.server.scrape import ScrapeApi
 from appliance.server.utility import UtilityApi
 
@@ -88,7 +95,8 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
         e.message = reconciler.env.redact(e.message)  # values from ${oc.env:...} never leave (config/env.py)
         return e.response()
 
-    app = Starlette(routes=routes, exception_handlers={
+    # Inside the 500 handler, outside the others: it sees every answer, and the 500s as exceptions.
+    app = Starlette(routes=routes, middleware=[Middleware(RequestLog, metrics=metrics)], exception_handlers={
         ApiError: api_error,
         HTTPException: _http_error,
         _ClientGone: _client_gone,
@@ -99,6 +107,8 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
     app.state.metrics = metrics
     if metrics is not None:
         api.state.reconciler.listeners.append(_reconcile_metrics(metrics, api.state.reconciler))
+        api.tenants.observer = TenantMetrics(metrics.registry)
+        api.tenants.observer.known(api.tenants.names)
     return app
 
 
@@ -123,7 +133,8 @@ def _metrics(engine: AsyncEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
     lora = engine.engine.lora  # its backend with auto resolved for the device
     metrics = Metrics(cfg.metrics, BuildInfo(__version__, cfg.model.name,
                                              lora.backend if lora is not None else cfg.lora.backend),
-                      eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled)
+                      eviction_policy=cfg.lora.eviction_policy, lora_enabled=cfg.lora.enabled,
+                      lora_slots=cfg.lora.max_loras_per_batch)
     engine.set_stats_sink(metrics.record_events)
     return metrics
 
@@ -133,7 +144,8 @@ class _Api:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.cfg = cfg
-        self.auth = ApiKeyAuth(cfg.server.api_keys)
+        self.tenants = TenantTable(cfg.tenants)  # rebuilt on every valid hot reload
+        self.auth = TenantAuth(self.tenants, ApiKeyAuth(cfg.server.api_keys))
         self.body = BodyLimits(cfg.server.max_request_body_bytes, cfg.server.body_timeout_s,
                                cfg.server.request_timeout_s)
         self.limits = RequestLimits(self.tokenizer, engine.max_model_len, cfg.server.max_stop_strings,
@@ -142,24 +154,34 @@ class _Api:
         self.created = int(time.time())
         ops = AdapterAdmin(engine, managed=cfg.adapters.keys())  # loaded at start: the config's
         self.state = ServerState(Reconciler(cfg, ops, source, runtime=engine.engine.runner.runtime.view()))
-        self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler)
+        self.state.reconciler.config_listeners.append(lambda c: self.tenants.update(c.tenants))
+        admin_auth = AdminAuth(cfg.server.admin_key, role_of=self._admin_role,
+                               any_role=lambda: any(t.cfg.admin != "none" for t in self.tenants.tenants.values()))
+        self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler, admin_auth)
+        self.first_use = FirstUse(ops, AdapterResolver(cfg.lora.resolver, cfg.lora.allowed_sources), cfg.model.name)
+
+    def _admin_role(self, token: bytes) -> Optional[str]:
+        tenant = self.tenants.identify(token)
+        return None if tenant is None else tenant.cfg.admin
 
     # ------------------------------------------------------------------------------ plain routes
     async def models(self, request: Request) -> Response:
-        self.auth.check(request)
+        tenant = self.auth.check(request)  # a tenant sees only what it may use
         base = self.cfg.model.name
         cards = [{"id": base, "object": "model", "created": self.created, "owned_by": "appliance",
                   "root": str(Path(self.cfg.model.path).expanduser()), "parent": None,
-                  "max_model_len": self.engine.max_model_len}]
+                  "max_model_len": self.engine.max_model_len}] if tenant is None or tenant.may_use(None) else []
         lora = self.engine.engine.lora
         if lora is not None:
             entries = await run_on_engine(self.engine, lora.registry.entries)
-            cards += [adapter_card(e, base, self.admin.created(e.id, self.created)) for e in entries]
+            cards += [adapter_card(e, base, self.admin.created(e.id, self.created)) for e in entries
+                      if tenant is None or tenant.may_use(e.name)]
         # Any client may read this list: paths from ${oc.env:...} (the model cache, adapter roots) are
         # redacted. /v1/adapters (admin key) keeps them: `appliance plan` compares them.
         return JSONResponse(self.state.reconciler.env.redact_all({"object": "list", "data": cards}))
 
-    def resolve_model(self, names: list[Optional[str]], param: str) -> list[Optional[str]]:
+    def resolve_model(self, names: list[Optional[str]], param: str,
+                      tenant: Optional[Tenant] = None) -> list[Optional[str]]:
         """The adapter name (None = base model) for each name a client sent as `model` or
         `lora_path`: the base model's name, an adapter name, or "<base>:<adapter>"; None = base.
 
@@ -167,7 +189,13 @@ class _Api:
         the registry's published names on this thread: no engine call, so an adapter request never
         waits for a step (nor drains async scheduling's step in flight) before it is queued. The
         engine resolves the name again when it takes the request (an unload meanwhile gives a 404).
+        `tenant`: only its adapters exist for it (the same 404, so names cannot be probed), and the
+        base model only with allow_base (else 403).
         """
+        if tenant is not None and not tenant.may_use(None) and any(
+                n is None or n == self.cfg.model.name for n in names):
+            raise ApiError(403, "This key may not use the base model; name one of its adapters "
+                                "(GET /v1/models lists them).", param=param, code="model_not_allowed")
         base = self.cfg.model.name
         lora = self.engine.engine.lora
         if lora is None:
@@ -178,6 +206,8 @@ class _Api:
                                param=param, code="model_not_found")
             return [None] * len(names)
         published = lora.registry.published  # one read: the whole batch sees one registry
+        if tenant is not None:
+            published = tenant.visible(published)
         out: list[Optional[str]] = []
         for i, n in enumerate(names):
             try:
@@ -192,28 +222,29 @@ class _Api:
     async def completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, model = await self._parse(request, protocol.parse_completion)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"cmpl-{record_of(request).request_id}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
             return _SSEResponse(self._completion_stream(group, created, model, req), headers)
         sampled = await self._collect(request, group)
         choices = self._best(req, sampled)
-        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer, sampled),
-                            headers=headers)
+        echo = None if req.echo is None else [req.echo_of(i, req.n) for i in range(len(choices))]
+        return JSONResponse(protocol.completion_response(rid, created, model, choices, self.tokenizer, sampled,
+                                                         echo), headers=headers)
 
     async def chat_completions(self, request: Request) -> Response:
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, model = await self._parse(request, protocol.parse_chat)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = f"chatcmpl-{record_of(request).request_id}", int(time.time())
         group = await self._start(request, req, rid, deadline)
         headers = ignored_header(req.ignored_fields, rid)
         if req.stream:
             return _SSEResponse(self._chat_stream(group, created, model, req), headers)
         sampled = await self._collect(request, group)
         choices = self._best(req, sampled)
-        return JSONResponse(protocol.chat_response(rid, created, model, choices, self.tokenizer, sampled),
-                            headers=headers)
+        return JSONResponse(protocol.chat_response(rid, created, model, choices, self.tokenizer, sampled,
+                                                   req.tool_use), headers=headers)
 
     def _completion_stream(self, group: RequestGroup, created: int, model: str,
                            req: ParsedRequest) -> AsyncIterator[str]:
@@ -227,21 +258,42 @@ class _Api:
         def usage() -> dict:
             return protocol.usage_chunk("text_completion", rid, created, model, group.choices)
 
-        return _openai_stream(group, [], chunk, usage if include_usage else None)
+        # echo: each choice opens with its prompt's text (streams have best_of == n choices per prompt).
+        head = [] if req.echo is None else [
+            protocol.sse(_with_usage(protocol.completion_chunk(rid, created, model, i, req.echo_of(i, req.n), None,
+                                                               include_usage), group, req))
+            for i in range(len(group.choices))]
+        return _openai_stream(group, head, chunk, usage if include_usage else None)
 
     def _chat_stream(self, group: RequestGroup, created: int, model: str,
                      req: ParsedRequest) -> AsyncIterator[str]:
         rid, include_usage = group.request_id, req.include_usage
-        # OpenAI opens each choice with the role.
-        head = [protocol.sse(_with_usage(protocol.chat_chunk(rid, created, model, i,
-                                                             {"role": "assistant", "content": ""}, None,
+        # OpenAI opens each choice with the role (and no content yet where the answer may be only calls).
+        opening = {"role": "assistant"} if req.tool_use is not None else {"role": "assistant", "content": ""}
+        head = [protocol.sse(_with_usage(protocol.chat_chunk(rid, created, model, i, opening, None,
                                                              include_usage), group, req))
                 for i in range(len(group.choices))]
 
-        def chunk(i: int, text: str, finish: Optional[str]) -> dict:
+        parsers = ([ToolCallParser(req.tool_use.forced) for _ in group.choices] if req.tool_use is not None
+                   else None)
+
+        def chunk(i: int, text: str, finish: Optional[str]) -> Optional[dict]:
+            if parsers is None:
+                delta = {"content": text} if text else {}
+            else:  # tool calls: their deltas, and no markup in the content
+                p = parsers[i]
+                got = p.feed(text)
+                if finish is not None:
+                    end = p.finish()
+                    got.content += end.content
+                    got.calls += end.calls
+                    finish = protocol.tool_finish_reason(finish, bool(p.calls))
+                delta = protocol.tool_delta(got)
+                if not delta and finish is None:
+                    return None  # held back (a tag may be starting); the logprobs go with the next chunk
             lps = logprob_format.take(group.choices[i], self.tokenizer, "chat")
-            return _with_usage(protocol.chat_chunk(rid, created, model, i, {"content": text} if text else {},
-                                                   finish, include_usage, lps), group, req)
+            return _with_usage(protocol.chat_chunk(rid, created, model, i, delta, finish, include_usage, lps),
+                               group, req)
 
         def usage() -> dict:
             return protocol.usage_chunk("chat.completion.chunk", rid, created, model, group.choices)
@@ -253,7 +305,7 @@ class _Api:
         """SGLang-style /generate. Streams carry cumulative `text` / `output_ids` per `index`."""
         deadline = Deadline(self.cfg.server.request_timeout_s)
         req, _ = await self._parse(request, protocol.parse_generate)
-        group = await self._start(request, req, f"gen-{uuid.uuid4().hex}", deadline)
+        group = await self._start(request, req, f"gen-{record_of(request).request_id}", deadline)
         if req.stream:
             return _SSEResponse(self._generate_stream(group, self.tokenizer if req.logprob_text else None))
         choices = await self._collect(request, group)
@@ -272,11 +324,15 @@ class _Api:
         return _sse_stream(group, [], item, None)
 
     # ------------------------------------------------------------------------------ plumbing
-    def admit(self, request: Request) -> None:
-        """What an inference request must pass before its body is read: its API key, and no drain."""
-        self.auth.check(request)
+    def admit(self, request: Request) -> Optional[Callable[[], None]]:
+        """What an inference request must pass before its body is read: its API key, no drain, and
+        its tenant's concurrency and request-rate limits; returns what to call when it has ended."""
+        tenant = self.auth.check(request)
         if self.state.draining:
             raise ApiError(503, "The server is shutting down.", code="draining")
+        ticket = self.tenants.admit(tenant or self.tenants.unscoped)
+        request.state.ticket = ticket  # scope["state"]: the route's handler sees it too
+        return ticket.release
 
     async def _parse(self, request: Request,
                      parse: Callable[[dict, RequestLimits], ParsedRequest]) -> tuple[ParsedRequest, str]:
@@ -298,7 +354,11 @@ class _Api:
             names, param = req.lora_paths, "lora_path"
         else:
             names, param = [req.model] * len(req.jobs), "model"
-        keys = self.resolve_model(names, param)
+        ticket = _ticket(request)
+        scope = ticket.tenant if ticket is not None and ticket.tenant.scoped else None
+        await self.first_use.ensure(names, param, scope)  # lora.resolver: unknown adapters loaded on first use
+        keys = self.resolve_model(names, param, scope)
+        record_of(request).adapter = ",".join(sorted({k for k in keys if k is not None})) or None
         for job, name, key in zip(req.jobs, names, keys):
             job.adapter = name if key is not None else None
         model = req.model if req.model is not None and keys and keys[0] is not None else base
@@ -322,7 +382,18 @@ class _Api:
         request, so a reload in place meanwhile gives the new weights and an unload gives a 404.
         """
         jobs = req.jobs if req.best_of == 1 else samples.expand(req.jobs, req.best_of, ranked=req.best_of > req.n)
-        group = RequestGroup(self.engine, jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request)
+        rec = record_of(request)
+        # A client's X-Request-Id may repeat; the engine's ids must not.
+        tag = f"#{uuid.uuid4().hex[:12]}" if rec.client_id else ""
+        ticket = _ticket(request)
+        if ticket is not None:  # the tenant's max_tokens and tokens/min, on what goes to the engine
+            ticket.reserve((len(j.prompt_ids), j.params.max_tokens) for j in jobs)
+        group = RequestGroup(self.engine, jobs, rid, deadline, self.cfg.server.prompts_in_flight_per_request,
+                             engine_tag=tag, share=ticket.tenant.share if ticket is not None else None)
+        rec.choices = group.choices
+        if ticket is not None:
+            ticket.used = lambda: (sum(c.prompt_tokens for c in group.choices),
+                                   sum(c.completion_tokens for c in group.choices))
         try:
             # Structured outputs: each distinct grammar compiled in a worker thread before anything is queued.
             for job in {j.params.grammar.key(): j for j in jobs if j.params.grammar is not None}.values():
@@ -330,6 +401,9 @@ class _Api:
             await _unless_disconnected(request, group.start())
         except EngineError as e:
             raise _to_api_error(e) from None
+        rec.first_token()
+        if ticket is not None:
+            ticket.started()
         return group
 
     @staticmethod
@@ -349,6 +423,11 @@ class _Api:
         for c in choices:
             _raise_if_failed(c)
         return choices
+
+
+def _ticket(request: Request) -> Optional[Ticket]:
+    """The ticket `admit` left on the request (its tenant, or TenantTable.unscoped)."""
+    return getattr(request.state, "ticket", None)
 
 
 class _SSEResponse(StreamingResponse):
@@ -419,13 +498,16 @@ async def _until_disconnected(receive: Receive) -> None:
         pass
 
 
-def _openai_stream(group: RequestGroup, head: list[str], chunk: Callable[[int, str, Optional[str]], dict],
+def _openai_stream(group: RequestGroup, head: list[str],
+                   chunk: Callable[[int, str, Optional[str]], Optional[dict]],
                    usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
-    """An OpenAI stream: a chunk per update that carries text or a finish (see _sse_stream)."""
+    """An OpenAI stream: a chunk per update that carries text or a finish (see _sse_stream); `chunk`
+    returns None for an update with nothing to send yet."""
     def event(i: int, out: RequestOutput) -> Optional[str]:
         if not (out.text or out.finished):
             return None
-        return protocol.sse(chunk(i, out.text, group.choices[i].finish_reason))
+        c = chunk(i, out.text, group.choices[i].finish_reason)
+        return None if c is None else protocol.sse(c)
 
     return _sse_stream(group, head, event, usage)
 

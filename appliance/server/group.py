@@ -18,6 +18,7 @@ import dataclasses
 from typing import AsyncIterator, Optional, Union
 
 from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.fair_share import Share
 from appliance.engine.request import RequestOutput
 from appliance.server.limits import Deadline
 from appliance.server.protocol import Choice, Job
@@ -27,12 +28,15 @@ _Item = tuple[int, Union[RequestOutput, BaseException]]
 
 class RequestGroup:
     def __init__(self, engine: AsyncEngine, jobs: list[Job], request_id: str,
-                 deadline: Optional[Deadline] = None, window: int = 0) -> None:
+                 deadline: Optional[Deadline] = None, window: int = 0, engine_tag: str = "",
+                 share: Optional[Share] = None) -> None:
         self._engine = engine
+        self._share = share  # the tenant, for the scheduler's fair admission
         self._window = window if 0 < window < len(jobs) else len(jobs)  # 0 = every job at once
         self._deadline = deadline
         self._jobs = jobs
         self.request_id = request_id
+        self._engine_tag = engine_tag  # appended to the engine's request ids (the client's may repeat)
         self.choices = [Choice(prompt_tokens=len(j.prompt_ids), logprobs=None if j.params.logprobs is None else [],
                                counts_prompt=j.prompt_source is None) for j in jobs]
         self._finished = [False] * len(jobs)
@@ -46,6 +50,9 @@ class RequestGroup:
 
     def job_request_id(self, index: int) -> str:
         return self.request_id if len(self._jobs) == 1 else f"{self.request_id}-{index}"
+
+    def _engine_id(self, index: int) -> str:
+        return self.job_request_id(index) + self._engine_tag
 
     async def start(self) -> None:
         """Submit the jobs; return once each of the first window has its first update.
@@ -119,7 +126,7 @@ class RequestGroup:
             self._timer.cancel()
         running, self._running = self._running, set()
         for i in running:
-            self._engine.abort(self.job_request_id(i))
+            self._engine.abort(self._engine_id(i))
 
     async def _next(self) -> _Item:
         if self._held:
@@ -143,9 +150,10 @@ class RequestGroup:
         self._next_job += 1
         job = self._jobs[i]
         try:
-            source = None if job.prompt_source is None else self.job_request_id(job.prompt_source)
+            source = None if job.prompt_source is None else self._engine_id(job.prompt_source)
             self._engine.submit(job.prompt_ids, job.params, lambda item: self._on_output(i, item),
-                                request_id=self.job_request_id(i), adapter=job.adapter, prompt_source=source)
+                                request_id=self._engine_id(i), adapter=job.adapter, prompt_source=source,
+                                share=self._share)
         except Exception as e:  # noqa: BLE001 - handed to the handler, which answers it (or 500s)
             self._queue.put_nowait((i, e))
         else:

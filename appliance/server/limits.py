@@ -84,9 +84,11 @@ class BodyLimits:
 class ConcurrencyLimit:
     """At most `limit` requests (0 = no limit) inside every ASGI app that `wrap` returned, together,
     each counted once its body (read under `body`) is in. `admit` runs first, before anything is
-    read: the API key and draining checks, so a client without a key cannot make us buffer bodies."""
+    read: the API key and draining checks, so a client without a key cannot make us buffer bodies;
+    it may return a function called once the request has ended, however it ended."""
 
-    def __init__(self, limit: int, body: BodyLimits, admit: Callable[[Request], None] = lambda r: None) -> None:
+    def __init__(self, limit: int, body: BodyLimits,
+                 admit: Callable[[Request], Optional[Callable[[], None]]] = lambda r: None) -> None:
         self.limit = limit
         self.body = body
         self.admit = admit
@@ -100,10 +102,17 @@ class ConcurrencyLimit:
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            self.admit(Request(scope))
+            release = self.admit(Request(scope))
         except ApiError as e:
             await e.response()(scope, receive, send)
             return
+        try:
+            await self._run(app, scope, receive, send)
+        finally:
+            if release is not None:  # e.g. the tenant's concurrency slot (server/tenants.py)
+                release()
+
+    async def _run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         if self._full():  # refused before the body is read: a flood costs us nothing
             await self._refuse(scope, receive, send)
             return

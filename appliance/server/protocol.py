@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Union
 
 from jinja2 import TemplateError
 
+from appliance.engine.grammar.spec import GrammarSpec
 from appliance.engine.request import RequestError, SamplingParams, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import cut
@@ -32,12 +33,14 @@ from appliance.server.errors import bad_request
 from appliance.server.grammar_params import generate_grammar, openai_grammar
 from appliance.server.schemas.base import extra_fields, json_type, refuse_unsupported, unknown_field_error, validate
 from appliance.server.schemas.native import GenerateRequest, GenerateSamplingParams
+from appliance.server.tools import parser as tool_parser
+from appliance.server.tools import prompt as tool_prompt
+from appliance.server.tools.request import ToolUse, check_messages, resolve_tools
 from appliance.server.schemas.openai import (UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest,
                                              ChatMessage, CompletionRequest, Sampling)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 @dataclass
@@ -66,6 +69,12 @@ class ParsedRequest:
     logprob_text: bool = False  # /generate return_text_in_logprobs
     n: int = 1  # choices per prompt (server/samples.py)
     best_of: int = 1  # samples per prompt, >= n; the n best are returned
+    tool_use: Optional[ToolUse] = None  # chat with tools callable: the text is parsed for calls (server/tools/)
+    echo: Optional[list[str]] = None  # completions `echo`: each prompt's text, written before its choices' text
+
+    def echo_of(self, choice: int, per_prompt: int) -> str:
+        """The echoed prompt text of a choice, with `per_prompt` choices per prompt ("" without echo)."""
+        return "" if self.echo is None else self.echo[choice // per_prompt]
 
 
 @dataclass
@@ -221,7 +230,7 @@ def _sampling(d: Union[Sampling, GenerateSamplingParams], limits: RequestLimits,
     temperature, top_p, top_k, seed, ignore_eos = d.temperature, d.top_p, d.top_k, d.seed, d.ignore_eos
     extra: dict[str, Any] = {"logprobs": logprobs,
                              "logit_bias": _logit_bias(d.logit_bias, p + "logit_bias", limits.tokenizer.vocab_size)}
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "cache_salt"):
         if getattr(d, key) is not None:
             extra[key] = getattr(d, key)
     extra["grammar"] = (generate_grammar(d, p) if isinstance(d, GenerateSamplingParams)
@@ -291,8 +300,6 @@ def _openai_common(req: Sampling, table: dict, limits: RequestLimits) -> tuple[b
     """Checks both OpenAI routes share: unsupported fields refused, unknown ones listed (strict mode
     refuses them); returns stream, include_usage, continuous_usage_stats and the unknown fields."""
     refuse_unsupported(req, table)
-    for i, m in enumerate(getattr(req, "messages", None) or ()):
-        refuse_unsupported(m, {"tool_calls": lambda v: v == []}, f"messages[{i}].")
     unknown = extra_fields(req)
     if unknown and limits.strict_fields:
         raise unknown_field_error(unknown)
@@ -317,8 +324,15 @@ def parse_completion(body: dict, limits: RequestLimits) -> ParsedRequest:
     for ids in prompts:
         _check_prompt_len(ids, limits, "prompt")
         jobs.append(Job(ids, build(len(ids), COMPLETION_DEFAULT_MAX_TOKENS)))
+    echo = None
+    if req.echo:
+        if req.logprobs is not None:  # vLLM answers the prompt's logprobs then, which this server does not compute
+            raise bad_request("'echo' with 'logprobs' (the prompt's logprobs) is not supported.", "echo")
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt if isinstance(req.prompt[0], str) else None
+        echo = texts if texts is not None else [limits.tokenizer.decode(ids, skip_special_tokens=False)
+                                                for ids in prompts]
     return ParsedRequest(req.model, jobs, stream, include_usage, continuous_usage=continuous,
-                         ignored_fields=unknown, n=n, best_of=best_of)
+                         ignored_fields=unknown, n=n, best_of=best_of, echo=echo)
 
 
 def _completion_prompts(prompt: Union[str, list], limits: RequestLimits) -> list[list[int]]:
@@ -346,26 +360,37 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
                       min_tokens=req.min_tokens, min_tokens_key="min_tokens",
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     n, _ = _samples(req.n, None, stream, 1, limits)
-    ids = chat_prompt(req.messages, limits.tokenizer)
+    tool_use = resolve_tools(req)
+    ids = chat_prompt(req.messages, limits.tokenizer, tools=tool_use.tools if tool_use else None)
     _check_prompt_len(ids, limits, "messages")
-    return ParsedRequest(req.model, [Job(ids, build(len(ids), limits.max_model_len))], stream, include_usage,
-                         continuous_usage=continuous, ignored_fields=unknown, n=n, best_of=n)
+    params = build(len(ids), limits.max_model_len)
+    if tool_use is not None and tool_use.schema is not None:  # required / named: the calls are constrained
+        if params.grammar is not None:
+            raise bad_request(f"'{params.grammar.param}' cannot be combined with 'tool_choice' \"required\" or a "
+                              "named function (both constrain the output).", params.grammar.param)
+        params.grammar = GrammarSpec.json_schema(tool_use.schema, "tools")
+        try:
+            params.validate()
+        except RequestError as e:
+            raise bad_request(str(e), e.param) from None
+    return ParsedRequest(req.model, [Job(ids, params)], stream, include_usage,
+                         continuous_usage=continuous, ignored_fields=unknown, n=n, best_of=n, tool_use=tool_use)
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:
-    """The token ids of `messages` rendered by the model's chat template, by default ready for the reply."""
+                add_special_tokens: bool = False, tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    """The token ids of `messages` (and `tools`) rendered by the model's chat template, by default ready
+    for the reply; tool turns and tools in the Hermes convention when the template knows no tools."""
     if not tokenizer.has_chat_template:
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
-    rendered = []
-    for m in messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
-        msg = {"role": _CHAT_ROLES[m.role], "content": content}
-        if m.name is not None:
-            msg["name"] = m.name
-        rendered.append(msg)
+    check_messages(messages)
+    uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
+    if uses_tools and not tokenizer.supports_tools:
+        rendered, tools = tool_prompt.hermes(messages, tools), None
+    else:
+        rendered = tool_prompt.native(messages)
     try:
-        return tokenizer.apply_chat_template(rendered, add_generation_prompt, add_special_tokens)
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt, add_special_tokens, tools=tools)
     except (TemplateError, ValueError) as e:  # e.g. a template that insists roles alternate
         raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
 
@@ -434,12 +459,12 @@ def usage(choices: list[Choice]) -> dict[str, int]:
 
 def completion_response(rid: str, created: int, model: str, choices: list[Choice],
                         tok: Optional[logprob_format.Decoder] = None,
-                        sampled: Optional[list[Choice]] = None) -> dict:
+                        sampled: Optional[list[Choice]] = None, echo: Optional[list[str]] = None) -> dict:
     """`tok` decodes the tokens of logprobs (needed when a choice has them); `sampled`: every sample
-    behind `choices` (best_of), which usage counts."""
+    behind `choices` (best_of), which usage counts; `echo`: the text before each choice's (echo)."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": c.text,
+        "choices": [{"index": i, "text": c.text if echo is None else echo[i] + c.text,
                      "logprobs": None if c.logprobs is None else logprob_format.completion(tok, c.logprobs),  # type: ignore[arg-type]
                      "finish_reason": c.finish_reason}
                     for i, c in enumerate(choices)],
@@ -458,15 +483,50 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
 
 
 def chat_response(rid: str, created: int, model: str, choices: list[Choice],
-                  tok: Optional[logprob_format.Decoder] = None, sampled: Optional[list[Choice]] = None) -> dict:
-    return {
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": None if c.logprobs is None else logprob_format.chat(tok, c.logprobs),  # type: ignore[arg-type]
-                     "finish_reason": c.finish_reason}
-                    for i, c in enumerate(choices)],
-        "usage": usage(choices if sampled is None else sampled),
-    }
+                  tok: Optional[logprob_format.Decoder] = None, sampled: Optional[list[Choice]] = None,
+                  tool_use: Optional[ToolUse] = None) -> dict:
+    """`tool_use`: the text is parsed for tool calls (the message's tool_calls, finish_reason tool_calls)."""
+    out = []
+    for i, c in enumerate(choices):
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if tool_use is not None:
+            content, calls = tool_parser.parse(c.text, tool_use.forced)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [tool_call(call) for call in calls]
+            finish = tool_finish_reason(finish, bool(calls))
+        out.append({"index": i, "message": message,
+                    "logprobs": None if c.logprobs is None else logprob_format.chat(tok, c.logprobs),  # type: ignore[arg-type]
+                    "finish_reason": finish})
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": usage(choices if sampled is None else sampled)}
+
+
+def tool_call(call: tool_parser.Call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_delta(d: tool_parser.Delta) -> dict:
+    """A chat chunk's delta for what the tool-call parser let out of one update ({} for nothing)."""
+    delta: dict[str, Any] = {"content": d.content} if d.content else {}
+    if d.calls:
+        calls = []
+        for c in d.calls:
+            fn: dict[str, str] = {"arguments": c.arguments}
+            item: dict[str, Any] = {"index": c.index}
+            if c.id is not None:
+                item.update(id=c.id, type="function")
+                fn = {"name": c.name or "", "arguments": c.arguments}
+            item["function"] = fn
+            calls.append(item)
+        delta["tool_calls"] = calls
+    return delta
+
+
+def tool_finish_reason(finish: Optional[str], called: bool) -> Optional[str]:
+    """OpenAI's "tool_calls" for an answer that ended with calls; a cut-short one stays "length"."""
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,

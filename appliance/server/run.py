@@ -25,6 +25,7 @@ from appliance.config.schema import ApplianceConfig
 from appliance.engine.async_engine import AsyncEngine
 from appliance.reconcile.controller import ConfigSource
 from appliance.server.app import build_app
+from appliance.server.logs import setup_logging
 from appliance.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def serve(cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
     With `source` (where cfg was composed from) and reconcile.watch, the config dir is hot-reloaded."""
     from appliance.engine.engine import LLMEngine
 
-    _setup_logging(cfg.server.log_level)
+    setup_logging(cfg.server.log_level, cfg.logging.format)
     log.info("loading model %s from %s", cfg.model.name, cfg.model.path)
     engine = AsyncEngine(LLMEngine.from_config(cfg))
     engine.start()
@@ -55,9 +56,12 @@ def make_server(engine: AsyncEngine, cfg: ApplianceConfig,
                 source: Optional[ConfigSource] = None) -> "DrainingServer":
     """A uvicorn server for a started `engine` on cfg.server.host/port (port 0 = any free port)."""
     app = build_app(engine, cfg, source)
+    # The request line (server/request_log.py) replaces uvicorn's access log; under JSON uvicorn's
+    # loggers keep no handlers of their own and reach the root one (server/logs.py).
+    log_config = None if cfg.logging.format == "json" else uvicorn.config.LOGGING_CONFIG
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
-                            log_level=cfg.server.log_level, lifespan="off",
-                            timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT_S)
+                            log_level=cfg.server.log_level, lifespan="off", access_log=False,
+                            log_config=log_config, timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT_S)
     return DrainingServer(config, engine, app.state.server, cfg.server.shutdown_timeout_s)
 
 
@@ -167,9 +171,3 @@ def _has_watchfiles() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("watchfiles") is not None
-
-
-def _setup_logging(level: str) -> None:
-    # uvicorn configures only its own loggers; give ours a handler at the same level.
-    std = {"trace": "DEBUG"}.get(level.lower(), level.upper())
-    logging.basicConfig(level=std, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -4,7 +4,7 @@ Each scrape first asks the engine thread for its state (AsyncEngine.stats: waits
 progress, then hands over the events so far and a snapshot), so the page is exact as of the scrape:
 every finished request is counted and the slot gauges equal the pool's state. When the engine is not
 running any more the page still answers, with the counters as they are and the gauges as last read.
-No key is needed unless metrics.require_key (then one of server.api_keys, as on the inference routes).
+No key is needed unless metrics.require_key (then one of server.api_keys or a tenant's, as on the inference routes).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from starlette.routing import Route
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.request import EngineStoppedError
 from appliance.telemetry.metrics import CONTENT_TYPE, Metrics
-from appliance.server.auth import ApiKeyAuth
+from appliance.server.tenants import TenantAuth
 
 
 class ScrapeApi:
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, auth: ApiKeyAuth, require_key: bool) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, auth: TenantAuth, require_key: bool) -> None:
         self.engine = engine
         self.metrics = metrics
         self.auth = auth

@@ -8,12 +8,12 @@
 `model` may name an adapter (404 if it is not loaded); adapters share the base model's tokenizer, so
 the answer is the same. /tokenize renders `messages` exactly as /v1/chat/completions does
 (protocol.chat_prompt), so `count` is the prompt_tokens a chat request would be charged. Inference
-keys apply (server.api_keys); /version is open.
+keys apply (server.api_keys or a tenant's, which sees only its adapters); /version is open.
 """
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,17 +21,17 @@ from starlette.routing import Route
 
 from appliance.engine.request import RequestError
 from appliance.engine.tokenizer import Tokenizer
-from appliance.server.auth import ApiKeyAuth
+from appliance.server.tenants import TenantAuth
 from appliance.server.errors import bad_request
 from appliance.server.protocol import chat_prompt, in_vocab
-from appliance.server.schemas.base import extra_fields, refuse_unsupported, unknown_field_error, validate
+from appliance.server.schemas.base import extra_fields, unknown_field_error, validate
 from appliance.server.schemas.utility import DetokenizeRequest, TokenizeRequest
 
-Resolve = Callable[[list[Optional[str]], str], list[Optional[str]]]
+Resolve = Callable[[list[Optional[str]], str, Any], list[Optional[str]]]  # names, param, tenant
 
 
 class UtilityApi:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, auth: ApiKeyAuth,
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, auth: TenantAuth,
                  read_json: Callable[[Request], Awaitable[dict]], resolve_model: Resolve,
                  strict_fields: bool, ignored_header: Callable[[list[str], str], dict[str, str]]) -> None:
         self.tokenizer = tokenizer
@@ -48,16 +48,14 @@ class UtilityApi:
                 Route("/version", self.version, methods=["GET"])]
 
     async def tokenize(self, request: Request) -> Response:
-        self.auth.check(request)
+        tenant = self.auth.check(request)
         req = validate(TokenizeRequest, await self.read_json(request), "/tokenize")
-        self.resolve_model([req.model], "model")
+        self.resolve_model([req.model], "model", tenant)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("Send exactly one of 'prompt' and 'messages'.", "prompt")
         unknown = []
         try:
             if req.messages is not None:
-                for i, m in enumerate(req.messages):
-                    refuse_unsupported(m, {"tool_calls": lambda v: v == []}, f"messages[{i}].")
                 unknown = extra_fields(req)
                 if unknown and self.strict_fields:
                     raise unknown_field_error(unknown)
@@ -74,9 +72,9 @@ class UtilityApi:
         return JSONResponse(body, headers=self.ignored_header(unknown, "tokenize"))
 
     async def detokenize(self, request: Request) -> Response:
-        self.auth.check(request)
+        tenant = self.auth.check(request)
         req = validate(DetokenizeRequest, await self.read_json(request), "/detokenize")
-        self.resolve_model([req.model], "model")
+        self.resolve_model([req.model], "model", tenant)
         ids = in_vocab(req.tokens, "tokens", self.tokenizer.vocab_size)
         return JSONResponse({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
 

@@ -14,6 +14,12 @@ a request for an unknown model is refused before the engine sees it, so client i
 series. At most `metrics.max_adapter_labels` adapter names get their own value (first seen, first
 served); later ones share "other". The base model is "base". An adapter literally named "base" or
 "other" is reported as "other", so that neither value is ambiguous.
+
+`appliance_lora_adapter_resident` names adapters by their registered name (config or admin API), one
+series per adapter in memory, so it is bounded by the tiers (lora.max_loaded_loras and the slots), not
+by max_adapter_labels. `appliance_http_requests_total` labels by route template (never the raw path;
+"unmatched" for a path no route serves) and status code. With metrics.gateway_compat the vLLM-named
+metrics of telemetry/gateway.py join the same registry.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from appliance.config.schema import MetricsConfig
+from appliance.telemetry.gateway import GatewayMetrics
 from appliance.telemetry.stats import WAIT_REASONS, EngineEvents, EngineSnapshot
 
 # The classic text format. Every name here is a legacy (ASCII) name, for which generate_latest's output
@@ -99,7 +106,7 @@ class Metrics:
     events while the server's event loop renders a scrape."""
 
     def __init__(self, cfg: MetricsConfig, build: BuildInfo, eviction_policy: str,
-                 lora_enabled: bool) -> None:
+                 lora_enabled: bool, lora_slots: int = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = AdapterLabels(cfg.max_adapter_labels)
         self.eviction_policy = eviction_policy
@@ -114,16 +121,19 @@ class Metrics:
         self.lora_slots_pinned = Gauge("appliance_lora_slots_pinned", "GPU LoRA slots held by pinned "
                                        "adapters.", registry=r)
         self.lora_adapters = Gauge("appliance_lora_adapters", "Loaded adapters by tier: gpu (in a slot), "
-                                   "cpu (in host memory, no slot), registered (all, any tier).", ["tier"],
+                                   "cpu (in host memory, no slot), disk (on disk only), remote (disk-cache "
+                                   "entry evicted), registered (all, any tier).", ["tier"],
                                    registry=r)
         self.lora_evictions = Counter("appliance_lora_evictions", "Adapters evicted to make room: tier gpu "
                                       "(a slot, by lora.eviction_policy) or cpu (host memory, lru).",
                                       ["tier", "policy"], registry=r)
-        self.lora_loads = Counter("appliance_lora_loads", "Adapter weight loads: tier cpu (disk to host "
-                                  "memory) or gpu (host memory to a slot); result success or error.",
+        self.lora_loads = Counter("appliance_lora_loads", "Adapter weight loads: tier disk (remote store to "
+                                  "the disk cache), cpu (disk to host memory) or gpu (host memory to a slot); "
+                                  "result success or error.",
                                   ["tier", "result"], registry=r)
         self.lora_load_duration = Histogram("appliance_lora_load_duration_seconds", "Duration of adapter "
-                                            "weight loads (tier cpu: disk to host, gpu: host to slot).",
+                                            "weight loads (tier disk: remote to disk cache, cpu: disk to host, "
+                                            "gpu: host to slot).",
                                             ["tier"], buckets=LOAD_BUCKETS, registry=r)
         self.lora_loads_in_flight = Gauge("appliance_lora_loads_in_flight", "lora.overlap_loading: adapter "
                                           "loads under way beside the running batch: tier cpu (disk reads "
@@ -162,6 +172,17 @@ class Metrics:
                                 "(stop, length, abort, error).", ["adapter", "finish_reason"], registry=r)
         self.preemptions = Counter("appliance_preemptions", "Running requests preempted because the KV "
                                    "cache ran out (recomputed later).", registry=r)
+        # --- prefix caching (engine.enable_prefix_caching)
+        self.prefix_cache_queries = Counter("appliance_prefix_cache_queries", "Tokens of admitted requests "
+                                            "looked up in the prefix cache (prompt, or prompt + output "
+                                            "after a preemption).", ["adapter"], registry=r)
+        self.prefix_cache_hits = Counter("appliance_prefix_cache_hits", "Of those tokens, the ones found "
+                                         "cached (their KV reused, not computed).", ["adapter"], registry=r)
+        self.prefix_cache_blocks = Gauge("appliance_prefix_cache_blocks", "KV blocks holding a cached "
+                                         "prefix, held by requests or idle (idle ones are reused LRU when "
+                                         "blocks run out).", registry=r)
+        self.prefix_cache_evictions = Counter("appliance_prefix_cache_evictions", "Idle cached KV blocks "
+                                              "evicted to hold other tokens.", registry=r)
 
         # --- config and reconcile (fed by the reconciler)
         self.reconcile = Counter("appliance_reconcile", "Reconcile runs by result (success, failed, invalid, "
@@ -180,6 +201,15 @@ class Metrics:
         self.build_info = Gauge("appliance_build_info", "Always 1; the labels say what runs.",
                                 ["version", "model", "backend"], registry=r)
 
+        # --- HTTP and adapter residency
+        self.http_requests = Counter("appliance_http_requests", "HTTP requests answered, by route template "
+                                     "(unmatched: no route) and status code.", ["route", "code"], registry=r)
+        self.lora_resident = Gauge("appliance_lora_adapter_resident", "1 per adapter whose weights are in "
+                                   "memory: tier gpu (a slot) or cpu (host memory), pinned, its rank.",
+                                   ["adapter", "tier", "pinned", "rank"], registry=r)
+        self.gateway = (GatewayMetrics(r, build.model, lora_slots if lora_enabled else 0, time.time)
+                        if cfg.gateway_compat else None)
+
         self._initial_series(build, lora_enabled)
 
     def _initial_series(self, build: BuildInfo, lora_enabled: bool) -> None:
@@ -187,20 +217,23 @@ class Metrics:
         self.build_info.labels(build.version, build.model, build.backend).set(1)
         for reason in WAIT_REASONS:
             self.waiting.labels(reason)
-        for tier in ("gpu", "cpu", "registered"):
+        for tier in ("gpu", "cpu", "disk", "remote", "registered"):
             self.lora_adapters.labels(tier)
         if lora_enabled:
             self.lora_evictions.labels("gpu", self.eviction_policy)
             self.lora_evictions.labels("cpu", "lru")
             for tier in ("cpu", "gpu"):
-                self.lora_load_duration.labels(tier)
                 self.lora_loads_in_flight.labels(tier)
+            for tier in ("disk", "cpu", "gpu"):
+                self.lora_load_duration.labels(tier)
                 for result in ("success", "error"):
                     self.lora_loads.labels(tier, result)
         for reason in FINISH_REASONS:
             self.requests.labels(BASE_LABEL, reason)
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             h.labels(BASE_LABEL)
+        self.prefix_cache_queries.labels(BASE_LABEL)
+        self.prefix_cache_hits.labels(BASE_LABEL)
         for result in RECONCILE_RESULTS:
             self.reconcile.labels(result)
         for action in RECONCILE_ACTIONS:
@@ -233,12 +266,18 @@ class Metrics:
             self.lora_load_duration.labels(load.tier).observe(load.duration_s)
         for tier, policy in ev.evictions:
             self.lora_evictions.labels(tier, policy).inc()
+        for adapter, queried, hit in ev.prefix_cache_lookups:
+            a = label(adapter)
+            self.prefix_cache_queries.labels(a).inc(queried)
+            self.prefix_cache_hits.labels(a).inc(hit)
+        self.prefix_cache_evictions.inc(ev.prefix_cache_evictions)
 
     def record_snapshot(self, snap: EngineSnapshot) -> None:
         self.running.set(snap.running)
         for reason in WAIT_REASONS:
             self.waiting.labels(reason).set(snap.waiting.get(reason, 0))
         self.kv_usage.set(snap.kv_usage)
+        self.prefix_cache_blocks.set(snap.prefix_cache_blocks)
         lora = snap.lora
         self.lora_slots.set(lora.slots if lora else 0)
         self.lora_slots_used.set(lora.slots_used if lora else 0)
@@ -246,9 +285,22 @@ class Metrics:
         self.lora_adapters.labels("gpu").set(lora.adapters_gpu if lora else 0)
         self.lora_adapters.labels("cpu").set(lora.adapters_cpu if lora else 0)
         self.lora_adapters.labels("registered").set(lora.adapters_registered if lora else 0)
+        self.lora_adapters.labels("disk").set(lora.adapters_disk if lora else 0)
+        self.lora_adapters.labels("remote").set(lora.adapters_remote if lora else 0)
         if lora is not None:
             self.lora_loads_in_flight.labels("cpu").set(lora.reads_in_flight)
             self.lora_loads_in_flight.labels("gpu").set(lora.copies_in_flight)
+        # Rebuilt each scrape: an evicted or unloaded adapter's series goes away.
+        self.lora_resident.clear()
+        for a in lora.resident if lora else ():
+            self.lora_resident.labels(a.name, a.tier, str(a.pinned).lower(), str(a.rank)).set(1)
+        if self.gateway is not None:
+            self.gateway.record_snapshot(snap)
+
+    # ------------------------------------------------------------------ HTTP
+    def record_http(self, route: str, code: int) -> None:
+        """One answered request: `route` a route template or "unmatched", never a raw path."""
+        self.http_requests.labels(route, str(code)).inc()
 
     # ------------------------------------------------------------------ reconciler API
     def record_reconcile(self, result: str, duration_s: float,

@@ -19,8 +19,9 @@ from typing import Literal, Optional
 # (lora.overlap_loading) its adapter's weights are still being read from disk or copied to the GPU.
 WaitReason = Literal["slot", "kv", "budget", "load"]
 WAIT_REASONS: tuple[WaitReason, ...] = ("slot", "kv", "budget", "load")
-# LoRA tiers: "cpu" = disk -> host memory, "gpu" = host memory -> a GPU slot.
-LoadTier = Literal["cpu", "gpu"]
+# LoRA tiers: "disk" = a remote store -> the disk cache (a download), "cpu" = disk -> host memory,
+# "gpu" = host memory -> a GPU slot.
+LoadTier = Literal["disk", "cpu", "gpu"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class EngineEvents:
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0  # completion tokens (a stop token the engine drops is not counted)
     preemptions: int = 0
+    # Prefix caching, per admission: (adapter, prompt tokens looked up, of them found cached).
+    prefix_cache_lookups: list[tuple[Optional[str], int, int]] = field(default_factory=list)
+    prefix_cache_evictions: int = 0  # idle cached blocks reused for other tokens
     queue_times: list[tuple[Optional[str], float]] = field(default_factory=list)  # arrival -> first scheduled
     ttfts: list[tuple[Optional[str], float]] = field(default_factory=list)  # arrival -> first token
     itls: list[tuple[Optional[str], float]] = field(default_factory=list)  # between two tokens of a request
@@ -81,6 +85,16 @@ class StatsRecorder:
 
 
 @dataclass(frozen=True)
+class AdapterResidency:
+    """One adapter whose weights are in memory: registered names only (config or admin API)."""
+
+    name: str
+    tier: LoadTier  # gpu (a slot) or cpu (host memory, no slot); adapters on disk only are left out
+    pinned: bool
+    rank: int
+
+
+@dataclass(frozen=True)
 class LoRASnapshot:
     slots: int  # lora.max_loras_per_batch
     slots_used: int  # slots holding weights, retiring weights of unloaded adapters included
@@ -93,6 +107,12 @@ class LoRASnapshot:
     # lora.overlap_loading: background disk reads not yet taken in, side-stream copies not yet done.
     reads_in_flight: int = 0
     copies_in_flight: int = 0
+    # Registered adapters whose weights are on disk only: a local dir or the disk cache (disk), or a
+    # remote adapter whose disk-cache entry was evicted (remote: fetched again on its next request).
+    adapters_disk: int = 0
+    adapters_remote: int = 0
+    # Adapters in memory, sorted by name: bounded by the tiers (lora.max_loaded_loras, the slots).
+    resident: tuple[AdapterResidency, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,3 +121,7 @@ class EngineSnapshot:
     waiting: dict[str, int]  # WaitReason -> requests
     kv_usage: float  # used KV blocks / all KV blocks, 0..1
     lora: Optional[LoRASnapshot]  # None when lora.enabled is false
+    # Distinct adapter names (sorted) of the running batch's and the queue's requests.
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    prefix_cache_blocks: int = 0  # KV blocks holding a cached prefix, in use or idle (0 with caching off)

@@ -24,7 +24,7 @@ def test_bench_all_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     rc = main(["bench", "all", "--out", str(out), "--adapter-dir", str(adir), "--no-progress",
                "--batch", "4", "--prompt-len", "8", "--new-tokens", "4", "--adapters", "0", "1", "4",
                "--ranks", "8", "--decode-batch", "6", "--decode-context", "16", "--decode-steps", "3",
-               "--decode-adapters", "4", "--prefill-requests", "4", "--prefill-len", "16", "--prefill-adapters", "2",
+               "--decode-adapters", "4", "--decode-logprobs", "5", "--prefill-requests", "4", "--prefill-len", "16", "--prefill-adapters", "2",
                "--baseline-batch", "4", "--baseline-adapters", "2", "--baseline-hf-new-tokens", "2",
                "--online-requests", "12",
                "--online-rate", "50", "--online-adapters", "6", "--online-overlap", "both",
@@ -45,13 +45,14 @@ def test_bench_all_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert [(r["rank"], r["adapters"]) for r in res["offline"]] == [(0, 0), (8, 1), (8, 4)]
     for r in res["offline"]:
         assert r["tokens"] == r["requests"] * 4 and r["tok_s"] > 0
-    assert [(r["adapters"], r["batch"]) for r in res["decode_step"]] == [(0, 6), (4, 6)]
+    assert [(r["adapters"], r["batch"], r["variant"]) for r in res["decode_step"]] == [
+        (0, 6, "plain"), (0, 6, "logprobs5"), (4, 6, "plain"), (4, 6, "logprobs5")]
     for r in res["decode_step"]:
         assert 0 < r["floor_ms"] <= r["step_ms"] and r["x_floor"] >= 1
         assert len(r["step_ms_blocks"]) == 3 and sorted(r["step_ms_blocks"])[1] == r["step_ms"]
         assert r["compiled_during"] is None  # nothing is compiled under the interpreter
     # 4 rank-8 adapters on all 7 projections of 2 layers, float32.
-    assert res["decode_step"][1]["adapter_bytes"] == 4 * 2 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128)) * 4
+    assert res["decode_step"][2]["adapter_bytes"] == 4 * 2 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128)) * 4
     assert res["decode_step"][0]["adapter_bytes"] == 0
     assert [r["adapters"] for r in res["prefill"]] == [0, 2] and all(r["prefill_tok_s"] > 0 for r in res["prefill"])
     impls = [(r["impl"], r["adapters"], r["new_tokens"]) for r in res["baselines"]["rows"]]
@@ -90,7 +91,8 @@ def test_bench_all_tiny_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
         assert r["compiled_during_run"] is None  # the interpreter compiles nothing
     assert sum(t["target"].startswith("online p99 TTFT, Zipf churn / one adapter") for t in res["targets"]) == 2
     assert "| False | 12 |" in printed and "| True | 12 |" in printed
-    assert {t["target"].split(",")[0] for t in res["targets"]} >= {"decode step / floor", "prefill tok/s"}
+    assert {t["target"].split(",")[0] for t in res["targets"]} >= {"decode step / floor", "prefill tok/s",
+                                                                   "decode step logprobs5 / plain"}
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -115,3 +117,5 @@ def test_overlap_orders() -> None:
 def test_bench_rejects_bad_options(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "offline", "model.device=cpu", "--ranks", "0"]) == 1
     assert "bench --ranks" in capsys.readouterr().err
+    assert main(["bench", "offline", "model.device=cpu", "--decode-logprobs", "21"]) == 1
+    assert "bench --decode-logprobs" in capsys.readouterr().err

@@ -109,6 +109,32 @@ def test_serve_spreads_the_client_over_processes(tmp_path: Path, capsys: pytest.
         assert 0 < r["client_cpu_util"]
 
 
+def test_serve_shared_prefix_workload_with_the_cache_on_and_off(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """--shared-prefix-len: every prompt starts with its adapter's fixed prefix; the server's prefix
+    cache serves it (hit ratio in the report), and the Hydra override turns the cache off."""
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps(TINY))
+    ratios = {}
+    for caching in ("true", "false"):
+        out = tmp_path / f"out-{caching}"
+        rc = main(["bench", "serve", "--out", str(out), *SMALL, "--prompt-len", "8", "--shared-prefix-len", "48",
+                   "--concurrency", "2", "--mix", "uniform", "--adapters", "2", "--rank", "8",
+                   "--no-compare-in-process", f"model.path={shape}", *SHAPE, "lora.max_loras_per_batch=2",
+                   f"engine.enable_prefix_caching={caching}"])
+        assert rc == 0, capsys.readouterr().out
+        res = json.loads((out / "serve.json").read_text())
+        assert res["workload"]["shared_prefix_len"] == 48
+        [r] = res["rows"]
+        _check_row(r, 8, 4)
+        assert r["prompt_tokens_mean"] == 48 + 8
+        ratios[caching] = r["server"]["prefix_cache_hit_ratio"]
+    # 8 requests over 3 prefixes warmed up before the row: each request finds its 48-token prefix
+    # (3 blocks of 16) cached, of its 56 tokens.
+    assert ratios == {"true": round(48 / 56, 4), "false": None}
+
+
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_serve_openai_routes_end_to_end(api: str, tmp_path: Path, tiny_model_dir: Path,
                                         capsys: pytest.CaptureFixture) -> None:
@@ -178,7 +204,8 @@ def test_options_defaults_and_checks() -> None:
     for bad, words in ((dict(concurrency=[], rate=[]), "load point"), (dict(mixes=["uniform"]), "need adapters"),
                        (dict(mixes=["bogus"]), "--mix"), (dict(adapters=2, config_adapters=True), "exclude"),
                        (dict(rate=[0.0]), "--rate"), (dict(prompt_dist="normal"), "--prompt-dist"),
-                       (dict(url="127.0.0.1:8000"), "--url"), (dict(targets=["qkv"]), "--targets")):
+                       (dict(url="127.0.0.1:8000"), "--url"), (dict(targets=["qkv"]), "--targets"),
+                       (dict(shared_prefix_len=-1), "--shared-prefix-len")):
         with pytest.raises(ConfigError, match=words):
             ServeOptions(**bad).check()
 

@@ -117,8 +117,15 @@ def test_compose_file_validates_and_wires_the_stack() -> None:
     assert res.returncode == 0, res.stderr
     cfg = yaml.safe_load(res.stdout)
     svc = cfg["services"]
-    assert set(svc) == {"model-prepare", "appliance", "prometheus", "grafana"}
-    app = svc["appliance"]
+    assert set(svc) == {"model-prepare", "appliance", "appliance-cpu", "prometheus", "grafana"}
+    # Profiles: gpu reserves the devices, cpu runs anywhere under the name Prometheus scrapes; the
+    # rest of the stack belongs to no profile, so it starts with either.
+    cpu, app = svc["appliance-cpu"], svc["appliance"]
+    assert app["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"] and "deploy" not in cpu
+    assert cpu["networks"]["default"]["aliases"] == ["appliance"]
+    assert cpu["volumes"] == app["volumes"] and cpu["depends_on"] == app["depends_on"]
+    assert not any("profiles" in svc[n] or "appliance" in svc[n].get("depends_on", {})
+                   for n in ("model-prepare", "prometheus", "grafana"))
     vols = {v.split(":")[1] if isinstance(v, str) else v["target"]: v for v in app["volumes"]}
     conf = vols["/etc/appliance"]
     # The whole configs dir, read-only (a directory mount, so hot reload sees saved files).

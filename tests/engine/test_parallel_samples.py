@@ -17,9 +17,11 @@ KINDS = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] + [
     SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True, logprobs=1) for s in (1, 2, 3)]
 
 
-def make(model_dir: Path, async_on: bool) -> LLMEngine:
+def make(model_dir: Path, async_on: bool, caching: bool = False) -> LLMEngine:
+    # Prefix caching off unless asked: these tests count the prompt tokens the sharing itself saves.
     eng = LLMEngine(default_config(f"model.path={model_dir}", "model.device=cpu", "model.max_model_len=256",
-                                   "engine.kv_block_size=16", f"engine.async_scheduling={str(async_on).lower()}"))
+                                   "engine.kv_block_size=16", f"engine.async_scheduling={str(async_on).lower()}",
+                                   f"engine.enable_prefix_caching={str(caching).lower()}"))
     if async_on:
         uncaptured_static_decode(eng)
     return eng
@@ -62,3 +64,15 @@ def test_n_samples_under_async_scheduling(engine: LLMEngine, tiny_model_dir: Pat
     want, _ = samples(engine, prompt, share=False)
     got, computed = samples(make(tiny_model_dir, True), prompt, share=True)
     assert got == want and computed == 33 + 3
+
+
+def test_n_samples_with_the_prefix_cache(engine: LLMEngine, tiny_model_dir: Path) -> None:
+    """With prefix caching on, the samples still share the first one's blocks (computed once), and a
+    second request of the same prompt takes the prompt's full blocks from the cache."""
+    prompt = list(range(150, 190))
+    want, _ = samples(engine, prompt, share=False)
+    cached = make(tiny_model_dir, False, caching=True)
+    got, computed = samples(cached, prompt, share=True)
+    assert got == want and computed == 40 + 3 * 8
+    again, computed = samples(cached, prompt, share=True)
+    assert again == want and computed == 8 + 3 * 8

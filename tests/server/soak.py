@@ -45,7 +45,8 @@ from appliance.reconcile.controller import ConfigSource
 from tests.lora.test_lora_engine import NEW, make_adapter
 from tests.reconcile.trees import KEY, inventory_yaml, rename_save, write_tree
 from tests.server.conftest import ServerThread
-from tests.server.soak_attacks import ATTACK_INVENTORY, AttackCounts, Attacker, AttackSetup, label_problems
+from tests.server.soak_attacks import (ATTACK_INVENTORY, CLIENT_KEY, AttackCounts, Attacker, AttackSetup,
+                                      label_problems)
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 7477, 2030, 253, 655]]
 ADMIN = {"Authorization": f"Bearer {KEY}"}
@@ -184,7 +185,7 @@ class SoakSetup:
         text = text.replace(f"  max_loras_per_batch: {cfg.slots}\n",
                             f"  max_loras_per_batch: {cfg.slots}\n  max_loaded_loras: {cfg.cpu_cache}\n")
         text = text.replace("  name: tiny\n", "  name: tiny\n  max_model_len: 256\n  device: cpu\n")
-        text = text.replace(f"  admin_key: {KEY}\n", f"  admin_key: {KEY}\n  log_level: warning\n"
+        text = text.replace(f"  admin_key: {KEY}\n", f"  admin_key: {KEY}\n  log_level: warning\n  api_keys: [{CLIENT_KEY}]\n"
                             f"  max_concurrent_requests: {cfg.max_concurrent}\n  body_timeout_s: {cfg.body_timeout_s}\n")
         text += "engine:\n  num_kv_blocks: 256\n  max_num_seqs: 16\n"
         # Fewer label values than adapters: the churn must end in `other`, never in more series.
@@ -275,6 +276,7 @@ class Soak:
     def _client(self, rnd: int, c: int) -> None:
         rng = random.Random(f"{self.cfg.seed}-{rnd}-{c}")
         session = requests.Session()
+        session.headers["Authorization"] = f"Bearer {CLIENT_KEY}"  # unscoped: the tenants attack's tenant is not us
         for _ in range(self.cfg.requests_per_client):
             adapter = rng.choice([None, None, *self.s.names])
             p = rng.randrange(len(PROMPTS))

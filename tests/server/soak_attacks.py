@@ -22,11 +22,17 @@ attack failure. The normal clients must see nothing of it: no 429, no 5xx, no wr
 - config_bomb: an alias bomb, or a file over 1 MiB, saved into the watched config dir: ConfigValid
   False naming the file, the admin API answering meanwhile, valid again once the file is restored;
 - env_secret: an adapter path written as ${oc.env:VAR} in the watched config: the failed load shows
-  `<from env VAR>`, the value is in no answer and no log record.
+  `<from env VAR>`, the value is in no answer and no log record;
+- tenants: a tenant written into the watched tenants file with a fresh key (a sha256 digest) and
+  fresh random limits floods the server at several times its rate: every answer is 200 with the
+  right text or 429 with Retry-After, the 200s never exceed burst + rate x time, another adapter
+  answers as a nonexistent one; then the key rotates (the old one gets 401) and the file empties.
+  The normal clients carry one of server.api_keys (unscoped) and see none of it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -47,7 +53,9 @@ from tests.server.test_adapter_attacks import ATTACKS as ADAPTER_DAMAGE
 from tests.server.test_hostile_input import NESTED, with_surrogate
 
 ATTACK_CLASSES = ("unicode", "json", "stop_list", "big_batch", "hostile_adapter", "admin_race", "label_churn",
-                  "endless_bodies", "config_bomb", "env_secret")
+                  "endless_bodies", "config_bomb", "env_secret", "tenants")
+# The normal clients' key (server.api_keys): unscoped, so tenants written by the attack touch them not.
+CLIENT_KEY = "soak-client-key"
 SECRET_VAR = "APPLIANCE_SOAK_SECRET"
 ATTACK_INVENTORY = "attack"  # adapters/attack.yaml: the config attacks' file, `{}` between attacks
 
@@ -102,6 +110,7 @@ class Attacker:
         self.adapters, self.refs, self.prompts, self.new = adapters, refs, prompts, new_tokens
         self.max_concurrent, self.counts, self.seed = max_concurrent, counts, seed
         self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {CLIENT_KEY}"
         self.churned: list[str] = []  # label_churn's names, in order
         self.ran: set[str] = set()  # attack classes run so far (every one runs in the first round)
         self._lock = threading.Lock()
@@ -310,6 +319,7 @@ class Attacker:
         for _ in range(self.max_concurrent + 2):
             s = socket.create_connection((host, int(port)), timeout=60)
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer " + CLIENT_KEY.encode() + b"\r\n"
                       b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n")
             socks.append(s)
         for s in socks:
@@ -388,6 +398,97 @@ class Attacker:
                 self._ok("env_secret")
         finally:
             self._restore("env_secret")
+
+
+    def _write_tenants(self, text: str) -> None:
+        path = self.tree / "tenants" / "default.yaml"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    def _models_status(self, key: str) -> int:
+        return requests.get(self.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+    def _until_key(self, key: str, status: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._models_status(key) != status:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the tenant key did not answer {status} on /v1/models within {timeout_s} s")
+            time.sleep(0.1)
+
+    def _tenants(self, rng: random.Random) -> None:
+        key, new_key = f"soak-tenant-{secrets.token_hex(12)}", f"soak-tenant-{secrets.token_hex(12)}"
+        rate, burst = rng.choice([1.0, 2.0]), rng.choice([2, 3])
+        other = rng.choice(sorted(self.adapters))  # the tenant may use the base model only
+
+        def file(*keys: str) -> str:
+            digests = ", ".join(hashlib.sha256(k.encode()).hexdigest() for k in keys)
+            return (f"flood:\n  key_sha256: [{digests}]\n  adapters: []\n  limits: {{requests_per_s: {rate}, "
+                    f"burst: {burst}, max_concurrent: {rng.choice([1, 2])}, max_tokens_per_request: {self.new}}}\n")
+
+        self._write_tenants(file(key))
+        try:
+            self._until_key(key, 200)
+            answers: list[tuple[float, requests.Response, int]] = []
+            lock = threading.Lock()
+            t0 = time.monotonic()
+
+            def flood(i: int) -> None:
+                p = i % len(self.prompts)
+                r = requests.post(self.url + "/generate", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                                  json={"input_ids": self.prompts[p], "sampling_params": {
+                                      "max_new_tokens": self.new, "temperature": 0, "ignore_eos": True}})
+                with lock:
+                    answers.append((time.monotonic(), r, p))
+
+            threads = [threading.Thread(target=flood, args=(i,)) for i in range(4 * burst + 4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=180)
+            elapsed = max(t for t, _, _ in answers) - t0
+            ok = [(r, p) for _, r, p in answers if r.status_code == 200]
+            with self._lock:
+                self.counts.served += len(ok)  # they reached the engine: the metrics check counts them
+            for r, p in ok:
+                if r.json()["output_ids"] != self.refs[None][p]:
+                    self._fail("tenants", "a flood answer differs from the reference")
+            refused = [r for _, r, _ in answers if r.status_code != 200]
+            for r in refused:
+                if r.status_code != 429 or "Retry-After" not in r.headers:
+                    self._fail("tenants", f"flood: {r.status_code} without Retry-After: {r.text[:200]}")
+                else:
+                    self._expect("tenants", "flood over the limit", r, 429, code=r.json()["error"]["code"])
+            if len(answers) != len(threads):
+                self._fail("tenants", f"{len(threads) - len(answers)} flood requests lost")
+            if len(ok) > burst + rate * elapsed + 1e-9:
+                self._fail("tenants", f"{len(ok)} answered in {elapsed:.2f} s: over burst {burst} + {rate}/s")
+            if not refused:
+                self._fail("tenants", "a flood at several times the rate got no 429")
+            # Another adapter answers as one that does not exist (same body, name aside).
+            bodies = []
+            for model in (other, f"nope-{secrets.token_hex(4)}"):
+                self._until_key(key, 200)  # one request/s at least: the bucket refills
+                r = self._post_as(key, model)
+                while r.status_code == 429:
+                    time.sleep(float(r.headers.get("Retry-After", "1")))
+                    r = self._post_as(key, model)
+                bodies.append((r.status_code, r.text.replace(model, "NAME")))
+            if bodies[0] != bodies[1] or bodies[0][0] != 404:
+                self._fail("tenants", f"an adapter outside the tenant answers unlike a missing one: {bodies}")
+            # Rotate: the new key beside the old, then the old one out.
+            self._write_tenants(file(key, new_key))
+            self._until_key(new_key, 200)
+            self._write_tenants(file(new_key))
+            self._until_key(key, 401)
+            self._ok("tenants")
+        finally:
+            self._write_tenants("{}\n")
+            self._until_key(new_key, 401)
+
+    def _post_as(self, key: str, model: str) -> requests.Response:
+        return requests.post(self.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
+                             json={"model": model, "prompt": self.prompts[0], "max_tokens": 1})
 
 
 def label_problems(url: str, known: set[str], max_labels: int, churned: list[str]) -> list[str]:

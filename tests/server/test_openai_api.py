@@ -192,7 +192,7 @@ def test_chat_bad_input(client: openai.OpenAI, default_server: ServerThread, kwa
     dict(prompt=list(range(1, 2049))),
     dict(prompt=True),
     dict(max_tokens=2040, prompt=list(range(1, 10))),
-    dict(echo=True),
+    dict(echo=True, logprobs=1),
     dict(stop_token_ids=["x"]),
     dict(ignore_eos="yes"),
     dict(top_k=-2),

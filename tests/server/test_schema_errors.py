@@ -36,7 +36,7 @@ def error(cls: type, body: dict) -> ApiError:
     (CompletionRequest, {"model": "m", "prompt": "x", "ignore_eos": "yes"}, "ignore_eos", "a boolean"),
     (CompletionRequest, {"model": "m", "prompt": "x", "temperature": 10**400}, "temperature", "a number"),
     (CompletionRequest, {"model": "m", "prompt": [[1], "x"]}, "prompt", "array of arrays of token ids"),
-    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", ""),
+    (ChatCompletionRequest, {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", ""),
     (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content", "only text content"),
     (ChatCompletionRequest, {**CHAT, "messages": []}, "messages", "must not be empty"),

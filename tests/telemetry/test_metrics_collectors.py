@@ -36,7 +36,9 @@ def test_events_map_onto_collectors_with_bounded_labels() -> None:
                       finished=[FinishedRequest("a", "stop", 0.5), FinishedRequest("b", "length", 0.6),
                                 FinishedRequest(None, "abort", 0.1)],
                       slot_waits=[0.0, 1.5], loads=[AdapterLoad("cpu", True, 0.01), AdapterLoad("gpu", False, 0.002)],
-                      evictions=[("gpu", "fifo"), ("cpu", "lru")])
+                      evictions=[("gpu", "fifo"), ("cpu", "lru")],
+                      prefix_cache_lookups=[(None, 40, 32), ("a", 20, 0), ("b", 50, 48), ("a", 20, 16)],
+                      prefix_cache_evictions=3)
     m.record_events(ev)
     s = page(m)
     assert s.label_values("adapter") == {"base", "a", "other"}  # "b" is beyond the bound
@@ -50,6 +52,11 @@ def test_events_map_onto_collectors_with_bounded_labels() -> None:
     assert s.get("appliance_lora_slot_wait_seconds_sum") == 1.5
     assert s.get("appliance_lora_loads_total", tier="gpu", result="error") == 1
     assert s.get("appliance_lora_evictions_total", tier="gpu", policy="fifo") == 1
+    assert (s.get("appliance_prefix_cache_queries_total", adapter="a"),
+            s.get("appliance_prefix_cache_hits_total", adapter="a")) == (40, 16)
+    assert s.get("appliance_prefix_cache_hits_total", adapter="other") == 48
+    assert s.get("appliance_prefix_cache_queries_total", adapter="base") == 40
+    assert s.get("appliance_prefix_cache_evictions_total") == 3
     assert promtool_check_metrics(s.text).returncode == 0
 
 
@@ -57,8 +64,10 @@ def test_snapshot_sets_gauges_and_lora_off_reads_zero() -> None:
     m = make()
     m.record_snapshot(EngineSnapshot(running=3, waiting={"slot": 2, "kv": 1, "budget": 0, "load": 4},
                                      kv_usage=0.25, lora=LoRASnapshot(4, 3, 1, 3, 2, 6, reads_in_flight=5,
-                                                                      copies_in_flight=1)))
+                                                                      copies_in_flight=1),
+                                     prefix_cache_blocks=9))
     s = page(m)
+    assert s.get("appliance_prefix_cache_blocks") == 9
     assert s.get("appliance_requests_running") == 3
     assert s.get("appliance_requests_waiting", reason="slot") == 2
     assert s.get("appliance_requests_waiting", reason="load") == 4

@@ -126,8 +126,18 @@ def test_unknown_models_and_bad_input_change_nothing(srv: ServerThread) -> None:
     r = requests.post(srv.url + "/v1/completions", data=b"{not json", timeout=30)
     assert r.status_code == 400
     after = scrape_text(srv)
-    assert after == before
-    assert Scrape(after).label_values("adapter") == {"base", "qv4"}
+    # Only the request counters moved: by status code (the 400s and 404s are what its panels show) and
+    # by tenant (every request a key sent; the open server's is "(none)").
+    http = "appliance_http_requests_total"
+    moved = (http, "appliance_tenant_requests_total")
+    assert [ln for ln in after.splitlines() if not ln.startswith(moved)] == \
+        [ln for ln in before.splitlines() if not ln.startswith(moved)]
+    assert Scrape(after).get("appliance_tenant_requests_total", tenant="(none)") == \
+        Scrape(before).get("appliance_tenant_requests_total", tenant="(none)") + len(bad) + 1
+    assert Scrape(after).get(http, route="/v1/completions", code="404") == 3
+    used = {dict(lbls)["adapter"] for (n, lbls) in Scrape(after).samples
+            if "adapter" in dict(lbls) and n != "appliance_lora_adapter_resident"}  # that one: every loaded adapter
+    assert used == {"base", "qv4"}
 
 
 def test_promtool_lints_a_live_page_after_adapter_traffic(srv: ServerThread) -> None:

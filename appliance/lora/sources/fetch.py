@@ -42,6 +42,11 @@ class AdapterSources:
         self._fetchers: dict[str, Any] = {}
         self._lock = threading.Lock()  # the fetchers are made once, by whichever thread asks first
 
+    def check(self, path: str) -> None:
+        """SourceError unless `path` is local or a well-formed URI under lora.allowed_sources (no store call)."""
+        if is_remote(path):
+            check_allowed(parse_uri(path), self.allowed)
+
     def fetch(self, path: str) -> Optional[Fetched]:
         """None for a local path (read as before); else the adapter in the disk cache at its current
         revision. SourceError (nothing fetched) when the URI is malformed or not allowed."""
@@ -49,7 +54,7 @@ class AdapterSources:
             return None
         uri = parse_uri(path)
         check_allowed(uri, self.allowed)
-        fetcher = self._fetcher(uri.scheme)
+        fetcher = self.fetcher(uri.scheme)
         rev = fetcher.resolve(uri, self.cfg.max_adapter_bytes)
         self.cache.root.mkdir(parents=True, exist_ok=True)
         d, downloaded = self.cache.get(str(uri), str(rev), lambda tmp: fetcher.download(uri, rev, tmp))
@@ -69,7 +74,7 @@ class AdapterSources:
         fetched = self.fetch(path)
         return (path, None) if fetched is None else (str(fetched.dir), fetched)
 
-    def _fetcher(self, scheme: str) -> Any:
+    def fetcher(self, scheme: str) -> Any:
         with self._lock:
             return self._make(scheme)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from appliance.lora.adapter_files import CONFIG_FILE, WEIGHTS_FILE
-from appliance.lora.sources.uri import RemoteURI, SourceError
+from appliance.lora.sources.uri import RemoteURI, SourceError, SourceMissing
 
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 
@@ -44,9 +44,9 @@ class HubFetcher:
                                           allow_patterns=[uri.key(f) for f in FILES],
                                           etag_timeout=self.timeout_s))
         except RevisionNotFoundError:
-            raise SourceError(f"{uri}: revision {uri.revision!r} does not exist") from None
+            raise SourceMissing(f"{uri}: revision {uri.revision!r} does not exist") from None
         except RepositoryNotFoundError:
-            raise SourceError(f"{uri}: repository {uri.root!r} does not exist (or HF_TOKEN cannot read it)") from None
+            raise SourceMissing(f"{uri}: repository {uri.root!r} does not exist (or HF_TOKEN cannot read it)") from None
         except LocalEntryNotFoundError:
             raise SourceError(f"{uri}: not in the local Hugging Face cache and the Hub cannot be reached "
                               "(offline or timed out)") from None

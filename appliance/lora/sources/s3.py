@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from appliance.lora.adapter_files import CONFIG_FILE, WEIGHTS_FILE
-from appliance.lora.sources.uri import RemoteURI, SourceError
+from appliance.lora.sources.uri import RemoteURI, SourceError, SourceMissing
 
 FILES = (CONFIG_FILE, WEIGHTS_FILE)
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
@@ -111,9 +111,9 @@ class S3Fetcher:
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code in ("404", "NoSuchKey", "NotFound"):
                 hint = " (not a PEFT LoRA adapter prefix?)" if name == CONFIG_FILE else ""
-                raise SourceError(f"{uri}: {where} does not exist{hint}") from None
+                raise SourceMissing(f"{uri}: {where} does not exist{hint}") from None
             if code == "NoSuchBucket":
-                raise SourceError(f"{uri}: bucket {uri.root!r} does not exist") from None
+                raise SourceMissing(f"{uri}: bucket {uri.root!r} does not exist") from None
             if code in ("403", "AccessDenied"):
                 raise SourceError(f"{uri}: access to {where} denied (check the AWS credentials' permissions)") from None
             if code in ("412", "PreconditionFailed"):

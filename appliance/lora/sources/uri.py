@@ -26,6 +26,10 @@ class SourceError(AdapterError):
     nothing registered. Messages name the URI, never a credential."""
 
 
+class SourceMissing(SourceError):
+    """Nothing at that URI (no such object, bucket, repo or revision): the resolver tries its next template."""
+
+
 @dataclass(frozen=True)
 class RemoteURI:
     scheme: str  # s3 | hf

@@ -44,10 +44,12 @@ class AdapterView(BaseModel):
     checksum: str
     base_model_name: Optional[str]
     generation: int = Field(description="bumped by every in-place reload")
-    tier: Literal["gpu", "cpu", "disk"]
+    tier: Literal["gpu", "cpu", "disk", "remote"]
     slot: Optional[int]
     in_flight: int = Field(description="requests (waiting or running) on its current weights")
     managed: bool = Field(description="the config owns it (reconcile.prune: owned may unload it)")
+    revision: Optional[str] = Field(None, description="a remote adapter's revision: etag:... (s3) or "
+                                                      "commit:... (hf); null for a local dir")
 
 
 class AdapterChange(BaseModel):

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from appliance.server.schemas.base import Closed, array_or_object, one_message
 from appliance.engine.request import MAX_LOGPROBS
-from appliance.server.schemas.openai import SEED_MAX, LogitBias, Number, Penalty, Stop, TokenIds
+from appliance.server.schemas.openai import SEED_MAX, CacheSalt, LogitBias, Number, Penalty, Stop, TokenIds
 
 
 class GenerateSamplingParams(Closed):
@@ -32,6 +32,7 @@ class GenerateSamplingParams(Closed):
         None, description="a JSON schema (JSON text or an object) the output validates against")
     regex: Optional[str] = Field(None, description="a regex the whole output matches")
     ebnf: Optional[str] = Field(None, description="an EBNF grammar (xgrammar's, root rule `root`)")
+    cache_salt: Optional[CacheSalt] = None
 
 
 _Text = Annotated[str, Field(min_length=1)]

@@ -27,6 +27,8 @@ Stop = Annotated[Union[str, list[str]], one_message("must be a string or an arra
 LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]],
                       Field(max_length=MAX_LOGIT_BIAS, description="token id (a string) -> added to its logit")]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256, description=(
+    "(vLLM) prefix caching: only requests with the same salt share cached KV blocks"))]
 
 
 class StreamOptions(Open):
@@ -71,6 +73,7 @@ class Sampling(Open):
     frequency_penalty: Optional[Penalty] = Field(None, description="minus this times the token's count so far")
     repetition_penalty: Optional[Number] = Field(None, gt=0, description="(vLLM) CTRL/HF, over prompt and output")
     min_p: Optional[Number] = Field(None, ge=0, le=1, description="(vLLM) relative to the top token's probability")
+    cache_salt: Optional[CacheSalt] = None
     # Structured outputs (server/grammar_params.py): at most one of these five.
     response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
     guided_json: Optional[Union[str, dict[str, Any]]] = Field(
@@ -95,7 +98,7 @@ class CompletionRequest(Sampling):
 
     prompt: CompletionPrompt
     max_tokens: Optional[int] = Field(None, ge=1, description="default 16, capped to the context left")
-    echo: Optional[bool] = Field(None, description="not supported (only false)")
+    echo: Optional[bool] = Field(None, description="the prompt's text before each choice's text; not with logprobs")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="the k most likely tokens too")
     best_of: Optional[int] = Field(None, ge=1, description=">= n; the n of highest cumulative logprob; not streamed")
     suffix: Optional[str] = Field(None, description='not supported (only "")')
@@ -111,11 +114,56 @@ Content = Annotated[Union[str, list[TextPart]],
                                 "only text content is supported.")]
 
 
+class FunctionCall(Open):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(Open):
+    """A call the assistant made in an earlier turn (the `tool_calls` of an answer, sent back)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Open):
-    role: Literal["system", "developer", "user", "assistant"] = Field(description='"developer" = "system"')
-    content: Content
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description='"developer" = "system"')
+    content: Optional[Content] = Field(None, description="required, except null on an assistant turn with tool_calls")
     name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = Field(None, description="not supported")
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="assistant turns only")
+    tool_call_id: Optional[str] = Field(None, description="role tool: the id of the call this answers")
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a-z, A-Z, 0-9, _ and -, at most 64")]
+
+
+class FunctionDefinition(Open):
+    name: FunctionName
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = Field(
+        None, description="a JSON schema of the arguments object; absent = no arguments")
+    strict: Optional[bool] = Field(None, description="accepted; required and named tool_choice are always "
+                                                     "constrained to the schema, auto never")
+
+
+class Tool(Open):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Open):
+    name: str
+
+
+class NamedToolChoice(Open):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Annotated[Union[Literal["none", "auto", "required"], NamedToolChoice],
+                       one_message('must be "none", "auto", "required" or {"type": "function", "function": '
+                                   '{"name": <string>}}.')]
 
 
 class ChatCompletionRequest(Sampling):
@@ -126,9 +174,9 @@ class ChatCompletionRequest(Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="wins over max_tokens")
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true")
-    tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (only [])")
-    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description='not supported (only "none")')
-    parallel_tool_calls: Optional[bool] = Field(None, description="accepted; no tools are called")
+    tools: Optional[list[Tool]] = Field(None, description="functions the model may call (server/tools/)")
+    tool_choice: Optional[ToolChoice] = Field(None, description='default "auto" with tools, else "none"')
+    parallel_tool_calls: Optional[bool] = Field(None, description="default true: required may call several")
     audio: Optional[dict[str, Any]] = Field(None, description="not supported")
     modalities: Optional[list[str]] = Field(None, description='only ["text"]')
     chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="(vLLM) not supported (only {})")
@@ -143,9 +191,8 @@ def _equals(default: Any) -> Callable[[Any], bool]:
 
 
 _SHARED: dict[str, Callable[[Any], bool]] = {}
-UNSUPPORTED_COMPLETION = {**_SHARED, "echo": _equals(False), "suffix": _equals("")}
-UNSUPPORTED_CHAT = {**_SHARED, "tools": _equals([]),
-                    "tool_choice": _equals("none"), "audio": _never, "modalities": _equals(["text"]),
+UNSUPPORTED_COMPLETION = {**_SHARED, "suffix": _equals("")}
+UNSUPPORTED_CHAT = {**_SHARED, "audio": _never, "modalities": _equals(["text"]),
                     "chat_template_kwargs": _equals({})}
 
 
@@ -183,9 +230,21 @@ class CompletionResponse(BaseModel):
     usage: Optional[Usage] = Field(None, description="on a stream: null but on the last chunk (include_usage)")
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text as the model wrote it (auto: check it before use)")
+
+
+class ToolCallOut(BaseModel):
+    id: str = Field(description="call_<hex>")
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str] = Field(description="null when the answer is only tool calls")
+    tool_calls: Optional[list[ToolCallOut]] = Field(None, description="present when the model called tools")
 
 
 class TopLogprob(BaseModel):
@@ -203,11 +262,14 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+ChatFinishReason = Optional[Literal["stop", "length", "tool_calls"]]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletionResponse(BaseModel):
@@ -219,16 +281,31 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta carries index, id, type and function.name; later ones argument fragments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[FunctionCallDelta] = None
+
+
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletionChunk(BaseModel):

@@ -5,6 +5,7 @@ response names the AWS credentials."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -86,6 +87,12 @@ def test_yaml_and_admin_adapters_from_s3_match_peft(srv: ServerThread, made: dic
     r = load(srv, "fromapi", made["mlp6"][1])
     assert r.status_code == 200, r.text
     assert listed(srv)["fromapi"]["path"] == made["mlp6"][1]
+    # One CPU entry and a disk cache for one adapter: fromapi's download evicted fromyaml's entry.
+    assert listed(srv)["fromyaml"]["tier"] == "remote"
+    metrics = requests.get(srv.url + "/metrics", timeout=30).text
+    assert 'appliance_lora_adapters{tier="remote"} 1.0' in metrics
+    downloads = re.search(r'appliance_lora_load_duration_seconds_count\{tier="disk"\} (\S+)', metrics)
+    assert downloads is not None and float(downloads.group(1)) == 2  # fromyaml at start, fromapi now
     assert oracle["qv4"] != oracle["mlp6"]  # else the comparison below could not tell them apart
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     tok = Tokenizer(tiny_model_dir)
@@ -175,3 +182,45 @@ def test_concurrent_admin_loads_of_one_uri_download_once(srv: ServerThread, made
     assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
     assert cache.downloads - before == 1
     assert tokens(srv, "conc3") == oracle["mlp6"]
+
+
+def test_changed_object_shows_its_revision_in_plan_and_reloads_on_apply(srv: ServerThread, made: dict, s3,
+                                                                        oracle: dict, s3_url: str, tmp_path: Path,
+                                                                        tiny_model_dir: Path) -> None:
+    """`appliance plan`/`apply`'s code against the live server: a remote adapter is planned with its
+    ETag revision; replacing the object in S3 shows as `-/+ reload` naming both revisions, apply
+    reloads it, it then gives the new adapter's tokens, and the next plan has nothing to do."""
+    import asyncio
+
+    from appliance.reconcile.apply import execute
+    from appliance.reconcile.client import AdminClient
+    from appliance.reconcile.live import desired_state, live_adapters
+    from appliance.reconcile.plan import plan, render
+
+    uri = upload(s3, made["qv4"][0], "team/applied")
+    tree = config_tree(tmp_path / "configs", f"adapters:\n  applied:\n    path: {uri}\n")
+    cfg = compose_config(tree, [f"model.path={tiny_model_dir}", "lora.enabled=true", "lora.max_lora_rank=8",
+                                f"lora.allowed_sources=[s3://{BUCKET}/team]", f"lora.s3_endpoint_url={s3_url}",
+                                "lora.s3_region=us-east-1", f"lora.adapter_cache_dir={tmp_path / 'cache'}"])
+    client = AdminClient(srv.url, "adm")
+
+    def planned():
+        desired, broken = desired_state(cfg)
+        assert broken == {}
+        p = plan(desired, {n: a for n, a in live_adapters(client.adapters()).items() if n == "applied"})
+        return desired["applied"].revision, p
+
+    rev1, p = planned()
+    assert rev1.startswith("etag:") and render(p).startswith(f"+ applied: load (not loaded ({uri} at {rev1}))")
+    assert all(r.ok for r in asyncio.run(execute(p.actions, client)))
+    assert tokens(srv, "applied") == oracle["qv4"] and listed(srv)["applied"]["revision"] == rev1
+    for f in made["mlp6"][0].iterdir():
+        if f.is_file():
+            s3.put_object(Bucket=BUCKET, Key=f"team/applied/{f.name}", Body=f.read_bytes())
+    rev2, p = planned()
+    assert rev2 != rev1
+    assert render(p).startswith("-/+ applied: reload (weights changed: checksum ") and \
+        f"; revision {rev1} -> {rev2})" in render(p)
+    assert all(r.ok for r in asyncio.run(execute(p.actions, client)))
+    assert tokens(srv, "applied") == oracle["mlp6"] and listed(srv)["applied"]["revision"] == rev2
+    assert planned()[1].actions == []
