@@ -510,6 +510,8 @@ class LLMEngine:
 
     def _banned(self, seq: Sequence) -> list[int]:
         p = seq.params
+        if seq.matcher is not None:
+            return []  # its grammar decides when EOS may come: banning it then would leave no token
         if len(seq.output_token_ids) + seq.num_pending < p.min_tokens:  # tokens sampled before this one
             return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.tokenizer.eos_token_ids))
         return []
@@ -526,7 +528,7 @@ class LLMEngine:
             ev.itls.append((seq.adapter_name, now - seq.last_token_time))  # type: ignore[operator]
         seq.last_token_time = now
         if seq.matcher is not None and not seq.matcher.accept_token(tok):
-            # Only when nothing was allowed (e.g. min_tokens banned the end the grammar had reached).
+            # Only when the mask allowed nothing, which the compiler's check rules out at the start.
             return self._finish(seq, "error", now, f"token {tok} does not continue the request's grammar")
         if seq.matcher is not None and seq.matcher.is_terminated() and p.ignore_eos:
             seq.matcher.reset()  # ignore_eos (benchmarks): the row goes on with the grammar from the start

@@ -21,7 +21,7 @@ from appliance.engine.memory import check_weights_fit, lora_buffer_bytes, plan_k
 from appliance.engine.runtime import resolve_device, resolve_runtime
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.engine.step import StepBatch, StepInputs
-from appliance.models.attention import AttentionMetadata, PrefillSeq
+from appliance.models.attention import AttentionMetadata, PrefillSeq, context_groups
 from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, random_model, read_hf_config
 from appliance.parallel.group import SingleRank, TPGroup
@@ -252,6 +252,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             decode_splits=self.decode_splits(len(b.decode_context_lens), max(b.decode_context_lens, default=0)),
             decode_len_bound=max(b.decode_context_lens, default=0),
+            context_groups=context_groups(b.prefills, self.block_size, dev),
         )
         return StepInputs(
             input_ids=torch.tensor(b.input_ids, dtype=torch.long, device=dev),

@@ -7,15 +7,17 @@ token's K/V goes in the cache and which cache blocks each sequence reads.
 Decode tokens go through one batched call: the Triton kernel (kernels/paged_attention.py, backend
 `triton`: reads each K/V tile once for all query heads of its KV head, lengths read on the device) or
 its pure-torch twin (backend `torch`: gathers the KV up to the longest context). Prefill chunks use
-SDPA per sequence; a chunk that continues a cached context gets a lower-right causal bias instead of
-a materialised [q_len, total] mask.
+SDPA per sequence; a lone chunk that continues a cached context gets a lower-right causal bias. Two or
+more such chunks (prefix-cache hits, chunked prefill) go through one padded SDPA call per group
+(`ContextBatch`, built once per step), not one call per chunk and layer.
 
 Cache layout per layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,62 @@ class PrefillSeq:
     q_len: int  # new tokens of this sequence in this step
     context_len: int  # tokens already in the cache before this step
     block_table: torch.Tensor  # [num_blocks_of_seq] long, on device
+
+
+# Gathered K/V positions of one ContextBatch group (B x longest context): bounds its transient memory.
+CONTEXT_GROUP_POSITIONS = 65536
+
+
+@dataclass
+class ContextGroup:
+    """Prefill chunks that continue a cached context, padded to one SDPA call."""
+
+    block_tables: torch.Tensor  # [B, nb] long (padded with 0)
+    length: int  # longest context + chunk of the group: the K/V positions gathered
+    q_index: torch.Tensor  # [B, Q] long: each query's token in the step (padding -> 0)
+    valid: torch.Tensor  # [B, Q] bool: real queries
+    out_index: torch.Tensor  # [N] long: q_index[valid], where the outputs go
+    mask: torch.Tensor  # [B, Q, T] bool: key j visible to query i (padding rows see key 0 only)
+    _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, group: int) -> torch.Tensor:
+        """[B, 1, Q * group, T]: the mask with each query row repeated for the query heads of a KV head."""
+        if group not in self._grouped:
+            self._grouped[group] = self.mask.repeat_interleave(group, dim=1)[:, None]
+        return self._grouped[group]
+
+
+def context_groups(prefills: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int,
+                   device: torch.device) -> list[ContextGroup]:
+    """Groups of the step's chunks with a cached context, when there are two or more (else [])."""
+    ctx = sorted((p for p in prefills if p[2] > 0), key=lambda p: p[2] + p[1])
+    if len(ctx) < 2:
+        return []
+    groups, cur = [], []
+    for p in ctx:  # sorted by length: each group pads to its own longest
+        if cur and (len(cur) + 1) * (p[2] + p[1]) > CONTEXT_GROUP_POSITIONS:
+            groups.append(cur)
+            cur = []
+        cur.append(p)
+    groups.append(cur)
+    return [_group(g, block_size, device) for g in groups]
+
+
+def _group(chunks: list, block_size: int, device: torch.device) -> ContextGroup:
+    length = max(c + n for _, n, c, _ in chunks)
+    q_max = max(n for _, n, _, _ in chunks)
+    nb = (length + block_size - 1) // block_size
+    tables = torch.tensor([list(t[:nb]) + [0] * (nb - len(t[:nb])) for *_, t in chunks], dtype=torch.long)
+    q0 = torch.tensor([q for q, _, _, _ in chunks])[:, None]
+    n = torch.tensor([n for _, n, _, _ in chunks])[:, None]
+    c = torch.tensor([c for _, _, c, _ in chunks])[:, None, None]
+    i = torch.arange(q_max)[None]
+    valid = i < n
+    q_index = torch.where(valid, q0 + i, 0)
+    j = torch.arange(length)[None, None]
+    mask = torch.where(valid[:, :, None], j <= c + i[:, :, None], j == 0)
+    return ContextGroup(tables.to(device), length, q_index.to(device), valid.to(device),
+                        q_index[valid].to(device), mask.to(device))
 
 
 @dataclass
@@ -47,6 +105,8 @@ class AttentionMetadata:
     # by the batch size and max_model_len, never by this step's lengths; see ModelRunner.decode_splits).
     decode_splits: int = 1
     decode_len_bound: int = 0
+    # Chunks with a cached context batched per group (context_groups); [] = each chunk on its own.
+    context_groups: list[ContextGroup] = field(default_factory=list)
 
     @property
     def num_decodes(self) -> int:
@@ -68,8 +128,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     q: [T, h, d]; k, v: [T, kvh, d] (already written to the cache); returns [T, h, d].
     """
     out = torch.empty_like(q)
+    for g in meta.context_groups:
+        _context_group(q, k_cache, v_cache, g, scale, out)
     for p in meta.prefills:
         sl = slice(p.q_start, p.q_start + p.q_len)
+        if p.context_len > 0 and meta.context_groups:
+            continue  # done above
         if p.context_len == 0:
             # Whole prompt (or first chunk) in this step: attend to the fresh K/V, plain causal.
             out[sl] = _sdpa(q[sl], k[sl], v[sl], None, causal=True, scale=scale)
@@ -92,6 +156,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
                 max_len=meta.decode_max_len)
     return out
+
+
+def _context_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: ContextGroup,
+                   scale: float, out: torch.Tensor) -> None:
+    """One SDPA call for a group: the query heads of a KV head ride as extra query rows (no GQA
+    expansion of the gathered K/V)."""
+    kc, vc = ref.gather_kv(k_cache, v_cache, g.block_tables, g.length)  # [B, T, kvh, d]
+    b, q_max = g.q_index.shape
+    h, d = q.shape[1], q.shape[2]
+    kvh = kc.shape[2]
+    grp = h // kvh
+    qb = q[g.q_index].view(b, q_max, kvh, grp, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, q_max * grp, d)
+    o = F.scaled_dot_product_attention(qb, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=g.mask_for(grp),
+                                       scale=scale)
+    o = o.view(b, kvh, q_max, grp, d).permute(0, 2, 1, 3, 4).reshape(b, q_max, h, d)
+    out[g.out_index] = o[g.valid]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object,

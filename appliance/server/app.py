@@ -332,6 +332,7 @@ class _Api:
         """What an inference request must pass before its body is read: its API key, no drain, and
         its tenant's concurrency and request-rate limits; returns what to call when it has ended."""
         tenant = self.auth.check(request)
+        record_of(request).tenant = tenant.name if tenant is not None else None
         if self.state.draining:
             raise ApiError(503, "The server is shutting down.", code="draining")
         ticket = self.tenants.admit(tenant or self.tenants.unscoped)

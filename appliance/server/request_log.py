@@ -45,6 +45,7 @@ class RequestRecord:
     client_id: bool  # True: the client chose request_id, so it may repeat (engine ids add a tag)
     started: float = field(default_factory=time.monotonic)
     adapter: Optional[str] = None  # registered adapter name(s), comma-separated; None = base model
+    tenant: Optional[str] = None  # the configured tenant whose key it came with (tenants.*)
     choices: Optional[list[Choice]] = None  # the request's choices, filled in as it runs
     ttft_s: Optional[float] = None  # arrival to the first token of every prompt of the first window
 
@@ -104,6 +105,7 @@ class RequestLog:
         fields = {
             "request_id": rec.request_id, "method": scope["method"], "route": route,
             "path": quote(scope["path"], safe="/._-~"), "status": code, "adapter": rec.adapter,
+            "tenant": rec.tenant,
             "prompt_tokens": u.get("prompt_tokens"), "completion_tokens": u.get("completion_tokens"),
             "ttft_s": None if rec.ttft_s is None else round(rec.ttft_s, 6),
             "e2e_s": round(time.monotonic() - rec.started, 6),

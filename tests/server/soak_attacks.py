@@ -495,7 +495,10 @@ def label_problems(url: str, known: set[str], max_labels: int, churned: list[str
     """The `adapter` label's values: registered names (first come), `base` and `other`, at most
     `max_labels` names of their own however many adapters came and went; /metrics stays small."""
     text = requests.get(url + "/metrics", timeout=30).text
-    labels = {line.split('adapter="')[1].split('"')[0] for line in text.splitlines() if 'adapter="' in line}
+    # appliance_lora_adapter_resident names adapters in memory by their own name: bounded by the tiers,
+    # not by max_adapter_labels (telemetry/metrics.py), so it is left out of this count.
+    labels = {line.split('adapter="')[1].split('"')[0] for line in text.splitlines()
+              if 'adapter="' in line and not line.startswith("appliance_lora_adapter_resident")}
     own = labels - {"base", "other"}
     out = []
     if not own <= known | set(churned):

@@ -150,7 +150,7 @@ def test_longest_printable_name_is_accepted(srv: ServerThread, root: Path) -> No
     ("/v1/completions", {**COMPLETION, "model": "tiny:" + "m" * 1_000_000}),
     ("/generate", {**GENERATE, "lora_path": "m" * 1_000_000}),
     ("/unload_lora_adapter", {"lora_name": "m" * 1_000_000}),
-    ("/v1/completions", {**COMPLETION, "m" * 1_000_000: 1, "echo": True}),
+    ("/v1/completions", {**COMPLETION, "m" * 1_000_000: 1, "suffix": "x"}),
     ("/generate", {**GENERATE, "m" * 1_000_000: 1}),
 ])
 def test_errors_do_not_echo_megabytes(srv: ServerThread, path: str, body: dict) -> None:

@@ -116,6 +116,7 @@ def test_json_logs_one_line_per_request(tiny_model_dir: Path, tmp_path: Path) ->
     assert len(lines) == len(by_id) == 3 + len(health)  # one per request, the probes' included
     okl, streamed, missing = by_id["log-ok"], by_id["log-stream"], by_id["log-404"]
     assert okl["route"] == "/v1/completions" and okl["status"] == 200 and okl["adapter"] is None
+    assert okl["tenant"] is None  # no tenants configured
     assert (okl["prompt_tokens"], okl["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
     assert 0 < okl["ttft_s"] <= okl["e2e_s"]
     assert streamed["route"] == "/v1/chat/completions" and streamed["status"] == 200

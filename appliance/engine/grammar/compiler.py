@@ -54,12 +54,14 @@ class GrammarCompiler:
                 self.hits += 1
                 return hit
             self.misses += 1
+        what = spec.kind.replace("_", " ")
         try:
             compiled = self._compile(spec)
         except RuntimeError as e:
             message = _CPP_PREFIX.sub("", str(e).strip())
-            raise RequestError(f"{spec.param}: cannot compile the {spec.kind.replace('_', ' ')}: {message}",
-                               param=spec.param) from None
+            raise RequestError(f"{spec.param}: cannot compile the {what}: {message}", param=spec.param) from None
+        if not self._admits_output(compiled):  # e.g. {"anyOf": []}: no first token would be allowed
+            raise RequestError(f"{spec.param}: the {what} admits no output", param=spec.param)
         with self._lock:
             self._cache[key] = compiled
             self._cache.move_to_end(key)
@@ -77,6 +79,11 @@ class GrammarCompiler:
     def cached(self, spec: GrammarSpec) -> bool:
         with self._lock:
             return spec.key() in self._cache
+
+    def _admits_output(self, compiled: Any) -> bool:
+        bits = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bits, 0)
+        return bool(bits.any())
 
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self._compiler

@@ -135,3 +135,15 @@ def test_apply_mask_matches_its_torch_twin(rows: list[int]) -> None:
     assert torch.equal(a, b)
     free = [i for i in range(4) if i not in rows]
     assert torch.equal(a[free], logits[free])
+
+
+def test_a_grammar_without_any_output_is_refused(engine: LLMEngine) -> None:
+    with pytest.raises(RequestError, match="admits no output") as e:
+        engine.grammar_compiler().compile(GrammarSpec("regex", r"[^\x00-\U0010FFFF]", "guided_regex"))
+    assert e.value.param == "guided_regex"
+
+
+def test_min_tokens_does_not_hold_a_constrained_row_past_its_grammar(engine: LLMEngine) -> None:
+    p = SamplingParams(max_tokens=10, min_tokens=8, temperature=0.0, grammar=GrammarSpec("regex", "ok"))
+    ids, text, reason, _ = run(engine, [("x", p)])["0"]
+    assert (text, reason) == ("ok", "stop")

@@ -1,0 +1,65 @@
+"""Prefill chunks that continue a cached context, batched per group, against a naive softmax oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from appliance.models import attention
+from appliance.models.attention import AttentionMetadata, PrefillSeq, context_groups, paged_attention
+
+
+def _naive(q, k_cache, v_cache, table, ctx, n, scale):
+    """Each query of a chunk over its sequence's K/V up to its own position, softmax written out."""
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    total = ctx + n
+    kc = torch.cat([k_cache[b] for b in table])[:total]  # [total, kvh, d]
+    vc = torch.cat([v_cache[b] for b in table])[:total]
+    grp = q.shape[1] // kvh
+    kc, vc = kc.repeat_interleave(grp, dim=1), vc.repeat_interleave(grp, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, kc) * scale
+    pos = ctx + torch.arange(n)[:, None]
+    s = s.masked_fill(torch.arange(total)[None] > pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vc)
+
+
+def _step(chunks, bs=4, kvh=2, h=6, d=8, blocks=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(blocks, bs, kvh, d, generator=g)
+    v_cache = torch.randn(blocks, bs, kvh, d, generator=g)
+    free = list(torch.randperm(blocks, generator=g).tolist())
+    prefills, q0 = [], 0
+    for ctx, n in chunks:
+        table = [free.pop() for _ in range((ctx + n + bs - 1) // bs)]
+        prefills.append((q0, n, ctx, table))
+        q0 += n
+    q = torch.randn(q0, h, d, generator=g)
+    return q, k_cache, v_cache, prefills
+
+
+def _meta(prefills, groups):
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        prefills=[PrefillSeq(q0, n, c, torch.tensor(t)) for q0, n, c, t in prefills],
+        num_prefill_tokens=sum(p[1] for p in prefills), decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
+        decode_context_lens=torch.zeros(0, dtype=torch.long), decode_max_len=0, context_groups=groups)
+
+
+def test_batched_context_chunks_match_the_naive_oracle_and_the_chunk_by_chunk_path(monkeypatch) -> None:
+    # Fresh prompts, hits of several lengths, a one-token chunk, a context that ends mid-block.
+    chunks = [(0, 5), (8, 3), (12, 4), (0, 7), (3, 1), (21, 6), (16, 16)]
+    q, kc, vc, prefills = _step(chunks)
+    monkeypatch.setattr(attention, "CONTEXT_GROUP_POSITIONS", 60)  # several groups
+    groups = context_groups(prefills, kc.shape[1], torch.device("cpu"))
+    assert len(groups) >= 2 and sum(int(g.valid.sum()) for g in groups) == sum(n for _, n, c, _ in prefills if c)
+    k, v = torch.randn(q.shape[0], kc.shape[2], kc.shape[3]), torch.randn(q.shape[0], kc.shape[2], kc.shape[3])
+    batched = paged_attention(q, k, v, kc, vc, _meta(prefills, groups), 0.3)
+    one_by_one = paged_attention(q, k, v, kc, vc, _meta(prefills, []), 0.3)
+    for q0, n, c, t in prefills:
+        want = _naive(q[q0:q0 + n], kc, vc, t, c, n, 0.3) if c else one_by_one[q0:q0 + n]
+        torch.testing.assert_close(batched[q0:q0 + n], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(one_by_one[q0:q0 + n], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lone_context_chunk_is_not_grouped() -> None:
+    _, kc, _, prefills = _step([(0, 5), (8, 3)])
+    assert context_groups(prefills, kc.shape[1], torch.device("cpu")) == []
