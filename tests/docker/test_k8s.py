@@ -2,23 +2,34 @@
 `kubectl kustomize` would), every built-in object validates against the Kubernetes schemas of two
 versions (kubernetes-validate), the Prometheus Operator objects (CRDs, no schema there) are checked for
 their required fields, and the pieces agree with each other, the image and the server: probes on real
-routes, the Dockerfile's user, the rule file, and a ConfigMap that composes over the packaged configs."""
+routes, the Dockerfile's user, the rule file, a ConfigMap that composes over the packaged configs,
+and the cpu overlay's pod run as processes."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import openai
 import pytest
+import requests
 import yaml
 
 from appliance.config.compose import compose_config, compose_tree
 from appliance.server.probes import Probes
 from tests.conftest import REPO
+from tests.docker.test_docker_files import image_env
 from tests.docker.kustomize_lite import merge, render
+from tests.telemetry.helpers import free_port
 
 K8S = REPO / "docker/k8s"
 OVERLAYS = ["cpu", "gpu"]
@@ -168,3 +179,61 @@ def test_the_configmap_composes_over_the_packaged_configs(overlay: str, tmp_path
         assert cfg.engine == packaged.engine and cfg.lora == packaged.lora and cfg.model == packaged.model
         gpu_groups = compose_config(None, ["engine=gpu", "lora=gpu"])
         assert (cfg.engine == gpu_groups.engine) == (overlay == "gpu"), shlex.join(args)
+
+
+def test_the_cpu_overlay_pod_serves_as_deployed(tmp_path: Path, default_model_dir: Path) -> None:
+    """The init container's and the server's args as plain processes (this checkout's code), with the
+    ConfigMap laid out as the kubelet mounts it, the Secret's keys in the environment, the image's ENV
+    and loopback instead of 0.0.0.0; then each probe as the kubelet calls it, and the API key at work."""
+    objs = objects("cpu")
+    conf = write_configmap(objs, tmp_path / "etc-appliance")
+    spec = pod(objs)
+    (init,), (server,) = spec["initContainers"], spec["containers"]
+    secret = one(objs, "Secret")["stringData"]
+    port = free_port()
+    env = {**os.environ, **image_env(), "APPLIANCE_HOST": "127.0.0.1", "APPLIANCE_PORT": str(port),
+           # The cache volume already holds the converted model, as after a first start.
+           "APPLIANCE_CACHE_DIR": str(default_model_dir.parent.parent), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "HOME": str(tmp_path)}
+    env.update({e["name"]: secret[e["valueFrom"]["secretKeyRef"]["key"]] for e in server["env"]})
+
+    def argv(c: dict[str, Any]) -> list[str]:
+        return [sys.executable, "-m", "appliance", *[str(conf) if a == "/etc/appliance" else a for a in c["args"]]]
+
+    prep = subprocess.run(argv(init), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert prep.returncode == 0 and prep.stdout.strip() == str(default_model_dir), prep.stdout + prep.stderr
+    proc = subprocess.Popen(argv(server), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def probe(name: str) -> int:
+        p = server[name]
+        try:
+            return requests.get(base + p["httpGet"]["path"], timeout=p["timeoutSeconds"]).status_code
+        except requests.ConnectionError:
+            return 0
+
+    try:
+        start = server["startupProbe"]
+        deadline = time.monotonic() + start["periodSeconds"] * start["failureThreshold"]
+        while probe("startupProbe") != 200:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the startup probe never passed"
+            time.sleep(0.5)
+        assert probe("readinessProbe") == 200 and probe("livenessProbe") == 200
+        # Inference needs the Secret's api-key; the open probes and /metrics do not.
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong").models.list()
+        models = openai.OpenAI(base_url=base + "/v1", api_key=secret["api-key"]).models.list()
+        assert "SmolLM2-135M-Instruct" in {m.id for m in models}
+        assert "vllm:num_requests_waiting" in requests.get(base + "/metrics", timeout=30).text  # gateway_compat
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=spec["terminationGracePeriodSeconds"])[0]
+        assert proc.returncode == 0, out
+        # logging.format: json from the ConfigMap: the per-request lines parse.
+        logged = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert any("/v1/models" in json.dumps(rec) for rec in logged), out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
