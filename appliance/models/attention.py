@@ -34,8 +34,10 @@ class PrefillSeq:
     block_table: torch.Tensor  # [num_blocks_of_seq] long, on device
 
 
-# Gathered K/V positions of one ContextBatch group (B x longest context): bounds its transient memory.
+# Gathered K/V positions of one group (B x longest context): bounds its transient memory.
 CONTEXT_GROUP_POSITIONS = 65536
+# Longer chunks stay on their own: their call overhead is amortised, and a group's mask grows with them.
+CONTEXT_GROUP_MAX_Q = 256
 
 
 @dataclass
@@ -59,8 +61,8 @@ class ContextGroup:
 
 def context_groups(prefills: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int,
                    device: torch.device) -> list[ContextGroup]:
-    """Groups of the step's chunks with a cached context, when there are two or more (else [])."""
-    ctx = sorted((p for p in prefills if p[2] > 0), key=lambda p: p[2] + p[1])
+    """Groups of the step's short chunks with a cached context, when there are two or more (else [])."""
+    ctx = sorted((p for p in prefills if p[2] > 0 and p[1] <= CONTEXT_GROUP_MAX_Q), key=lambda p: p[2] + p[1])
     if len(ctx) < 2:
         return []
     groups, cur = [], []
@@ -132,7 +134,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         _context_group(q, k_cache, v_cache, g, scale, out)
     for p in meta.prefills:
         sl = slice(p.q_start, p.q_start + p.q_len)
-        if p.context_len > 0 and meta.context_groups:
+        if p.context_len > 0 and p.q_len <= CONTEXT_GROUP_MAX_Q and meta.context_groups:
             continue  # done above
         if p.context_len == 0:
             # Whole prompt (or first chunk) in this step: attend to the fresh K/V, plain causal.

@@ -60,6 +60,17 @@ def test_batched_context_chunks_match_the_naive_oracle_and_the_chunk_by_chunk_pa
         torch.testing.assert_close(one_by_one[q0:q0 + n], want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_lone_context_chunk_is_not_grouped() -> None:
+def test_a_lone_context_chunk_is_not_grouped(monkeypatch) -> None:
     _, kc, _, prefills = _step([(0, 5), (8, 3)])
     assert context_groups(prefills, kc.shape[1], torch.device("cpu")) == []
+    # Nor are long chunks: with two short ones beside them, only the short ones form a group.
+    monkeypatch.setattr(attention, "CONTEXT_GROUP_MAX_Q", 4)
+    chunks = [(8, 3), (4, 9), (12, 2), (0, 6)]
+    q, kc, vc, prefills = _step(chunks)
+    groups = context_groups(prefills, kc.shape[1], torch.device("cpu"))
+    assert len(groups) == 1 and int(groups[0].valid.sum()) == 5
+    k, v = torch.randn(q.shape[0], kc.shape[2], kc.shape[3]), torch.randn(q.shape[0], kc.shape[2], kc.shape[3])
+    got = paged_attention(q, k, v, kc, vc, _meta(prefills, groups), 0.3)
+    for q0, n, c, t in prefills:
+        if c:
+            torch.testing.assert_close(got[q0:q0 + n], _naive(q[q0:q0 + n], kc, vc, t, c, n, 0.3), atol=1e-5, rtol=1e-5)
