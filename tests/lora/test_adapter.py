@@ -275,4 +275,4 @@ def test_resolve_adapter_path(tmp_path: Path) -> None:
 def test_error_is_a_value_error() -> None:
     assert issubclass(AdapterError, ValueError)
     assert {f.name for f in dataclasses.fields(AdapterSpec)} == {
-        "path", "rank", "target_modules", "module_ranks", "scales", "base_model_name", "checksum", "source"}
+        "path", "rank", "target_modules", "module_ranks", "scales", "base_model_name", "checksum", "source", "revision"}

@@ -138,7 +138,7 @@ def test_the_admin_lock_is_free_while_a_config_is_composed(tmp_path: Path, monke
     tree = config_tree(tmp_path / "configs", "")
     entered, release = threading.Event(), threading.Event()
 
-    def slow_validate(config_dir: Any, overrides: Any) -> tuple[None, list[str]]:
+    def slow_validate(config_dir: Any, overrides: Any, layered: Any = None) -> tuple[None, list[str]]:
         entered.set()
         assert release.wait(30)
         return None, ["config/x.yaml: refused"]
