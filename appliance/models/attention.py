@@ -59,10 +59,15 @@ class ContextGroup:
         return self._grouped[group]
 
 
+def groupable(q_len: int, context_len: int) -> bool:
+    """Whether a prefill chunk goes through a ContextGroup (when the step has two or more such chunks)."""
+    return context_len > 0 and q_len <= CONTEXT_GROUP_MAX_Q
+
+
 def context_groups(prefills: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int,
                    device: torch.device) -> list[ContextGroup]:
     """Groups of the step's short chunks with a cached context, when there are two or more (else [])."""
-    ctx = sorted((p for p in prefills if p[2] > 0 and p[1] <= CONTEXT_GROUP_MAX_Q), key=lambda p: p[2] + p[1])
+    ctx = sorted((p for p in prefills if groupable(p[1], p[2])), key=lambda p: p[2] + p[1])
     if len(ctx) < 2:
         return []
     groups, cur = [], []
@@ -134,7 +139,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         _context_group(q, k_cache, v_cache, g, scale, out)
     for p in meta.prefills:
         sl = slice(p.q_start, p.q_start + p.q_len)
-        if p.context_len > 0 and p.q_len <= CONTEXT_GROUP_MAX_Q and meta.context_groups:
+        if meta.context_groups and groupable(p.q_len, p.context_len):
             continue  # done above
         if p.context_len == 0:
             # Whole prompt (or first chunk) in this step: attend to the fresh K/V, plain causal.
