@@ -88,3 +88,11 @@ def default_server(default_model_dir: Path) -> Iterator[ServerThread]:
                        f"server.api_keys=[{API_KEY}]")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def default_open_server(default_model_dir: Path) -> Iterator[ServerThread]:
+    """The default SmolLM2-135M-Instruct, no API key."""
+    srv = start_server(f"model.path={default_model_dir}", "model.device=cpu")
+    yield srv
+    srv.stop()

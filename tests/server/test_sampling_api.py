@@ -6,29 +6,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
 
 import openai
 import pytest
 import requests
 import torch
 
-from tests.server.conftest import ServerThread, start_server
+from tests.server.conftest import ServerThread
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "List 3 countries and their capitals."}]
 
 
 @pytest.fixture(scope="module")
-def srv(default_model_dir: Path) -> Iterator[ServerThread]:
-    s = start_server(f"model.path={default_model_dir}", "model.device=cpu")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(srv: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+def client(default_open_server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=default_open_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +92,11 @@ def test_completion_logprobs_streamed_and_not(client: openai.OpenAI, hf) -> None
     assert (tokens, values, offsets) == (lp.tokens, lp.token_logprobs, lp.text_offset)
 
 
-def test_generate_return_logprob(srv: ServerThread, client: openai.OpenAI) -> None:
+def test_generate_return_logprob(default_open_server: ServerThread, client: openai.OpenAI) -> None:
     body = {"text": "The capital of France is", "return_logprob": True, "top_logprobs_num": 2,
             "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0,
                                                                  "ignore_eos": True}}
-    r = requests.post(srv.url + "/generate", json=body, timeout=120)
+    r = requests.post(default_open_server.url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
     ref = client.completions.create(model=MODEL, prompt=body["text"], max_tokens=4, temperature=0, logprobs=2,
@@ -113,11 +105,11 @@ def test_generate_return_logprob(srv: ServerThread, client: openai.OpenAI) -> No
     assert [t for _, _, t in meta["output_token_logprobs"]] == ref.tokens
     assert [t for _, t, _ in meta["output_token_logprobs"]] == r.json()["output_ids"]
     assert all(len(top) == 2 for top in meta["output_top_logprobs"])
-    with requests.post(srv.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+    with requests.post(default_open_server.url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
                   if line.startswith("data: {")]
     assert events[-1]["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]
-    plain = requests.post(srv.url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
+    plain = requests.post(default_open_server.url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
                           timeout=120).json()
     assert "output_token_logprobs" not in plain["meta_info"]
 
@@ -140,23 +132,23 @@ def test_penalties_bias_min_p_and_seed_take_effect(client: openai.OpenAI, hf) ->
     assert text({"min_p": 1.0}, temperature=1.0, seed=5) == base  # only the top token is left
 
 
-def prompt_tokens_computed(srv: ServerThread) -> float:
-    for line in requests.get(srv.url + "/metrics", timeout=30).text.splitlines():
+def prompt_tokens_computed(default_open_server: ServerThread) -> float:
+    for line in requests.get(default_open_server.url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("appliance_prompt_tokens_computed_total "):
             return float(line.split()[1])
     raise AssertionError("no appliance_prompt_tokens_computed_total")
 
 
-def test_n_samples_share_the_prompt(srv: ServerThread, client: openai.OpenAI, hf) -> None:
+def test_n_samples_share_the_prompt(default_open_server: ServerThread, client: openai.OpenAI, hf) -> None:
     tok, _ = hf
     prompt = "Write a long story about a dragon who learns to cook. " * 6
     n_prompt = len(tok(prompt).input_ids)
-    before = prompt_tokens_computed(srv)
+    before = prompt_tokens_computed(default_open_server)
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=3, n=4)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.usage.prompt_tokens == n_prompt
     tail = n_prompt - (n_prompt - 1) // 16 * 16  # each extra sample computes its own last block
-    assert prompt_tokens_computed(srv) - before == n_prompt + 3 * tail
+    assert prompt_tokens_computed(default_open_server) - before == n_prompt + 3 * tail
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=3, n=4)
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
     assert len({c.text for c in out.choices}) > 1
@@ -181,14 +173,14 @@ def test_best_of_returns_the_most_likely(client: openai.OpenAI) -> None:
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"n": 0}, "n"), ({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
 ])
-def test_bad_sampling_fields_are_400_naming_the_field(srv: ServerThread, body: dict, param: str) -> None:
-    r = requests.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, **body},
+def test_bad_sampling_fields_are_400_naming_the_field(default_open_server: ServerThread, body: dict, param: str) -> None:
+    r = requests.post(default_open_server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, **body},
                       timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
 
 
-def test_chat_top_logprobs_needs_logprobs(srv: ServerThread) -> None:
-    r = requests.post(srv.url + "/v1/chat/completions", timeout=60,
+def test_chat_top_logprobs_needs_logprobs(default_open_server: ServerThread) -> None:
+    r = requests.post(default_open_server.url + "/v1/chat/completions", timeout=60,
                       json={"model": MODEL, "messages": QUESTION, "max_tokens": 2, "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text

@@ -7,8 +7,7 @@ and the 400s, which queue nothing."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import openai
@@ -18,7 +17,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from appliance.server.schemas.openai import ChatCompletionChunk, ChatCompletionResponse
 
-from tests.server.conftest import ServerThread, start_server
+from tests.server.conftest import ServerThread
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {
@@ -34,15 +33,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def srv(default_model_dir: Path) -> Iterator[ServerThread]:
-    s = start_server(f"model.path={default_model_dir}", "model.device=cpu")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(srv: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+def client(default_open_server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=default_open_server.url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def both(client: openai.OpenAI, **kw: Any) -> tuple[Any, Any]:
@@ -105,14 +97,14 @@ def test_named_choice_calls_that_function(client: openai.OpenAI) -> None:
     assert valid_calls(streamed.choices[0]) == calls and [n for n, _ in calls] == ["get_time"]
 
 
-def test_raw_answers_fit_the_response_models(srv: ServerThread) -> None:
+def test_raw_answers_fit_the_response_models(default_open_server: ServerThread) -> None:
     """The JSON on the wire, not only what the client makes of it."""
     body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 60,
             "temperature": 0, "parallel_tool_calls": False}
-    r = requests.post(srv.url + "/v1/chat/completions", json=body, timeout=300)
+    r = requests.post(default_open_server.url + "/v1/chat/completions", json=body, timeout=300)
     answer = ChatCompletionResponse.model_validate(r.json())
     assert answer.choices[0].message.tool_calls and answer.choices[0].finish_reason == "tool_calls"
-    r = requests.post(srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300)
+    r = requests.post(default_open_server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300)
     chunks = [ChatCompletionChunk.model_validate_json(line[6:]) for line in r.text.split("\n\n")
               if line.startswith("data: {")]
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
@@ -169,11 +161,11 @@ def test_follow_up_turn_with_the_tool_result(client: openai.OpenAI) -> None:
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
 ])
-def test_bad_tool_requests_are_400s_naming_the_field(client: openai.OpenAI, srv: ServerThread, kw: dict,
+def test_bad_tool_requests_are_400s_naming_the_field(client: openai.OpenAI, default_open_server: ServerThread, kw: dict,
                                                      param: str) -> None:
     body = {"messages": ASK, "max_tokens": 1, **kw}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, **body)
     err = e.value.response.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
-    assert srv.engine.num_in_flight == 0 and not srv.engine.engine.has_unfinished()
+    assert default_open_server.engine.num_in_flight == 0 and not default_open_server.engine.engine.has_unfinished()
