@@ -340,9 +340,9 @@ class ColdRows:
             # Cold requests that had their first token before the steady requests ended: loads that overlapped.
             "in_window": sum(1 for at, r in self.sent if r.ttft_s is not None and at + r.ttft_s <= self.window_s),
             # The server's remote -> disk fetches and disk -> host reads over the row (each adapter once).
-            "fetches": counter_total(d, "appliance_lora_loads_total", tier="disk", result="success"),
-            "reads": counter_total(d, "appliance_lora_loads_total", tier="cpu", result="success"),
-            "load_errors": counter_total(d, "appliance_lora_loads_total", result="error"),
+            "fetches": int(counter_total(d, "appliance_lora_loads_total", tier="disk", result="success")),
+            "reads": int(counter_total(d, "appliance_lora_loads_total", tier="cpu", result="success")),
+            "load_errors": int(counter_total(d, "appliance_lora_loads_total", result="error")),
             "fetch_mean_ms": (round(1e3 * counter_total(d, "appliance_lora_load_duration_seconds_sum", tier="disk")
                                     / fetch_n, 3) if fetch_n else None)}
         ratio = None
