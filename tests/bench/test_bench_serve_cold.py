@@ -55,7 +55,9 @@ def _check_cold_row(res: dict) -> dict:
     assert c["fetches"] == K and c["reads"] == K and c["load_errors"] == 0 and c["fetch_mean_ms"] > 0
     assert 0 < c["ttft_ms"]["p50"] <= c["ttft_max_ms"] and len(c["sent_s"]) == K and 0 <= c["in_window"] <= K
     assert r["itl_p99_ratio"] == round(w["itl_ms"]["p99"] / regular["itl_ms"]["p99"], 4)
-    assert r["limit"] == COLD_ITL_LIMIT and r["met"] == (r["itl_p99_ratio"] <= COLD_ITL_LIMIT)
+    assert r["limit"] == COLD_ITL_LIMIT
+    # Judged only when every load overlapped the steady requests (a tiny CPU run may outpace them).
+    assert r["met"] == (r["itl_p99_ratio"] <= COLD_ITL_LIMIT if c["in_window"] == K else None)
     return r
 
 
@@ -134,14 +136,14 @@ def test_cold_table_and_failures() -> None:
     row = {"mix": "base", "load": "closed", "concurrency": 4, "rate_rps": None, "no_loads": steady,
            "with_loads": {**steady, "itl_ms": {**lat, "p99": 3.3}},
            "cold": {"requests": 2, "ok": 2, "failures": {}, "ttft_ms": {**lat, "p50": 250.0}, "ttft_max_ms": 300.0,
-                    "fetches": 2},
+                    "fetches": 2, "in_window": 2},
            "itl_p99_ratio": 1.1, "limit": 1.2, "met": True}
     res = {"cold": {"adapters": 2, "rank": 16, "adapter_bytes": 2 << 20, "template": "s3://b/{name}", "start_s": 1.0,
                     "interval_s": 0.5, "rows": [row]}}
     text = render_cold(res)
     assert "2 rank-16 adapters (2.0 MiB each) from s3://b/{name}" in text
-    assert "| base | 4 concurrent | none | 4/4 | 0 | 10.0 | 1.0 | 3.0 | 1.0 | 3.0 |  |  |  |  |  |  |  |" in text
-    assert "| base | 4 concurrent | 2 cold | 4/4 | 0 | 10.0 | 1.0 | 3.0 | 1.0 | 3.3 | 2/2 | 250.0 | 300.0 | 2 | 1.1 | <= 1.2 | True |" in text
+    assert "| base | 4 concurrent | none | 4/4 | 0 | 10.0 | 1.0 | 3.0 | 1.0 | 3.0 |  |  |  |  |  |  |  |  |" in text
+    assert "| base | 4 concurrent | 2 cold | 4/4 | 0 | 10.0 | 1.0 | 3.0 | 1.0 | 3.3 | 2/2 | 2/2 | 250.0 | 300.0 | 2 | 1.1 | <= 1.2 | True |" in text
     assert not failed(res) and not failed({})
     row["cold"]["failures"] = {"404": 1}
     assert failed(res)
