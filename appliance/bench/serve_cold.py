@@ -231,14 +231,15 @@ class ColdMix:
 
         out = ["lora.enabled=true", f"lora.allowed_sources={quoted([*lora.allowed_sources, allowed_entry(t)])}",
                f"lora.resolver.sources={quoted([t, *(s for s in lora.resolver.sources if s != t)])}",
-               f"lora.adapter_cache_dir={self.cache_dir}", f"lora.max_lora_rank={max(lora.max_lora_rank, self.opts.rank)}",
+               f"lora.adapter_cache_dir={self.cache_dir}",
+               f"lora.max_lora_rank={max(lora.max_lora_rank, self.opts.rank)}",
                f"lora.max_loaded_loras={max(lora.max_loaded_loras, warm + sum(map(len, self.names)))}"]
         if self.store.endpoint_url is not None:
             out += [f"lora.s3_endpoint_url={self.store.endpoint_url}", f"lora.s3_region={MOTO_REGION}"]
         return out
 
-    def workload(self, specs: dict[str, list[RequestSpec]], vocab: int,
-                 decode: Optional[Callable[[list[int]], str]]) -> tuple[dict[str, list[RequestSpec]], list[list[RequestSpec]]]:
+    def workload(self, specs: dict[str, list[RequestSpec]], vocab: int, decode: Optional[Callable[[list[int]], str]]
+                 ) -> tuple[dict[str, list[RequestSpec]], list[list[RequestSpec]]]:
         """(the steady specs again with fresh prompt tokens after the shared prefix, the cold requests per
         row): the same lengths and adapters, so the rows differ only by the loads."""
         o = self.opts
