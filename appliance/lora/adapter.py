@@ -98,7 +98,8 @@ def inspect_adapter(path: str | Path, lora_cfg: LoRAConfig, args: ModelArgs) -> 
     return read_adapter(path, lora_cfg, args)[0]
 
 
-def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype, lora_cfg: LoRAConfig, args: ModelArgs) -> Weights:
+def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype, lora_cfg: LoRAConfig, args: ModelArgs,
+                         pin_memory: bool = False) -> Weights:
     """A cold read of a registered adapter: its dir read and validated again (confined to the roots
     again: it may have been replaced by a symlink since), refused unless the bytes are the ones
     registered (checksum), then `adapter_weights`."""
@@ -109,48 +110,107 @@ def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype, lora_cfg: LoRACo
     if spec_now.checksum != spec.checksum:
         raise AdapterError(f"{spec.path}: adapter files changed on disk since they were inspected "
                            "(checksum differs); load it again")
-    return adapter_weights(spec_now, files, dtype)
+    return adapter_weights(spec_now, files, dtype, pin_memory)
 
 
-def adapter_weights(spec: AdapterSpec, files: AdapterFiles, dtype: torch.dtype) -> Weights:
+def adapter_weights(spec: AdapterSpec, files: AdapterFiles, dtype: torch.dtype, pin_memory: bool = False) -> Weights:
     """`layers.{i}.{proj}` -> (A [r, in], B [out, r] · scale), on CPU in `dtype`, parsed from the very
     bytes `spec` was made from. Refused (AdapterError) when a weight is NaN or Inf, or does not fit
-    `dtype` once scaled (a lora_alpha so large that B · scale overflows)."""
+    `dtype` once scaled (a lora_alpha so large that B · scale overflows). All tensors are views of one
+    new buffer (page-locked with `pin_memory`: the side-stream slot copies then run asynchronously)."""
     import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load as load_safetensors_bytes
 
     if not dtype.is_floating_point:
         raise AdapterError(f"{spec.path}: cannot load LoRA weights as non-float dtype {dtype}")
     wfile = files.path / WEIGHTS_FILE
-    try:
-        tensors = load_safetensors_bytes(files.weights)  # safetensors only: no pickle anywhere
-    except SafetensorError as e:
-        raise AdapterError(f"{wfile}: corrupt or truncated safetensors: {e}") from e
-    modules = _group(tensors, wfile, num_layers=None)
+    modules = _group(files.tensors, wfile, num_layers=None)
     if set(modules) != set(spec.module_ranks):
         raise AdapterError(f"{wfile}: modules {sorted(modules)} differ from the inspected {sorted(spec.module_ranks)}")
-    # Scale in at least float32 before the cast so bf16/fp16 round once, not twice.
-    work = torch.promote_types(dtype, torch.float32)
-    out: Weights = {}
     for name, m in modules.items():
-        a, b, r = tensors[m.keys["A"]], tensors[m.keys["B"]], spec.module_ranks[name]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
+        a, b, r = files.tensors[m.keys["A"]], files.tensors[m.keys["B"]], spec.module_ranks[name]
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != r or b.shape[1] != r:
             raise AdapterError(f"{wfile}: {name}: lora_A {list(a.shape)} / lora_B {list(b.shape)} "
                                f"do not match the inspected rank {r}")
-        for key, t in ((m.keys["A"], a), (m.keys["B"], b)):
-            if not bool(torch.isfinite(t).all()):
-                raise AdapterError(f"{wfile}: {key}: holds NaN or Inf values; refused")
-        a_out = a.to(dtype).contiguous()
-        if not bool(torch.isfinite(a_out).all()):
-            raise AdapterError(f"{wfile}: {m.keys['A']}: values overflow {dtype}; refused")
-        scale = spec.scales[name]
-        b_out = (b.to(work) * scale).to(dtype).contiguous()
-        if not bool(torch.isfinite(b_out).all()):
-            raise AdapterError(f"{wfile}: {m.keys['B']}: lora_B times its scale {scale:g} (lora_alpha / r) "
-                               f"overflows {dtype}; refused (lower lora_alpha)")
+    src = _tensor_views(files, wfile)
+    order = [(name, m.keys["A"], m.keys["B"]) for name, m in modules.items()]
+    if not _all_finite(_body_checks(files, src)):  # one reduction; the key is looked for only on failure
+        for _, ka, kb in order:
+            for key in (ka, kb):
+                if not bool(torch.isfinite(src[key]).all()):
+                    raise AdapterError(f"{wfile}: {key}: holds NaN or Inf values; refused")
+    # Scale in at least float32 before the cast so bf16/fp16 round once, not twice.
+    work = torch.promote_types(dtype, torch.float32)
+    flat = torch.empty(sum(src[ka].numel() + src[kb].numel() for _, ka, kb in order), dtype=dtype,
+                       pin_memory=pin_memory)
+    out: Weights = {}
+    off = 0
+    for name, ka, kb in order:
+        a, b = src[ka], src[kb]
+        a_out = flat[off:off + a.numel()].view(a.shape)
+        off += a.numel()
+        b_out = flat[off:off + b.numel()].view(b.shape)
+        off += b.numel()
+        a_out.copy_(a)
+        if b.dtype == dtype:  # the CPU kernels compute b · scale in float32 (opmath), rounding once
+            torch.mul(b, spec.scales[name], out=b_out)
+        else:
+            b_out.copy_(b.to(work) * spec.scales[name])
         out[name] = (a_out, b_out)
+    if not _all_finite([flat]):
+        for name, ka, kb in order:
+            a_out, b_out = out[name]
+            if not bool(torch.isfinite(a_out).all()):
+                raise AdapterError(f"{wfile}: {ka}: values overflow {dtype}; refused")
+            if not bool(torch.isfinite(b_out).all()):
+                raise AdapterError(f"{wfile}: {kb}: lora_B times its scale {spec.scales[name]:g} (lora_alpha / r) "
+                                   f"overflows {dtype}; refused (lower lora_alpha)")
     return out
+
+
+# safetensors dtype names -> torch's (the float types _validate admits); the format is little-endian.
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def _tensor_views(files: AdapterFiles, wfile: Path) -> dict[str, "torch.Tensor"]:
+    """Every tensor as a zero-copy view of `files.body`, at the span the checked header gave it (a span
+    not aligned to its element size is copied: views must be aligned)."""
+    import sys
+
+    import torch
+
+    if sys.byteorder != "little":
+        raise AdapterError(f"{wfile}: safetensors is little-endian; this host is not")
+    raw = torch.frombuffer(files.body, dtype=torch.uint8) if files.body else torch.empty(0, dtype=torch.uint8)
+    out = {}
+    for key, t in files.tensors.items():
+        if t.dtype not in _TORCH_DTYPES:
+            raise AdapterError(f"{wfile}: {key}: dtype {t.dtype} is not a float type {_FLOAT_DTYPES}")
+        dt = getattr(torch, _TORCH_DTYPES[t.dtype])
+        span = raw[t.begin:t.end]
+        if t.begin % dt.itemsize:
+            span = span.clone()
+        out[key] = span.view(dt).view(t.shape)
+    return out
+
+
+def _body_checks(files: AdapterFiles, views: dict[str, "torch.Tensor"]) -> list["torch.Tensor"]:
+    """What the finite check reads: the whole body as one tensor when every tensor has one dtype (they
+    tile it), else each tensor."""
+    import torch
+
+    dtypes = {t.dtype for t in files.tensors.values()}
+    if len(dtypes) == 1 and files.body:  # (_tensor_views refused any dtype but the float ones)
+        return [torch.frombuffer(files.body, dtype=getattr(torch, _TORCH_DTYPES[dtypes.pop()]))]
+    return list(views.values())
+
+
+def _all_finite(tensors: list["torch.Tensor"]) -> bool:
+    """No NaN or Inf in any of `tensors`: one sum each (NaN or Inf anywhere makes it non-finite, so a
+    finite sum proves none; CPU sums accumulate in float32 or wider). A sum that overflowed finite
+    values gives False too: the caller then checks element-wise. Why a sum: docs/performance.md."""
+    import torch
+
+    return all(t.numel() == 0 or bool(torch.isfinite(t.sum())) for t in tensors)
 
 
 def _validate(cfg: dict[str, Any], header: dict[str, TensorInfo], wfile: Path, lora_cfg: LoRAConfig,

@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import stat
@@ -42,6 +43,8 @@ class AdapterError(ValueError):
 class TensorInfo:
     dtype: str  # safetensors dtype name, "F32", "BF16", ...
     shape: tuple[int, ...]
+    begin: int = 0  # its bytes are body[begin:end] (data_offsets, checked to tile the body)
+    end: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,13 +52,16 @@ class AdapterFiles:
     path: Path  # the directory's real path (inside a root)
     config_bytes: bytes
     config: dict[str, Any]
-    weights: bytes  # the whole safetensors file, header included: safetensors.torch.load(weights)
+    header_bytes: bytes  # adapter_model.safetensors' first 8 + n bytes: the length, then the JSON header
+    tensors: dict[str, TensorInfo]  # the parsed header: name -> dtype, shape, span of `body`
+    body: bytearray | mmap.mmap  # the rest of the file: every tensor's bytes (read once, never copied whole)
 
     @property
     def checksum(self) -> str:
         """sha256 of adapter_config.json's bytes then adapter_model.safetensors' bytes."""
         h = hashlib.sha256(self.config_bytes)
-        h.update(self.weights)
+        h.update(self.header_bytes)
+        h.update(self.body)  # hashlib releases the GIL over large buffers
         return h.hexdigest()
 
 
@@ -99,14 +105,14 @@ def read_adapter_files(path: str | os.PathLike, roots: Sequence[str],
                                    "read: save the adapter with safe_serialization=True")
             raise AdapterError(f"{real}: no {WEIGHTS_FILE}")
         try:
-            weights, checked = _read_safetensors(w_fd, wpath, lambda header: check(config, header, wpath))
+            head, header, body, checked = _read_safetensors(w_fd, wpath, lambda h: check(config, h, wpath))
         finally:
             os.close(w_fd)
     except OSError as e:  # fstat, listdir: what the helpers do not name themselves
         raise AdapterError(f"{real}: cannot read: {e}") from e
     finally:
         os.close(dir_fd)
-    return AdapterFiles(real, cfg_bytes, config, weights), checked
+    return AdapterFiles(real, cfg_bytes, config, head, header, body), checked
 
 
 def load_json(raw: bytes, where: Path) -> Any:
@@ -212,7 +218,13 @@ def _open_in_dir(dir_fd: int, real_dir: Path, name: str, roots: Sequence[str]) -
 
 
 def _read_exact(fd: int, n: int, where: Path) -> bytes:
-    buf = bytearray(n)
+    return bytes(_read_into(fd, n, where))
+
+
+def _read_into(fd: int, n: int, where: Path) -> bytearray | mmap.mmap:
+    """Exactly `n` bytes, read straight into the buffer returned. Anonymous memory, not bytearray(n),
+    whose zero-fill would hold the GIL: its pages are faulted in by os.readv, which runs without it."""
+    buf = mmap.mmap(-1, n) if n else bytearray()
     view = memoryview(buf)
     got = 0
     try:
@@ -223,7 +235,7 @@ def _read_exact(fd: int, n: int, where: Path) -> bytes:
             got += k
     except OSError as e:
         raise AdapterError(f"{where}: cannot read: {e.strerror}") from e
-    return bytes(buf)
+    return buf
 
 
 def _at_eof(fd: int, where: Path) -> None:
@@ -244,9 +256,11 @@ def _read_bounded(fd: int, where: Path, limit: int) -> bytes:
     return data
 
 
-def _read_safetensors(fd: int, where: Path, check: Callable[[dict[str, TensorInfo]], T]) -> tuple[bytes, T]:
-    """The whole file's bytes, read through `fd` once: the 8-byte header length, the header (parsed and
-    `check`ed), then exactly the body the header declares (the file's size must match it)."""
+def _read_safetensors(fd: int, where: Path, check: Callable[[dict[str, TensorInfo]], T]
+                      ) -> tuple[bytes, dict[str, TensorInfo], bytearray | mmap.mmap, T]:
+    """The file read through `fd` once: the 8-byte header length, the header (parsed and `check`ed),
+    then exactly the body the header declares (the file's size must match it). Returns (length +
+    header bytes, parsed header, body, what `check` returned)."""
     size = os.fstat(fd).st_size
     if size < 8:
         raise AdapterError(f"{where}: corrupt or truncated safetensors: {size} bytes")
@@ -262,9 +276,9 @@ def _read_safetensors(fd: int, where: Path, check: Callable[[dict[str, TensorInf
                            f"{8 + n + body}")
     if size > 8 + n + body:  # bytes no tensor covers: refused unread, whatever their size
         raise AdapterError(f"{where}: {size} bytes, more than the {8 + n + body} its header declares; refused")
-    data = head + raw + _read_exact(fd, body, where)
+    data = _read_into(fd, body, where)
     _at_eof(fd, where)
-    return data, checked
+    return head + raw, header, data, checked
 
 
 def _parse_header(raw: bytes, where: Path) -> tuple[dict[str, TensorInfo], int]:
@@ -289,7 +303,7 @@ def _parse_header(raw: bytes, where: Path) -> tuple[dict[str, TensorInfo], int]:
             raise AdapterError(f"{bad}: data_offsets {offs!r}")
         if offs[1] - offs[0] != math.prod(shape) * _DTYPE_BYTES[v["dtype"]]:
             raise AdapterError(f"{bad}: data_offsets {offs} do not hold shape {shape} of {v['dtype']}")
-        out[key] = TensorInfo(v["dtype"], tuple(shape))
+        out[key] = TensorInfo(v["dtype"], tuple(shape), offs[0], offs[1])
         spans.append((offs[0], offs[1], key))
     pos = 0
     for start, end, key in sorted(spans):

@@ -112,7 +112,8 @@ class LoRAManager:
                 from appliance.lora.copier import SlotCopier
 
                 self.copier = SlotCopier(device)
-        # Pinned host memory makes the side-stream copies truly asynchronous (pageable ones stage).
+        # Pinned host memory makes the side-stream copies truly asynchronous (pageable ones stage); the
+        # read writes each adapter into one page-locked buffer (pinning is costly per call).
         self._pin_host = self.copier is not None
         # Remote adapter paths (s3://, hf://): allowlist, fetch, disk cache (lora/sources/).
         self.sources = AdapterSources(cfg)
@@ -141,7 +142,7 @@ class LoRAManager:
         if fetched is not None:
             spec = replace(spec, source=fetched.source, revision=fetched.revision)
         try:
-            weights = self._pinned(adapter_weights(spec, files, self.dtype))
+            weights = adapter_weights(spec, files, self.dtype, pin_memory=self._pin_host)
         except AdapterError as e:
             return PreparedLoad(error=e, read_failed=True, read_s=time.perf_counter() - t0, fetch_s=fetch_s)
         return PreparedLoad(spec.path, spec, weights, time.perf_counter() - t0, fetch_s=fetch_s)
@@ -442,26 +443,7 @@ class LoRAManager:
             slow_read(self.read_delay_s)
         if spec.source is not None:  # its disk-cache entry may have been evicted since: fetched again
             spec = replace(spec, path=self.sources.refresh(spec.source, spec.path))
-        return self._pinned(load_adapter_weights(spec, self.dtype, self.cfg, self.args))
-
-    def _pinned(self, weights: Weights) -> Weights:
-        """The same tensors in one pinned host buffer per adapter (one page-locked allocation, not one
-        per tensor: pinning is costly per call). The views keep the buffer alive."""
-        if not self._pin_host:
-            return weights
-        flat = torch.empty(sum(a.numel() + b.numel() for a, b in weights.values()), dtype=self.dtype,
-                           pin_memory=True)
-        out: Weights = {}
-        off = 0
-        for k, ab in weights.items():
-            views = []
-            for t in ab:
-                v = flat[off:off + t.numel()].view(t.shape)
-                v.copy_(t)
-                views.append(v)
-                off += t.numel()
-            out[k] = (views[0], views[1])
-        return out
+        return load_adapter_weights(spec, self.dtype, self.cfg, self.args, pin_memory=self._pin_host)
 
     def _read_weights(self, key: str) -> Weights:
         """A cold read on the engine thread (CPU tier miss without overlap loading, or an admin pin)."""
