@@ -228,6 +228,10 @@ def _bench_serve_parser() -> argparse.ArgumentParser:
     a("--request-timeout-s", type=float, default=d.request_timeout_s)
     a("--client-procs", type=int, default=d.client_procs,
       help="HTTP client processes (default 0: one per two cores, at most 8)")
+    a("--tenant-rate", type=float, default=d.tenant_rate,
+      help="run the two-tenant fairness mix instead of the load rows: each tenant's share in requests/s, "
+           "which tenant B offers steadily (docs/tenants.md)")
+    a("--tenant-flood", type=float, default=d.tenant_flood, help="what tenant A offers, in multiples of its share")
     a("--no-progress", dest="progress", action="store_false", help="no progress bars")
     _config_args(p)
     p.set_defaults(func=_bench_serve)
@@ -417,7 +421,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from appliance.bench.serve_options import ADMIN_KEY_ENV, API_KEY_ENV, ServeOptions
 
     if args.concurrency is None:  # only the Poisson rows when only rates are given
-        args.concurrency = [] if args.rate else ServeOptions().concurrency
+        args.concurrency = [] if args.rate or args.tenant_rate else ServeOptions().concurrency
     fields = {f.name for f in dataclasses.fields(ServeOptions)}
     opts = ServeOptions(**{k: v for k, v in vars(args).items() if k in fields})
     # The entry point reads the environment (library code does not); keys never go on a command line.
