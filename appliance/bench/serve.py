@@ -3,6 +3,7 @@
 under closed-loop and Poisson load, over an adapter mix, and reports client-side latency percentiles,
 throughput, failures by HTTP status and the server's own /metrics counters over each row; then, with
 `--compare-in-process`, the same requests through the engine in this process for the HTTP overhead.
+With `--tenant-rate`, the two-tenant fairness mix (serve_tenants.py) runs instead of the load rows.
 
 The server is started from the same Hydra config and overrides `appliance serve` takes (a subprocess
 on a free 127.0.0.1 port, stopped after), or is an existing one (`--url`). Synthetic adapters
