@@ -6,8 +6,10 @@ errors."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -21,9 +23,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from appliance.config.schema import ConfigError
-from appliance.telemetry.tracing import build_tracer
+from appliance.telemetry.tracing import RequestTracer, build_tracer
 from appliance.config.compose import compose_config
-from tests.conftest import config_tree, default_config
+from tests.conftest import REPO, config_tree, default_config
 from tests.lora.sources.conftest import BUCKET, s3, s3_url, upload  # noqa: F401 - fixtures: a real S3 API server
 from tests.server.conftest import ServerThread, start_server
 from tests.telemetry.helpers import ADMIN, ADMIN_KEY, MODEL, make_adapters
@@ -41,8 +43,14 @@ class Traced:
         self.srv = ServerThread(cfg, tracer=self.tracer).start()
 
     def spans(self, trace_id: int) -> list[ReadableSpan]:
-        self.tracer.provider.force_flush()
-        return [s for s in self.exporter.get_finished_spans() if s.context.trace_id == trace_id]
+        return finished(self.tracer, self.exporter, trace_id)
+
+    def settled(self) -> None:
+        """Returns once the spans of every request answered so far have ended: a traced request sent
+        after them has its own."""
+        trace_id, _, headers = caller()
+        assert requests.get(self.srv.url + "/v1/models", headers=headers, timeout=30).status_code == 200
+        assert self.spans(trace_id)
 
     def load(self, name: str, path: Path) -> None:
         r = requests.post(self.srv.url + "/load_lora_adapter", headers=ADMIN, timeout=60,
@@ -61,6 +69,18 @@ def traced(tiny_model_dir: Path, adapters: dict[str, Path]) -> Iterator[Traced]:
     t = Traced(f"model.path={tiny_model_dir}", f"lora.adapter_roots=[{adapters['root']}]")
     yield t
     t.srv.stop()
+
+
+def finished(tracer: RequestTracer, exporter: InMemorySpanExporter, trace_id: int) -> list[ReadableSpan]:
+    """The spans of `trace_id` once its server span has ended. It ends with the request's log line,
+    just after the last byte went out, so a client may read its answer a moment before."""
+    deadline = time.monotonic() + 30
+    while True:
+        tracer.provider.force_flush()
+        spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+        if any(s.kind is SpanKind.SERVER for s in spans) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.02)
 
 
 def caller() -> tuple[int, int, dict[str, str]]:
@@ -163,8 +183,7 @@ def test_first_use_load_is_a_span_under_the_request(tmp_path: Path, tiny_model_d
         r = requests.post(srv.url + "/v1/completions", headers=headers, timeout=120,
                           json={"model": "lazy", "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
-        tracer.provider.force_flush()
-        named = by_name([s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id])
+        named = by_name(finished(tracer, exporter, trace_id))
         (server,), (prefill,) = named["POST /v1/completions"], named["prefill"]
         # The resolver's fetch and load, then the slot fill of the step that admitted the request.
         (load,) = [s for s in named["adapter_load"] if s.parent is not None and s.parent.span_id == server.context.span_id]
@@ -176,16 +195,90 @@ def test_first_use_load_is_a_span_under_the_request(tmp_path: Path, tiny_model_d
         srv.stop()
 
 
+class Collector:
+    """An OTLP/HTTP traces endpoint on 127.0.0.1: decodes each export as a collector would (the
+    protobuf messages of opentelemetry-proto) and keeps its spans and headers."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        got = self.requests = []  # (path, headers, ExportTraceServiceRequest)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                got.append((self.path, dict(self.headers), ExportTraceServiceRequest.FromString(body)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def spans(self) -> list:
+        return [s for _, _, req in self.requests for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+def test_spans_reach_an_otlp_http_collector(tmp_path: Path, tiny_model_dir: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The production exporter, end to end: the configured endpoint, headers and service name."""
+    collector = Collector()
+    monkeypatch.setenv("APPLIANCE_TEST_OTLP_TOKEN", "collector-token")
+    cfg = compose_config(config_tree(tmp_path, HEADERS_YAML), [
+        "server.host=127.0.0.1", "server.port=0", f"model.path={tiny_model_dir}", "model.name=tiny",
+        "model.max_model_len=512", "model.device=cpu", "reconcile.watch=false", "tracing.enabled=true",
+        f"tracing.otlp_endpoint={collector.url}", "tracing.service_name=appliance-test"])
+    from appliance.server.run import build_request_tracer
+
+    tracer = build_request_tracer(cfg)
+    srv = ServerThread(cfg, tracer=tracer).start()
+    try:
+        trace_id, _, headers = caller()
+        r = requests.post(srv.url + "/v1/completions", headers=headers, timeout=60,
+                          json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200
+    finally:
+        srv.stop()  # the server's shutdown exports what the batch processor still holds
+        collector.server.shutdown()
+    path, sent, req = collector.requests[0]
+    assert path == "/v1/traces" and sent["authorization"] == "Bearer collector-token"
+    service = {a.key: a.value.string_value for a in req.resource_spans[0].resource.attributes}["service.name"]
+    assert service == "appliance-test"
+    mine = {s.name for s in collector.spans() if s.trace_id == trace_id.to_bytes(16, "big")}
+    assert mine == {"POST /v1/completions", "queue", "prefill", "decode"}
+
+
+def test_serve_without_the_extra_stops_before_loading_the_model(tmp_path: Path) -> None:
+    import subprocess
+
+    code = ("import sys; sys.modules['opentelemetry'] = None; from appliance.cli import main; "
+            "sys.exit(main(['serve', 'tracing.enabled=true', 'model.path=" + str(tmp_path / "absent") + "']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 1, p.stderr
+    assert "error: tracing.enabled: the OpenTelemetry packages are not installed" in p.stderr
+    assert "pip install 'appliance[tracing]'" in p.stderr
+    assert "loading model" not in p.stderr and "Traceback" not in p.stderr
+
+
 def test_unsampled_callers_and_probes_leave_no_spans(traced: Traced) -> None:
     trace_id, span_id, _ = caller()
     r = requests.post(traced.srv.url + "/v1/completions", timeout=60,
                       headers={"traceparent": f"00-{trace_id:032x}-{span_id:016x}-00"},
                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200
-    assert traced.spans(trace_id) == []  # the caller did not sample it: parent-based sampling
-    trace_id, _, headers = caller()
+    probe, _, headers = caller()
     assert requests.get(traced.srv.url + "/health", headers=headers, timeout=30).status_code == 200
-    assert traced.spans(trace_id) == []
+    traced.settled()
+    assert traced.spans(trace_id) == []  # the caller did not sample it: parent-based sampling
+    assert traced.spans(probe) == []
 
 
 def test_errors_are_traced_with_their_status(traced: Traced) -> None:
@@ -201,7 +294,7 @@ def test_errors_are_traced_with_their_status(traced: Traced) -> None:
     assert server.name == "GET" and "http.route" not in server.attributes
 
 
-def test_tracing_off_creates_no_spans(tiny_model_dir: Path) -> None:
+def test_tracing_off_creates_no_spans(tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     # A global provider catches anything that would use the OpenTelemetry API without our tracer.
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -211,11 +304,16 @@ def test_tracing_off_creates_no_spans(tiny_model_dir: Path) -> None:
                        "model.device=cpu")
     try:
         assert srv.cfg.tracing.enabled is False and srv.server.tracer is None
+        caplog.set_level(logging.INFO, logger="appliance.request")
         _, _, headers = caller()
         for stream in (False, True):
-            r = requests.post(srv.url + "/v1/completions", headers=headers, timeout=60,
-                              json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": stream})
+            r = requests.post(srv.url + "/v1/completions", headers={**headers, "X-Request-Id": f"off-{stream}"},
+                              timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": stream})
             assert r.status_code == 200
+        deadline = time.monotonic() + 30  # each request's end: where its span would have ended
+        while {"off-False", "off-True"} - {getattr(r, "request_id", None) for r in caplog.records}:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         provider.force_flush()
         assert exporter.get_finished_spans() == ()
     finally:
