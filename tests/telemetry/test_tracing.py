@@ -268,6 +268,30 @@ def test_serve_without_the_extra_stops_before_loading_the_model(tmp_path: Path) 
     assert "loading model" not in p.stderr and "Traceback" not in p.stderr
 
 
+def test_the_tenant_is_an_attribute_and_its_key_is_not(tmp_path: Path, tiny_model_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    key = "tenant-key-0123456789"
+    monkeypatch.setenv("APPLIANCE_TEST_TENANT_KEY", key)
+    tree = config_tree(tmp_path, '\ntenants:\n  team-t:\n    keys: ["${oc.env:APPLIANCE_TEST_TENANT_KEY}"]\n')
+    cfg = compose_config(tree, ["server.host=127.0.0.1", "server.port=0", f"model.path={tiny_model_dir}",
+                                "model.name=tiny", "model.max_model_len=512", "model.device=cpu",
+                                "reconcile.watch=false", "tracing.enabled=true"])
+    exporter = InMemorySpanExporter()
+    tracer = build_tracer(cfg.tracing, exporter)
+    srv = ServerThread(cfg, tracer=tracer).start()
+    try:
+        trace_id, _, headers = caller()
+        r = requests.post(srv.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                          headers={**headers, "Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        spans = finished(tracer, exporter, trace_id)
+        (server,) = [s for s in spans if s.kind is SpanKind.SERVER]
+        assert server.attributes["appliance.tenant"] == "team-t" and "appliance.adapter" not in server.attributes
+        assert all(key not in str(dict(s.attributes)) for s in spans)
+    finally:
+        srv.stop()
+
+
 def test_unsampled_callers_and_probes_leave_no_spans(traced: Traced) -> None:
     trace_id, span_id, _ = caller()
     r = requests.post(traced.srv.url + "/v1/completions", timeout=60,
