@@ -489,6 +489,7 @@ def _shown(composed: "Composed") -> dict:
         cfg.server.admin_key = "***"
     for tenant in cfg.tenants.values():
         tenant.keys = ["***"] * len(tenant.keys)
+    cfg.tracing.headers = {k: "***" for k in cfg.tracing.headers}  # tokens for the trace collector
     data = env.mask_tree(OmegaConf.to_container(OmegaConf.structured(cfg)))  # the rest: <from env VAR>
     assert isinstance(data, dict)
     return data

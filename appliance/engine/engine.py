@@ -429,8 +429,14 @@ class LLMEngine:
         its requests in this step (taken out of `plan`) and gives its slot back; nothing else changes."""
         if self.lora is None or not plan.slot_loads:
             return []
+        started = time.monotonic()
+        loading = {key for _, key in plan.slot_loads}
         failed = self.lora.ensure_loaded(plan.slot_loads)
         plan.slot_loads = []
+        ended = time.monotonic()
+        for s in plan.prefills:  # their step waited for these reads and copies
+            if s.seq.adapter in loading and s.seq.load_wait_start is None:
+                s.seq.load_wait_start, s.seq.load_wait_end = started, ended
         if not failed:
             return []
         outputs, now = [], time.monotonic()
@@ -597,7 +603,9 @@ class LLMEngine:
             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_token_ids),
             completion_tokens=len(seq.output_token_ids), error=error, logprobs=logprobs,
             arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+            first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+            first_scheduled_time=seq.first_scheduled_time, load_wait_start=seq.load_wait_start,
+            load_wait_end=seq.load_wait_end)
 
     def _finish(self, seq: Sequence, reason: str, now: float, error: Optional[str] = None) -> RequestOutput:
         seq.finish_reason = reason

@@ -140,7 +140,10 @@ class RequestOutput:
     completion_tokens: int = 0  # total generated so far
     error: Optional[str] = None  # set when finish_reason == "error"
     logprobs: Optional[list[TokenLogprob]] = None  # one per token of token_ids when params.logprobs is set
-    # Per-request timestamps (time.monotonic()), kept for the metrics issue.
+    # Per-request timestamps (time.monotonic()): metrics, and the spans of tracing (telemetry/tracing.py).
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None
+    load_wait_start: Optional[float] = None  # waited for its adapter's weights from .. to (None: did not)
+    load_wait_end: Optional[float] = None

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Union
 from jinja2 import TemplateError
 
 from appliance.engine.grammar.spec import GrammarSpec
-from appliance.engine.request import RequestError, SamplingParams, TokenLogprob
+from appliance.engine.request import RequestError, RequestOutput, SamplingParams, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import cut
 from appliance.server import logprob_format
@@ -91,6 +91,7 @@ class Choice:
     logprobs_sent: int = 0  # a stream: how many of them went out in chunks (logprob_format.take)
     logprob_chars: int = 0  # a stream: the completion's text_offset after those
     counts_prompt: bool = True  # False for the 2nd..nth sample of a prompt: usage counts a prompt once
+    last: Optional[RequestOutput] = None  # the engine's final update: its timestamps make the trace spans
 
 
 # ------------------------------------------------------------------------------------------ JSON body
