@@ -268,7 +268,8 @@ class LLMEngine:
                        arrival_time if arrival_time is not None else time.monotonic(), adapter=key,
                        adapter_name=None if key is None else self.lora.name_of(key),  # type: ignore[union-attr]
                        share=share)
-        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens,
+                                           params.kept_special_token_ids)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         if not params.greedy:

@@ -62,6 +62,10 @@ class SamplingParams:
     # Prefix caching: only requests with the same salt (and adapter) share cached KV blocks; None = the
     # shared pool. A request option, not a sampling one: it rides here so it reaches every sample (n).
     cache_salt: Optional[str] = None
+    skip_special_tokens: bool = True  # special tokens are left out of the text (their ids stay)
+    # Special tokens written into the text even when skipping: the tool-call tags of templates that make
+    # them special (Qwen2.5, Hermes), so the tool parser sees them while other markup stays out.
+    kept_special_token_ids: frozenset[int] = frozenset()
 
     def validate(self) -> None:
         """Raise RequestError with the field name when a value is out of range."""
