@@ -524,8 +524,7 @@ class LLMEngine:
         mask = None
         if any(m is not None for m in matchers):
             if self._masks is None:
-                self._masks = MaskFiller(self.runner.args.vocab_size, self.config.max_num_seqs,
-                                         self.runner.device, self.config.grammar_threads)
+                self._masks = MaskFiller(self.runner.args.vocab_size, self.config.max_num_seqs, self.runner.device)
             mask = self._masks.fill(matchers)
         return sampler(logits, [s.params for s in sampling], [s.generator for s in sampling], banned,
                        history, mask)

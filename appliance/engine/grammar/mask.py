@@ -34,7 +34,7 @@ class MaskFiller:
     its step's tokens, so the previous copy has completed.
     """
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, threads: int) -> None:
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
@@ -42,7 +42,6 @@ class MaskFiller:
         self._host = xgr.allocate_token_bitmask(max_rows, vocab_size)
         if device.type == "cuda":
             self._host = self._host.pin_memory()
-        self._batch = xgr.BatchGrammarMatcher(threads) if threads > 1 else None
 
     def fill(self, matchers: Sequence[Optional[Any]]) -> Optional[TokenMask]:
         """matchers[i]: row i's GrammarMatcher, None for a free row. None when no row is constrained."""
@@ -58,11 +57,10 @@ class MaskFiller:
                 self._host = self._host.pin_memory()
         host = self._host[:n]
         live = [matchers[i] for i in rows]
-        if self._batch is not None:
-            self._batch.batch_fill_next_token_bitmask(live, host, indices=rows)
-        else:
-            for i, m in zip(rows, live):
-                m.fill_next_token_bitmask(host, i)
+        # Row by row on this thread: xgrammar's BatchGrammarMatcher was slower at every thread count
+        # measured (docs/performance.md, structured outputs), and the fill overlaps the forward.
+        for i, m in zip(rows, live):
+            m.fill_next_token_bitmask(host, i)
         if self.device.type == "cpu":
             return TokenMask(host, rows, self.vocab_size)
         # The row list goes over pinned too: xgrammar's own copy of a list would wait for the forward.
