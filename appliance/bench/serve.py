@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 from appliance.bench import report, serve_tenants
 from appliance.bench.serve_client import (Driver, HttpTarget, RequestSpec, Result, closed_loop, drive_processes,
                                           httpx_module, import_openai, open_loop)
+from appliance.bench.serve_cold import ColdMix, ColdRows, failed, render_cold
 from appliance.bench.serve_options import ADMIN_KEY_ENV, API_KEY_ENV, ServeOptions
 from appliance.bench.serve_process import ServerApi, ServerProcess, free_port
 from appliance.bench.serve_report import plots, render
@@ -70,6 +71,7 @@ class ServeBench:
         self.cfg = compose_config(config_dir, [*self.prepend, *self.user])
         self.adapter_root: Optional[Path] = None
         self.adapter_dirs: dict[str, Path] = {}
+        self.cold: Optional[ColdMix] = None
         self.tenant_plan: Optional[serve_tenants.TenantPlan] = None  # --tenant-rate: the two-tenant mix
         self.res: dict[str, Any] = {"meta": self._meta(command), "workload": {}, "server": {}, "adapters": {},
                                     "rows": [], "plots": [], "errors": {}}
@@ -101,16 +103,12 @@ class ServeBench:
     def _synthetic_adapters(self) -> dict[str, Path]:
         import torch
 
-        from appliance.bench.adapters import make_adapters
-        from appliance.models.llama import ModelArgs
-        from appliance.models.weights import read_hf_config
+        from appliance.bench.adapters import make_adapters, served_shape
 
         o = self.opts
-        hf = read_hf_config(Path(self.cfg.model.path).expanduser())
-        dtype = torch.float32 if self.cfg.model.dtype == "float32" else torch.bfloat16
+        args, std, dtype = served_shape(Path(self.cfg.model.path), self.cfg.model.dtype)
         self.adapter_root = Path(o.adapter_dir or tempfile.mkdtemp(prefix="appliance-bench-serve-")).resolve()
-        return make_adapters(self.adapter_root, ModelArgs.from_hf_config(hf), o.rank, o.adapters, o.targets,
-                             float(hf.get("initializer_range", 0.02)), dtype, torch.device("cpu"),
+        return make_adapters(self.adapter_root, args, o.rank, o.adapters, o.targets, std, dtype, torch.device("cpu"),
                              self.cfg.model.name, o.progress)
 
     def _server_overrides(self) -> list[str]:
@@ -193,6 +191,8 @@ class ServeBench:
         finally:
             if self.adapter_root is not None and self.opts.adapter_dir is None:
                 shutil.rmtree(self.adapter_root, ignore_errors=True)
+            if self.cold is not None:
+                self.cold.close()
         self.res["plots"] = plots(self.res, self.out)
         report.write_json(self.res, self.out / "serve.json")
         if "tenants" in self.res:
@@ -200,10 +200,12 @@ class ServeBench:
             print(f"JSON: {self.out / 'serve.json'}")
             return 1 if serve_tenants.failed(self.res["tenants"]) else 0
         print(render(self.res))
+        if "cold" in self.res:
+            print("\n" + render_cold(self.res))
         for p in self.res["plots"]:
             print(p)
         print(f"JSON: {self.out / 'serve.json'}")
-        return 1 if any(r["failures"] for r in self.res["rows"]) else 0
+        return 1 if any(r["failures"] for r in self.res["rows"]) or failed(self.res) else 0
 
     def _run(self) -> None:
         o = self.opts
@@ -212,6 +214,12 @@ class ServeBench:
         if o.adapters:
             self.adapter_dirs = self._synthetic_adapters()
         overrides = self._server_overrides()
+        if o.cold_adapters:  # the cold-adapter mix (serve_cold.py): its store, adapters and server settings
+            self.cold = ColdMix(o, self.out, len(o.mixes) * len(self._points()))
+            self.res["cold"] = self.cold.prepare(Path(self.cfg.model.path), self.cfg.model.dtype, self.cfg.model.name,
+                                                 self.cfg.lora)
+            if o.url is None:
+                overrides += self.cold.server_overrides(self.cfg.lora, len(self.adapter_dirs))
         self.cfg = compose_config(self.config_dir, overrides)  # checks the config the server gets
         api_key = self.cfg.server.api_keys[0] if self.cfg.server.api_keys else self.keys.api_key
         admin_key = self.cfg.server.admin_key or self.keys.admin_key
@@ -220,7 +228,7 @@ class ServeBench:
         try:
             url = o.url
             if url is None:
-                env: dict[str, str] = {}
+                env: dict[str, str] = self.cold.server_env if self.cold is not None else {}
                 if self.adapter_dirs and admin_key is None:
                     admin_key = secrets.token_urlsafe(24)  # this run's only: in the child's environment
                 if admin_key is not None and self.cfg.server.admin_key != admin_key:
@@ -246,6 +254,12 @@ class ServeBench:
                 self._tenant_mix(api, route, card["id"], specs, warm, url, api_key, tenant_keys)
             else:
                 self._http_rows(api, route, card["id"], specs, warm, url, api_key)
+                if self.cold is not None:  # the same rows again, on fresh prompts, with cold loads
+                    steady, cold = self.cold.workload(specs, tok.vocab_size if tok is not None else self._vocab(),
+                                                      tok.decode if route == "chat" else None)
+                    target = HttpTarget(route, url, api_key, card["id"], o.request_timeout_s)
+                    hook = ColdRows(cold, target, o, self.res)
+                    self._http_rows(api, route, card["id"], steady, warm, url, api_key, hook)
         finally:
             if api is not None:
                 api.close()
@@ -334,16 +348,20 @@ class ServeBench:
             bar.close()
 
     def _http_rows(self, api: ServerApi, route: str, base: str, specs: dict, warm: dict, url: str,
-                   api_key: Optional[str]) -> None:
+                   api_key: Optional[str], cold: Optional[ColdRows] = None) -> None:
+        """One row per mix and load point; with `cold`, each row's cold requests run beside it and the
+        row goes to the cold section."""
         target = HttpTarget(route, url, api_key, base, self.opts.request_timeout_s)
         procs = self.opts.client_processes()
         for mix in self.opts.mixes:
             for load, x in self._points():
-                label = f"{mix} {load} {x:g}"
+                label = f"{mix} {load} {x:g}" + (" with cold loads" if cold is not None else "")
                 before: dict[str, float] = {}
 
                 def measuring() -> None:
                     before.update(counter_samples(api.metrics()))
+                    if cold is not None:
+                        cold.start()
 
                 if procs > 1:
                     wave = int(x) if load == "closed" else 16
@@ -356,6 +374,8 @@ class ServeBench:
                     results, wall, cpu = self._drive(target.driver, specs[mix], warm[mix], load, x,
                                                      f"http {label}", measuring)
                     util = cpu / wall
+                if cold is not None:
+                    cold.wait()  # before the scrape: the row's counters include its loads
                 deltas = counter_deltas(before, counter_samples(api.metrics()))
                 row = {"mix": mix, "load": load, "concurrency": int(x) if load == "closed" else None,
                        "rate_rps": x if load == "poisson" else None,
@@ -363,7 +383,10 @@ class ServeBench:
                        # Near 1: the busiest client process may be what limits the row, not the server.
                        "client_cpu_util": round(util, 3), "client_processes": procs,
                        "server": server_summary(deltas), "metrics_delta": deltas}
-                self.res["rows"].append(row)
+                if cold is None:
+                    self.res["rows"].append(row)
+                else:
+                    cold.finish(row)
                 report.write_json(self.res, self.out / "serve.json")
                 print(f"[bench serve] {label}: {row['out_tok_s']} tok/s, failures {row['failures'] or 'none'}",
                       file=sys.stderr)
