@@ -9,8 +9,9 @@ empty it by chance now and then); A sends flood x R, evenly spaced over the same
 adapter mix: B alone, then A and B together, with B's same arrival times and fresh prompts of the
 same lengths (no prefix-cache hits on phase one's). The bench writes the tenants file (its own config
 search path, `tenants=bench_fair`) with keys it makes per run, passed to the server in its
-environment, and warms the server up with its own unscoped key, so no tenant's bucket is spent before
-the measured phases.
+environment, and warms the server up with its own unscoped key. Every client process also sends one
+request of its own first (a fresh process's first requests are slow: they would be the p99), then the
+phase waits until both buckets are full again before it starts.
 
 Each tenant is its own client (its own processes, as two teams' clients are): A's streams do not slow
 the client that times B.
@@ -107,26 +108,31 @@ class TenantMix:
         steady = even_arrivals(n, p.rate)
         self._phase(mix, "alone", {STEADY: (alone, steady, p.rate)}, warm)
         progress(f"{mix}: B alone done")
-        time.sleep(p.burst / p.rate)  # both buckets full again at the start of the next phase
         self._phase(mix, "mixed", {FLOOD: (flood, even_arrivals(len(flood), p.rate * p.flood), p.rate * p.flood),
-                                   STEADY: (with_a, steady, p.rate)}, [])
+                                   STEADY: (with_a, steady, p.rate)}, warm[:0])
         progress(f"{mix}: A flooding + B done")
         self.fairness.append(self._verdict(mix))
 
     def _phase(self, mix: str, phase: str, load: dict[str, tuple[Sequence[RequestSpec], list[float], float]],
-               warm: Sequence[RequestSpec]) -> None:
+               server_warm: Sequence[RequestSpec]) -> None:
+        """`server_warm`: a wave on the bench's own key first (no tenant bucket touched)."""
         jobs: list[ClientJob] = []
         owners: list[Optional[str]] = []
         for name, (specs, arrivals, _) in load.items():
             for k in range(self.procs):
-                jobs.append(ClientJob(self.targets[name], list(specs[k::self.procs]), [], 0,
+                jobs.append(ClientJob(self.targets[name], list(specs[k::self.procs]), [specs[k]], 0,
                                       arrivals[k::self.procs]))
                 owners.append(name)
-        if warm:  # the bench's own key: the server warmed up, no tenant bucket touched
-            jobs.append(ClientJob(self.bench, [], list(warm), len(warm)))
+        if server_warm:
+            jobs.append(ClientJob(self.bench, [], list(server_warm), len(server_warm)))
             owners.append(None)
         before: dict[str, float] = {}
-        got = run_client_processes(jobs, self.bench.timeout_s, lambda: before.update(counter_samples(self.scrape())))
+
+        def measuring() -> None:
+            time.sleep(self.plan.burst / self.plan.rate)  # the warm-ups' tokens back: both buckets full
+            before.update(counter_samples(self.scrape()))
+
+        got = run_client_processes(jobs, self.bench.timeout_s, measuring)
         deltas = counter_deltas(before, counter_samples(self.scrape()))
         for name, (specs, _, offered) in load.items():
             mine = [g for g, o in zip(got, owners) if o == name]
