@@ -61,6 +61,10 @@ class ServeOptions:
     cold_start_s: float = 1.0  # the first cold request, this long into the row's measured requests
     cold_interval_s: float = 0.5  # between cold requests
     cold_output_len: int = 16  # output tokens of a cold request
+    # The two-tenant fairness mix (serve_tenants.py, docs/tenants.md) instead of the load rows: each
+    # tenant's share in requests/s, which tenant B offers steadily; 0 = off.
+    tenant_rate: float = 0.0
+    tenant_flood: float = 10.0  # what tenant A offers, in multiples of its share
 
     def client_processes(self) -> int:
         if self.client_procs:
@@ -72,7 +76,9 @@ class ServeOptions:
     def check(self) -> None:
         if self.api not in APIS:
             raise ConfigError(f"bench serve --api: {self.api!r} is not one of {', '.join(APIS)}")
-        if not self.concurrency and not self.rate:
+        if self.tenant_rate:
+            self._check_tenant_mix()
+        elif not self.concurrency and not self.rate:
             raise ConfigError("bench serve: give at least one load point (--concurrency or --rate)")
         if self.client_procs < 0:
             raise ConfigError(f"bench serve --client-procs: must be >= 0 (0 = automatic), got {self.client_procs}")
@@ -113,6 +119,21 @@ class ServeOptions:
         from appliance.bench.serve_cold import check_cold_options
 
         check_cold_options(self)
+
+    def _check_tenant_mix(self) -> None:
+        if self.tenant_rate < 0:
+            raise ConfigError(f"bench serve --tenant-rate: must be > 0 requests/s, got {self.tenant_rate}")
+        if self.concurrency or self.rate:
+            raise ConfigError("bench serve --tenant-rate runs the two-tenant mix instead of the load rows: "
+                              "drop --concurrency / --rate")
+        if self.cold_adapters:
+            raise ConfigError("bench serve --tenant-rate and --cold-adapters are two separate mixes: run one at a time")
+        if self.url is not None:
+            raise ConfigError("bench serve --tenant-rate: the mix writes the tenants config of the server it "
+                              "starts, so it cannot use --url")
+        if not self.tenant_flood > 1:
+            raise ConfigError(f"bench serve --tenant-flood: must be > 1 (tenant A offers more than its share), "
+                              f"got {self.tenant_flood}")
 
     @property
     def in_process(self) -> bool:
