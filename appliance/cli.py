@@ -228,6 +228,18 @@ def _bench_serve_parser() -> argparse.ArgumentParser:
     a("--request-timeout-s", type=float, default=d.request_timeout_s)
     a("--client-procs", type=int, default=d.client_procs,
       help="HTTP client processes (default 0: one per two cores, at most 8)")
+    a("--cold-adapters", type=int, default=d.cold_adapters,
+      help="run every row again while this many requests each name an adapter not loaded, resolved from "
+           "--cold-source on first request (lora.resolver); reports the steady streams' p99 ITL ratio")
+    a("--cold-source", default=d.cold_source,
+      help="moto (start a local S3 API server) or an existing store's s3://BUCKET/PREFIX/{name} (default moto)")
+    a("--cold-start-s", type=float, default=d.cold_start_s, help="first cold request, into the measured requests")
+    a("--cold-interval-s", type=float, default=d.cold_interval_s, help="between cold requests")
+    a("--cold-output-len", type=int, default=d.cold_output_len, help="output tokens of a cold request")
+    a("--tenant-rate", type=float, default=d.tenant_rate,
+      help="run the two-tenant fairness mix instead of the load rows: each tenant's share in requests/s, "
+           "which tenant B offers steadily (docs/tenants.md)")
+    a("--tenant-flood", type=float, default=d.tenant_flood, help="what tenant A offers, in multiples of its share")
     a("--no-progress", dest="progress", action="store_false", help="no progress bars")
     _config_args(p)
     p.set_defaults(func=_bench_serve)
@@ -417,7 +429,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from appliance.bench.serve_options import ADMIN_KEY_ENV, API_KEY_ENV, ServeOptions
 
     if args.concurrency is None:  # only the Poisson rows when only rates are given
-        args.concurrency = [] if args.rate else ServeOptions().concurrency
+        args.concurrency = [] if args.rate or args.tenant_rate else ServeOptions().concurrency
     fields = {f.name for f in dataclasses.fields(ServeOptions)}
     opts = ServeOptions(**{k: v for k, v in vars(args).items() if k in fields})
     # The entry point reads the environment (library code does not); keys never go on a command line.
@@ -477,6 +489,7 @@ def _shown(composed: "Composed") -> dict:
         cfg.server.admin_key = "***"
     for tenant in cfg.tenants.values():
         tenant.keys = ["***"] * len(tenant.keys)
+    cfg.tracing.headers = {k: "***" for k in cfg.tracing.headers}  # tokens for the trace collector
     data = env.mask_tree(OmegaConf.to_container(OmegaConf.structured(cfg)))  # the rest: <from env VAR>
     assert isinstance(data, dict)
     return data

@@ -100,3 +100,29 @@ def make_tiny_model(dest: Path, tokenizer_src: Path, **overrides) -> Path:
         if f.startswith("tokenizer") or f in ("chat_template.jinja", "special_tokens_map.json"):
             shutil.copy(Path(tokenizer_src) / f, dest / f)
     return dest
+
+
+TOOL_TAGS = {"Ġzebra": "<tool_call>", "Ġgiraffe": "</tool_call>"}
+
+
+@pytest.fixture(scope="session")
+def tool_tag_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """The default model whose tokenizer has `<tool_call>` / `</tool_call>` as added special tokens, as
+    Hermes-style tokenizers do. They take the ids of two trained words (TOOL_TAGS), which text can no
+    longer spell, so the model can write them: with a few earlier calls in the chat it copies the form."""
+    import json
+    import shutil
+
+    dest = tmp_path_factory.mktemp("tool_tags") / "model"
+    shutil.copytree(default_model_dir, dest)
+    tok = json.loads((dest / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for word, tag in TOOL_TAGS.items():
+        vocab[tag] = vocab.pop(word)
+        tok["model"]["merges"] = [m for m in tok["model"]["merges"]
+                                  if word not in (m.split(" ") if isinstance(m, str) else m)
+                                  and "".join(m.split(" ") if isinstance(m, str) else m) != word]
+        tok["added_tokens"].append({"id": vocab[tag], "content": tag, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+    (dest / "tokenizer.json").write_text(json.dumps(tok))
+    return dest

@@ -56,6 +56,16 @@ def write_adapter(dest: Path, args: ModelArgs, rank: int, targets: Iterable[str]
     return dest
 
 
+def served_shape(model_path: Path, dtype: str) -> tuple[ModelArgs, float, torch.dtype]:
+    """What synthetic adapters for a served model need: its shape, its init std (B's std) and the
+    adapters' dtype (float32 for a float32 model, else bf16)."""
+    from appliance.models.weights import read_hf_config
+
+    hf = read_hf_config(model_path.expanduser())
+    return (ModelArgs.from_hf_config(hf), float(hf.get("initializer_range", 0.02)),
+            torch.float32 if dtype == "float32" else torch.bfloat16)
+
+
 def adapter_name(rank: int, i: int) -> str:
     return f"r{rank}-{i:04d}"
 

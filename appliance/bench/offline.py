@@ -172,7 +172,7 @@ def decode_step(engine: LLMEngine, prompts: Sequence[list[int]], adapters: Seque
             "step_ms": round(step_s * 1e3, 3), "step_ms_blocks": [round(b * 1e3, 3) for b in blocks],
             "step_ms_serial": round(statistics.median(serial) * 1e3, 3),
             "compiled_during": None if new is None else len(new), **({"compiled_kernels": new} if new else {}),
-            "async_scheduling": engine.async_scheduling and "grammar" not in (sampling or {}),
+            "async_scheduling": engine.async_scheduling,
             "weight_gb": round(weights * elt / 1e9, 3), "kv_gb": round(kv * elt / 1e9, 3),
             "adapter_gb": round(lora * elt / 1e9, 3), "adapter_bytes": int(lora * elt),
             "floor_ms": round(floor_s * 1e3, 4),

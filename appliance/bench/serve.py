@@ -3,6 +3,7 @@
 under closed-loop and Poisson load, over an adapter mix, and reports client-side latency percentiles,
 throughput, failures by HTTP status and the server's own /metrics counters over each row; then, with
 `--compare-in-process`, the same requests through the engine in this process for the HTTP overhead.
+With `--tenant-rate`, the two-tenant fairness mix (serve_tenants.py) runs instead of the load rows.
 
 The server is started from the same Hydra config and overrides `appliance serve` takes (a subprocess
 on a free 127.0.0.1 port, stopped after), or is an existing one (`--url`). Synthetic adapters
@@ -26,10 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from appliance.bench import report
+from appliance.bench import report, serve_tenants
 from appliance.bench.serve_client import (Driver, HttpTarget, RequestSpec, Result, closed_loop, drive_processes,
                                           httpx_module, import_openai, open_loop)
-from appliance.bench.serve_options import ADMIN_KEY_ENV, ServeOptions
+from appliance.bench.serve_cold import ColdMix, ColdRows, failed, render_cold
+from appliance.bench.serve_options import ADMIN_KEY_ENV, API_KEY_ENV, ServeOptions
 from appliance.bench.serve_process import ServerApi, ServerProcess, free_port
 from appliance.bench.serve_report import plots, render
 from appliance.bench.serve_stats import counter_deltas, counter_samples, server_summary, summarize
@@ -69,6 +71,8 @@ class ServeBench:
         self.cfg = compose_config(config_dir, [*self.prepend, *self.user])
         self.adapter_root: Optional[Path] = None
         self.adapter_dirs: dict[str, Path] = {}
+        self.cold: Optional[ColdMix] = None
+        self.tenant_plan: Optional[serve_tenants.TenantPlan] = None  # --tenant-rate: the two-tenant mix
         self.res: dict[str, Any] = {"meta": self._meta(command), "workload": {}, "server": {}, "adapters": {},
                                     "rows": [], "plots": [], "errors": {}}
 
@@ -99,16 +103,12 @@ class ServeBench:
     def _synthetic_adapters(self) -> dict[str, Path]:
         import torch
 
-        from appliance.bench.adapters import make_adapters
-        from appliance.models.llama import ModelArgs
-        from appliance.models.weights import read_hf_config
+        from appliance.bench.adapters import make_adapters, served_shape
 
         o = self.opts
-        hf = read_hf_config(Path(self.cfg.model.path).expanduser())
-        dtype = torch.float32 if self.cfg.model.dtype == "float32" else torch.bfloat16
+        args, std, dtype = served_shape(Path(self.cfg.model.path), self.cfg.model.dtype)
         self.adapter_root = Path(o.adapter_dir or tempfile.mkdtemp(prefix="appliance-bench-serve-")).resolve()
-        return make_adapters(self.adapter_root, ModelArgs.from_hf_config(hf), o.rank, o.adapters, o.targets,
-                             float(hf.get("initializer_range", 0.02)), dtype, torch.device("cpu"),
+        return make_adapters(self.adapter_root, args, o.rank, o.adapters, o.targets, std, dtype, torch.device("cpu"),
                              self.cfg.model.name, o.progress)
 
     def _server_overrides(self) -> list[str]:
@@ -131,7 +131,7 @@ class ServeBench:
         """(specs per mix, warm-up specs per mix): the same prompts and lengths for every mix."""
         o = self.opts
         vocab = tok.vocab_size if tok is not None else self._vocab()
-        n, w = o.num_requests, self._max_warmup()
+        n, w = self.tenant_plan.specs_needed if self.tenant_plan else o.num_requests, self._max_warmup()
         room = max_model_len - 1 - (CHAT_TEMPLATE_ROOM if route == "chat" else 0) - o.shared_prefix_len
         if room < 2:
             raise ConfigError(f"bench serve --shared-prefix-len {o.shared_prefix_len}: leaves no room for a "
@@ -177,7 +177,7 @@ class ServeBench:
         return int(read_hf_config(Path(self.cfg.model.path).expanduser())["vocab_size"])
 
     def _max_warmup(self) -> int:
-        points = [*self.opts.concurrency, *([16] * len(self.opts.rate))]
+        points = [*self.opts.concurrency, *([16] * len(self.opts.rate))] or [16]  # or the tenant mix
         return max(self._warmup_count(p) for p in points)
 
     def _warmup_count(self, wave: int) -> int:
@@ -191,13 +191,21 @@ class ServeBench:
         finally:
             if self.adapter_root is not None and self.opts.adapter_dir is None:
                 shutil.rmtree(self.adapter_root, ignore_errors=True)
+            if self.cold is not None:
+                self.cold.close()
         self.res["plots"] = plots(self.res, self.out)
         report.write_json(self.res, self.out / "serve.json")
+        if "tenants" in self.res:
+            print(serve_tenants.render(self.res["tenants"], self.cfg.model.name))
+            print(f"JSON: {self.out / 'serve.json'}")
+            return 1 if serve_tenants.failed(self.res["tenants"]) else 0
         print(render(self.res))
+        if "cold" in self.res:
+            print("\n" + render_cold(self.res))
         for p in self.res["plots"]:
             print(p)
         print(f"JSON: {self.out / 'serve.json'}")
-        return 1 if any(r["failures"] for r in self.res["rows"]) else 0
+        return 1 if any(r["failures"] for r in self.res["rows"]) or failed(self.res) else 0
 
     def _run(self) -> None:
         o = self.opts
@@ -206,6 +214,12 @@ class ServeBench:
         if o.adapters:
             self.adapter_dirs = self._synthetic_adapters()
         overrides = self._server_overrides()
+        if o.cold_adapters:  # the cold-adapter mix (serve_cold.py): its store, adapters and server settings
+            self.cold = ColdMix(o, self.out, len(o.mixes) * len(self._points()))
+            self.res["cold"] = self.cold.prepare(Path(self.cfg.model.path), self.cfg.model.dtype, self.cfg.model.name,
+                                                 self.cfg.lora)
+            if o.url is None:
+                overrides += self.cold.server_overrides(self.cfg.lora, len(self.adapter_dirs))
         self.cfg = compose_config(self.config_dir, overrides)  # checks the config the server gets
         api_key = self.cfg.server.api_keys[0] if self.cfg.server.api_keys else self.keys.api_key
         admin_key = self.cfg.server.admin_key or self.keys.admin_key
@@ -214,12 +228,14 @@ class ServeBench:
         try:
             url = o.url
             if url is None:
-                env: dict[str, str] = {}
+                env: dict[str, str] = self.cold.server_env if self.cold is not None else {}
                 if self.adapter_dirs and admin_key is None:
                     admin_key = secrets.token_urlsafe(24)  # this run's only: in the child's environment
                 if admin_key is not None and self.cfg.server.admin_key != admin_key:
                     env[ADMIN_KEY_ENV] = admin_key
                     overrides = [*overrides, "server.admin_key=${oc.env:" + ADMIN_KEY_ENV + "}"]
+                if o.tenant_rate:
+                    api_key, tenant_keys = self._tenant_setup(overrides, env, api_key)
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
                 server = ServerProcess(self.config_dir, [*overrides, "server.host=127.0.0.1",
@@ -234,7 +250,16 @@ class ServeBench:
                                   "log": str(server.log_path) if server else None}
             specs, warm = self._workload(route, tok, card.get("max_model_len") or self.cfg.model.max_model_len,
                                          names)
-            self._http_rows(api, route, card["id"], specs, warm, url, api_key)
+            if self.tenant_plan is not None:
+                self._tenant_mix(api, route, card["id"], specs, warm, url, api_key, tenant_keys)
+            else:
+                self._http_rows(api, route, card["id"], specs, warm, url, api_key)
+                if self.cold is not None:  # the same rows again, on fresh prompts, with cold loads
+                    steady, cold = self.cold.workload(specs, tok.vocab_size if tok is not None else self._vocab(),
+                                                      tok.decode if route == "chat" else None)
+                    target = HttpTarget(route, url, api_key, card["id"], o.request_timeout_s)
+                    hook = ColdRows(cold, target, o, self.res)
+                    self._http_rows(api, route, card["id"], steady, warm, url, api_key, hook)
         finally:
             if api is not None:
                 api.close()
@@ -243,6 +268,33 @@ class ServeBench:
             report.write_json(self.res, self.out / "serve.json")
         if o.in_process and o.concurrency:
             self._in_process(route, specs, warm)
+
+    def _tenant_setup(self, overrides: list[str], env: dict[str, str],
+                      api_key: Optional[str]) -> tuple[str, dict[str, str]]:
+        """The two-tenant mix's server: its tenants file and keys (in `overrides` and `env`, in place),
+        and an unscoped key of the bench's own for warm-up and scrapes. Returns that key and the tenants'."""
+        self.tenant_plan = serve_tenants.TenantPlan.of(self.opts, self.cfg.engine.max_num_seqs)
+        extra, tenant_env, tenant_keys = serve_tenants.server_setup(
+            self.tenant_plan, self.out / "tenants-config", self.cfg.server.max_concurrent_requests)
+        overrides += extra
+        env.update(tenant_env)
+        if api_key is None:
+            api_key = self.keys.api_key or secrets.token_urlsafe(24)
+            env[API_KEY_ENV] = api_key
+            overrides.append("server.api_keys=['${oc.env:" + API_KEY_ENV + "}']")
+        return api_key, tenant_keys
+
+    def _tenant_mix(self, api: ServerApi, route: str, base: str, specs: dict, warm: dict, url: str,
+                    api_key: str, tenant_keys: dict[str, str]) -> None:
+        t = self.opts.request_timeout_s
+        mix = serve_tenants.TenantMix(
+            self.tenant_plan, {n: HttpTarget(route, url, k, base, t) for n, k in tenant_keys.items()},
+            HttpTarget(route, url, api_key, base, t), self.opts.client_processes(), api.metrics)
+        for name in self.opts.mixes:
+            mix.run(name, specs[name], warm[name][:self._warmup_count(16)],
+                    lambda s: print(f"[bench serve] tenant mix {s}", file=sys.stderr))
+            self.res["tenants"] = mix.report()
+            report.write_json(self.res, self.out / "serve.json")
 
     def _load_adapters(self, api: ServerApi) -> list[str]:
         if self.opts.config_adapters:
@@ -296,16 +348,20 @@ class ServeBench:
             bar.close()
 
     def _http_rows(self, api: ServerApi, route: str, base: str, specs: dict, warm: dict, url: str,
-                   api_key: Optional[str]) -> None:
+                   api_key: Optional[str], cold: Optional[ColdRows] = None) -> None:
+        """One row per mix and load point; with `cold`, each row's cold requests run beside it and the
+        row goes to the cold section."""
         target = HttpTarget(route, url, api_key, base, self.opts.request_timeout_s)
         procs = self.opts.client_processes()
         for mix in self.opts.mixes:
             for load, x in self._points():
-                label = f"{mix} {load} {x:g}"
+                label = f"{mix} {load} {x:g}" + (" with cold loads" if cold is not None else "")
                 before: dict[str, float] = {}
 
                 def measuring() -> None:
                     before.update(counter_samples(api.metrics()))
+                    if cold is not None:
+                        cold.start()
 
                 if procs > 1:
                     wave = int(x) if load == "closed" else 16
@@ -318,6 +374,8 @@ class ServeBench:
                     results, wall, cpu = self._drive(target.driver, specs[mix], warm[mix], load, x,
                                                      f"http {label}", measuring)
                     util = cpu / wall
+                if cold is not None:
+                    cold.wait()  # before the scrape: the row's counters include its loads
                 deltas = counter_deltas(before, counter_samples(api.metrics()))
                 row = {"mix": mix, "load": load, "concurrency": int(x) if load == "closed" else None,
                        "rate_rps": x if load == "poisson" else None,
@@ -325,7 +383,10 @@ class ServeBench:
                        # Near 1: the busiest client process may be what limits the row, not the server.
                        "client_cpu_util": round(util, 3), "client_processes": procs,
                        "server": server_summary(deltas), "metrics_delta": deltas}
-                self.res["rows"].append(row)
+                if cold is None:
+                    self.res["rows"].append(row)
+                else:
+                    cold.finish(row)
                 report.write_json(self.res, self.out / "serve.json")
                 print(f"[bench serve] {label}: {row['out_tok_s']} tok/s, failures {row['failures'] or 'none'}",
                       file=sys.stderr)

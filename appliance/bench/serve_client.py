@@ -270,6 +270,33 @@ class Drive:
     client_cpu_util: float
 
 
+@dataclass
+class ClientJob:
+    """What one client process sends: its target (and so its key), its warm-up (closed loop, not
+    measured), then its measured requests, closed loop at `concurrency` or at `arrivals`."""
+
+    target: HttpTarget
+    specs: list[RequestSpec]
+    warm: list[RequestSpec] = field(default_factory=list)
+    concurrency: int = 0
+    arrivals: Optional[list[float]] = None
+
+
+@dataclass
+class JobResult:
+    """One client process's measured requests (in the order of its specs), when they began and ended
+    (time.time()) and the process's CPU seconds over them."""
+
+    results: list[Result]
+    start: float
+    end: float
+    cpu_s: float
+
+    @property
+    def cpu_util(self) -> float:
+        return self.cpu_s / max(self.end - self.start, 1e-9)
+
+
 def drive_processes(target: HttpTarget, specs: Sequence[RequestSpec], warm: Sequence[RequestSpec],
                     concurrency: Optional[int], arrivals: Optional[Sequence[float]], procs: int,
                     measuring: Optional[Callable[[], None]] = None) -> Drive:
@@ -277,23 +304,36 @@ def drive_processes(target: HttpTarget, specs: Sequence[RequestSpec], warm: Sequ
     events a second, less than a GPU server sends): request i and its arrival go to process i % procs,
     a closed loop's concurrency is split among them. Each warms up, then all start together after
     `measuring()` ran here."""
+    shares = [concurrency // procs + (p < concurrency % procs) for p in range(procs)] if concurrency else [0] * procs
+    jobs = [ClientJob(target, list(specs[p::procs]), list(warm[p::procs]), shares[p],
+                      None if arrivals is None else list(arrivals[p::procs])) for p in range(procs)]
+    got = run_client_processes(jobs, target.timeout_s, measuring)
+    results: list[Optional[Result]] = [None] * len(specs)
+    for p, g in enumerate(got):
+        results[p::procs] = g.results
+    return Drive([r for r in results if r is not None], max(g.end for g in got) - min(g.start for g in got),
+                 max(g.cpu_util for g in got))
+
+
+def run_client_processes(jobs: Sequence[ClientJob], timeout_s: float,
+                         measuring: Optional[Callable[[], None]] = None) -> list[JobResult]:
+    """Each job in a client process of its own: all warm up, then `measuring()` runs here, then all
+    start their measured requests together. Results in the order of `jobs`."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # no fork of a process that may hold threads and an event loop
-    barrier = ctx.Barrier(procs + 1)
+    barrier = ctx.Barrier(len(jobs) + 1)
     queue = ctx.Queue()
-    shares = [concurrency // procs + (p < concurrency % procs) for p in range(procs)] if concurrency else [0] * procs
-    workers = [ctx.Process(target=_client_process, daemon=True, args=(
-        p, target, list(specs[p::procs]), list(warm[p::procs]), shares[p],
-        None if arrivals is None else list(arrivals[p::procs]), barrier, queue)) for p in range(procs)]
+    workers = [ctx.Process(target=_client_process, daemon=True, args=(p, job, barrier, queue))
+               for p, job in enumerate(jobs)]
     for w in workers:
         w.start()
     try:
-        barrier.wait(timeout=target.timeout_s)  # every client warmed up
+        barrier.wait(timeout=timeout_s)  # every client warmed up
         if measuring is not None:
             measuring()
         barrier.wait(timeout=60)
-        got = dict(queue.get(timeout=target.timeout_s) for _ in workers)
+        got = dict(queue.get(timeout=timeout_s) for _ in workers)
     finally:
         for w in workers:
             w.join(timeout=30)
@@ -302,28 +342,22 @@ def drive_processes(target: HttpTarget, specs: Sequence[RequestSpec], warm: Sequ
     errors = [v for v in got.values() if isinstance(v, str)]
     if errors:
         raise RuntimeError(f"a client process failed: {errors[0]}")
-    results: list[Optional[Result]] = [None] * len(specs)
-    for p, (res, _, _, _) in got.items():
-        results[p::procs] = res
-    start, end = min(v[1] for v in got.values()), max(v[2] for v in got.values())
-    util = max(v[3] / max(v[2] - v[1], 1e-9) for v in got.values())
-    return Drive([r for r in results if r is not None], end - start, util)
+    return [JobResult(*got[p]) for p in range(len(jobs))]
 
 
-def _client_process(index: int, target: HttpTarget, specs: list[RequestSpec], warm: list[RequestSpec],
-                    concurrency: int, arrivals: Optional[list[float]], barrier: Any, queue: Any) -> None:
+def _client_process(index: int, job: ClientJob, barrier: Any, queue: Any) -> None:
     async def run() -> tuple[list[Result], float, float, float]:
-        send = target.driver()
+        send = job.target.driver()
         try:
-            if warm:
-                await closed_loop(send, warm, max(1, concurrency or len(warm)))
+            if job.warm:
+                await closed_loop(send, job.warm, max(1, job.concurrency or len(job.warm)))
             barrier.wait()  # nothing in flight on this loop: blocking is fine
             barrier.wait()  # the parent took its "before" snapshot
             cpu0, t0 = time.process_time(), time.time()
-            if arrivals is None:
-                results, _ = await closed_loop(send, specs, concurrency)
+            if job.arrivals is None:
+                results, _ = await closed_loop(send, job.specs, job.concurrency)
             else:
-                results, _ = await open_loop(send, specs, arrivals)
+                results, _ = await open_loop(send, job.specs, job.arrivals)
             return results, t0, time.time(), time.process_time() - cpu0
         finally:
             await send.aclose()

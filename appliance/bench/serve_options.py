@@ -54,6 +54,17 @@ class ServeOptions:
     # HTTP client processes; 0 = one per two cores, at most 8 (one Python thread streams a few thousand
     # events a second: on a GPU server a single client would be the bottleneck).
     client_procs: int = 0
+    # Cold-adapter mix (serve_cold.py): every row again, with this many requests that each name an adapter
+    # the server has not loaded and resolves from cold_source (lora.resolver) while the row runs; 0 = off.
+    cold_adapters: int = 0
+    cold_source: str = "moto"  # moto (a local S3 API server the bench starts) or s3://BUCKET/PREFIX/{name}
+    cold_start_s: float = 1.0  # the first cold request, this long into the row's measured requests
+    cold_interval_s: float = 0.5  # between cold requests
+    cold_output_len: int = 16  # output tokens of a cold request
+    # The two-tenant fairness mix (serve_tenants.py, docs/tenants.md) instead of the load rows: each
+    # tenant's share in requests/s, which tenant B offers steadily; 0 = off.
+    tenant_rate: float = 0.0
+    tenant_flood: float = 10.0  # what tenant A offers, in multiples of its share
 
     def client_processes(self) -> int:
         if self.client_procs:
@@ -65,7 +76,9 @@ class ServeOptions:
     def check(self) -> None:
         if self.api not in APIS:
             raise ConfigError(f"bench serve --api: {self.api!r} is not one of {', '.join(APIS)}")
-        if not self.concurrency and not self.rate:
+        if self.tenant_rate:
+            self._check_tenant_mix()
+        elif not self.concurrency and not self.rate:
             raise ConfigError("bench serve: give at least one load point (--concurrency or --rate)")
         if self.client_procs < 0:
             raise ConfigError(f"bench serve --client-procs: must be >= 0 (0 = automatic), got {self.client_procs}")
@@ -103,6 +116,24 @@ class ServeOptions:
             raise ConfigError(f"bench serve --zipf: must be > 0, got {self.zipf}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"bench serve --url: expected http://host:port, got {self.url!r}")
+        from appliance.bench.serve_cold import check_cold_options
+
+        check_cold_options(self)
+
+    def _check_tenant_mix(self) -> None:
+        if self.tenant_rate < 0:
+            raise ConfigError(f"bench serve --tenant-rate: must be > 0 requests/s, got {self.tenant_rate}")
+        if self.concurrency or self.rate:
+            raise ConfigError("bench serve --tenant-rate runs the two-tenant mix instead of the load rows: "
+                              "drop --concurrency / --rate")
+        if self.cold_adapters:
+            raise ConfigError("bench serve --tenant-rate and --cold-adapters are two separate mixes: run one at a time")
+        if self.url is not None:
+            raise ConfigError("bench serve --tenant-rate: the mix writes the tenants config of the server it "
+                              "starts, so it cannot use --url")
+        if not self.tenant_flood > 1:
+            raise ConfigError(f"bench serve --tenant-flood: must be > 1 (tenant A offers more than its share), "
+                              f"got {self.tenant_flood}")
 
     @property
     def in_process(self) -> bool:

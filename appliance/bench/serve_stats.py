@@ -83,12 +83,16 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: round(v - before.get(k, 0.0), 6) for k, v in sorted(after.items())}
 
 
+def counter_total(deltas: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of `name`'s series in `deltas` that carry every one of `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return round(sum(v for k, v in deltas.items() if k.split("{")[0] == name and all(w in k for w in want)), 6)
+
+
 def server_summary(deltas: dict[str, float]) -> dict:
     """The few counters a reader looks for first, picked out of the deltas."""
     def total(prefix: str, **labels: str) -> float:
-        want = [f'{k}="{v}"' for k, v in labels.items()]
-        return round(sum(v for k, v in deltas.items()
-                         if k.split("{")[0] == prefix and all(w in k for w in want)), 6)
+        return counter_total(deltas, prefix, **labels)
 
     slot_waits = total("appliance_lora_slot_wait_seconds_count")
     queried = total("appliance_prefix_cache_queries_total")

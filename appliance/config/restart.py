@@ -22,7 +22,7 @@ from appliance.config.env import NO_ENV, EnvOrigins
 from appliance.config.schema import ApplianceConfig
 
 LIVE_KEYS = frozenset({"reconcile.prune"})
-SECRET_KEYS = frozenset({"server.api_keys", "server.admin_key"})
+SECRET_KEYS = frozenset({"server.api_keys", "server.admin_key", "tracing.headers"})
 # Compared in-process only. From outside, the address a client reaches is not the one the server
 # binds (port 0, 0.0.0.0, Docker port maps, port-forwards), and the reconcile settings are how that
 # server follows its own dir (often set by its command line), so a difference there means nothing.

@@ -521,6 +521,37 @@ class LoggingConfig:
     def check(self) -> None:
         if self.format not in LOG_FORMATS:
             raise ConfigError(f"logging.format: must be one of {', '.join(LOG_FORMATS)}, got {self.format!r}")
+
+
+@dataclass
+class TracingConfig:
+    """OpenTelemetry traces of HTTP requests (appliance/telemetry/tracing.py, docs/tracing.md); needs the
+    `tracing` extra (pip install 'appliance[tracing]')."""
+
+    enabled: bool = False
+    # OTLP over HTTP (protobuf): the collector's traces URL (an otel-collector, Jaeger or Tempo).
+    otlp_endpoint: str = "http://localhost:4318/v1/traces"
+    service_name: str = "appliance"  # the resource's service.name
+    # Share of new traces kept (0..1); a caller's traceparent decides for the traces it started.
+    sample_ratio: float = 1.0
+    # Sent with every export (e.g. authorization), as environment references: never echoed.
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
+    export_timeout_s: float = 10.0
+
+    def check(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ConfigError(f"tracing.sample_ratio: must be in [0, 1], got {self.sample_ratio}")
+        if not self.service_name:
+            raise ConfigError("tracing.service_name: must not be empty")
+        if not self.export_timeout_s > 0:
+            raise ConfigError(f"tracing.export_timeout_s: must be > 0, got {self.export_timeout_s}")
+        if self.enabled and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"tracing.otlp_endpoint: must be an http:// or https:// URL (OTLP over HTTP), "
+                              f"got {self.otlp_endpoint!r}")
+        for name, value in self.headers.items():
+            if not name or not value:  # an unset environment variable interpolates to ""
+                raise ConfigError(f"tracing.headers.{name}: header names and values must not be empty "
+                                  "(is the environment variable set?)")
 TENANT_ADMIN_ROLES = ("none", "read", "admin")
 
 
@@ -594,6 +625,7 @@ class ApplianceConfig:
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     # The wanted adapters, name -> settings: loaded at start, then kept in step by the reconciler.
     adapters: dict[str, AdapterConfig] = field(default_factory=dict)
     # Who may use which adapters, how much (server/tenants.py); empty = server.api_keys alone.
@@ -624,6 +656,7 @@ class ApplianceConfig:
         self.reconcile.check()
         self.debug.check()
         self.logging.check()
+        self.tracing.check()
         seen: dict[str, str] = {}
         for tname, tenant in self.tenants.items():
             if not tname or any(not (c.isalnum() or c in "._-") for c in tname):
@@ -695,3 +728,4 @@ def register_configs() -> None:
     cs.store(group="reconcile", name="reconcile_schema", node=ReconcileConfig)
     cs.store(group="debug", name="debug_schema", node=DebugConfig)
     cs.store(group="logging", name="logging_schema", node=LoggingConfig)
+    cs.store(group="tracing", name="tracing_schema", node=TracingConfig)

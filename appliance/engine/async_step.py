@@ -5,6 +5,8 @@ pinned memory behind an event; the engine schedules and launches step N + 1 (who
 inputs on the device, StaticDecode.publish) before it reads step N's tokens, so the GPU does not wait
 for the host. Cost: a sequence stopped by a stop token at step N already holds a row of step N + 1,
 whose token is dropped; one ending by length is known in advance (`Sequence.finishing`).
+A step whose sampling reads the tokens so far (grammar masks, penalties) launches its forward, reads
+step N's tokens while it runs, fills its masks, and only then queues its sampling.
 """
 
 from __future__ import annotations

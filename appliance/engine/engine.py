@@ -20,8 +20,9 @@ way (a prefill, an eager size) first `settle`s: the step in flight is read, so e
 the host. So `step()` returns the tokens of the step before the one it launched; callers loop while
 `has_unfinished()`, and call `settle()` before anything that needs a quiet engine (admin operations).
 A step with a penalised request (repetition, frequency, presence) or a constrained one (a grammar:
-its matcher must accept each token before it fills the next mask) does not run that way: it needs
-the tokens generated so far on the host.
+its matcher must accept each token before it fills the next mask) needs the tokens generated so far
+on the host: it launches its forward, then reads the step before, then fills the masks while the
+forward runs, and samples after.
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ class LLMEngine:
                        arrival_time if arrival_time is not None else time.monotonic(), adapter=key,
                        adapter_name=None if key is None else self.lora.name_of(key),  # type: ignore[union-attr]
                        share=share)
-        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens,
+                                           params.kept_special_token_ids)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         if not params.greedy:
@@ -313,7 +315,7 @@ class LLMEngine:
             outputs += self._load_adapters(plan)
         if plan.empty:
             return outputs + self.settle()
-        if self.async_scheduling and self.runner.runs_static(plan) and not self._reads_history(plan):
+        if self.async_scheduling and self.runner.runs_static(plan):
             return outputs + self._step_async(plan)
         outputs += self.settle()
         if self._drop_finished(plan):
@@ -335,7 +337,9 @@ class LLMEngine:
         return [] if launched is None else self._resolve(launched)
 
     def _step_async(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        """Launch `plan` (decode-only, static buffers), then hand out the tokens of the step before."""
+        """Launch `plan` (decode-only, static buffers), then hand out the tokens of the step before.
+        A plan whose sampling reads every token so far (a grammar, penalties) reads the step before
+        first, while its forward runs, and is sampled after (masks filled during the forward)."""
         prev = self._inflight
         sources = None if prev is None else prev.source_rows([s.seq for s in plan.decodes])
         try:
@@ -344,18 +348,27 @@ class LLMEngine:
             outputs = self.settle()
             return outputs + ([] if self._drop_finished(plan) else self._isolate(plan, e))
         try:
-            sampling, drawn = self._sample(plan, logits, sample_on_device)
+            sampling = self._advance(plan)  # before the read: a sequence it finishes frees its blocks
+        except Exception as e:  # noqa: BLE001 - the step advanced: fail it (after the one before)
+            return self.settle() + self._fail_step(plan, e)
+        outputs: list[RequestOutput] = []
+        if prev is not None and self._reads_history(plan):
+            # The device has queued step N's tokens before this forward: read them now, while it runs.
+            self._inflight = None
+            outputs, prev = self._resolve(prev), None
+        try:
+            drawn = self._draw(sampling, logits, sample_on_device)
             self.runner.static_decode.publish(drawn.tokens)  # type: ignore[union-attr]
             launched = LaunchedStep.start(sampling, drawn)
         except Exception as e:  # noqa: BLE001 - the step advanced: fail it (after the one before)
-            return self.settle() + self._fail_step(plan, e)
+            return outputs + self.settle() + self._fail_step(plan, e)
         for seq in sampling:
             seq.num_pending += 1
             p = seq.params
             if len(seq.output_token_ids) + seq.num_pending >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finishing = True  # its pending token is its last: never scheduled again
         self._inflight = launched
-        return [] if prev is None else self._resolve(prev)
+        return outputs + ([] if prev is None else self._resolve(prev))
 
     def _resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Append a launched step's tokens. A sequence that finished meanwhile (aborted, or ended on
@@ -417,8 +430,14 @@ class LLMEngine:
         its requests in this step (taken out of `plan`) and gives its slot back; nothing else changes."""
         if self.lora is None or not plan.slot_loads:
             return []
+        started = time.monotonic()
+        loading = {key for _, key in plan.slot_loads}
         failed = self.lora.ensure_loaded(plan.slot_loads)
         plan.slot_loads = []
+        ended = time.monotonic()
+        for s in plan.prefills:  # their step waited for these reads and copies
+            if s.seq.adapter in loading and s.seq.load_wait_start is None:
+                s.seq.load_wait_start, s.seq.load_wait_end = started, ended
         if not failed:
             return []
         outputs, now = [], time.monotonic()
@@ -480,23 +499,36 @@ class LLMEngine:
                 sampler: Callable = sample_full) -> tuple[list[Sequence], Any]:
         """Advance the plan's sequences and sample the ones that reach their last token: (those
         sequences, what `sampler` returns: sample_full's host tokens and logprobs, or a DeviceSample)."""
+        sampling = self._advance(plan)
+        return sampling, self._draw(sampling, logits, sampler)
+
+    def _advance(self, plan: SchedulerOutput) -> list[Sequence]:
+        """Count the step's prompt tokens and record its K/V as computed; the sequences that sample,
+        in the order of their logits rows."""
         sampling = [s.seq for s in plan.prefills + plan.decodes if s.samples]
         for s in plan.prefills + plan.decodes:
             done, n_prompt = s.seq.num_computed_tokens, len(s.seq.prompt_token_ids)
             if done < n_prompt:
                 self.stats.events.prompt_tokens_computed += min(done + s.num_new_tokens, n_prompt) - done
         self.scheduler.after_step(plan)
+        return sampling
+
+    def _draw(self, sampling: list[Sequence], logits: torch.Tensor, sampler: Callable) -> Any:
+        """`sampler` over the rows of `sampling` with their bans, penalties and grammar masks. A row
+        that finished since it was scheduled (async: on the step before) gets no mask: its token is
+        dropped, and a matcher that took EOS can fill none."""
         banned = [self._banned(seq) for seq in sampling]
         history = [(seq.prompt_token_ids, seq.output_token_ids) if seq.params.penalized else ((), ())
                    for seq in sampling]
+        matchers = [None if seq.status is SeqStatus.FINISHED else seq.matcher for seq in sampling]
         mask = None
-        if any(seq.matcher is not None for seq in sampling):
+        if any(m is not None for m in matchers):
             if self._masks is None:
                 self._masks = MaskFiller(self.runner.args.vocab_size, self.config.max_num_seqs,
                                          self.runner.device, self.config.grammar_threads)
-            mask = self._masks.fill([seq.matcher for seq in sampling])
-        return sampling, sampler(logits, [s.params for s in sampling], [s.generator for s in sampling], banned,
-                                 history, mask)
+            mask = self._masks.fill(matchers)
+        return sampler(logits, [s.params for s in sampling], [s.generator for s in sampling], banned,
+                       history, mask)
 
     def _append_tokens(self, sampling: list[Sequence], tokens: list[int],
                        logprobs: Optional[list[Optional[TokenLogprob]]]) -> list[RequestOutput]:
@@ -572,7 +604,9 @@ class LLMEngine:
             finish_reason=seq.finish_reason, prompt_tokens=len(seq.prompt_token_ids),
             completion_tokens=len(seq.output_token_ids), error=error, logprobs=logprobs,
             arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time, finish_time=seq.finish_time)
+            first_token_time=seq.first_token_time, finish_time=seq.finish_time,
+            first_scheduled_time=seq.first_scheduled_time, load_wait_start=seq.load_wait_start,
+            load_wait_end=seq.load_wait_end)
 
     def _finish(self, seq: Sequence, reason: str, now: float, error: Optional[str] = None) -> RequestOutput:
         seq.finish_reason = reason

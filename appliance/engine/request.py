@@ -62,6 +62,10 @@ class SamplingParams:
     # Prefix caching: only requests with the same salt (and adapter) share cached KV blocks; None = the
     # shared pool. A request option, not a sampling one: it rides here so it reaches every sample (n).
     cache_salt: Optional[str] = None
+    skip_special_tokens: bool = True  # special tokens are left out of the text (their ids stay)
+    # Special tokens written into the text even when skipping: the tool-call tags of templates that make
+    # them special (Qwen2.5, Hermes), so the tool parser sees them while other markup stays out.
+    kept_special_token_ids: frozenset[int] = frozenset()
 
     def validate(self) -> None:
         """Raise RequestError with the field name when a value is out of range."""
@@ -140,7 +144,10 @@ class RequestOutput:
     completion_tokens: int = 0  # total generated so far
     error: Optional[str] = None  # set when finish_reason == "error"
     logprobs: Optional[list[TokenLogprob]] = None  # one per token of token_ids when params.logprobs is set
-    # Per-request timestamps (time.monotonic()), kept for the metrics issue.
+    # Per-request timestamps (time.monotonic()): metrics, and the spans of tracing (telemetry/tracing.py).
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    first_scheduled_time: Optional[float] = None
+    load_wait_start: Optional[float] = None  # waited for its adapter's weights from .. to (None: did not)
+    load_wait_end: Optional[float] = None

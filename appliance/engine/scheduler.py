@@ -179,8 +179,12 @@ class Scheduler:
                 break  # FIFO for KV blocks: a later, smaller request must not starve this one
             if seq.adapter is not None and self.adapter_ready is not None and not self.adapter_ready(seq.adapter):
                 seq.wait_reason = "load"  # its weights are on their way; base and ready requests go on
+                if seq.load_wait_start is None:
+                    seq.load_wait_start = self.clock()
                 j += 1
                 continue
+            if seq.load_wait_start is not None and seq.load_wait_end is None:
+                seq.load_wait_end = self.clock()  # its weights are ready now
             if seq.adapter is not None and self.slots is not None:
                 got = None if seq.adapter == self.draining else self.slots.acquire(seq.adapter)
                 if got is None:

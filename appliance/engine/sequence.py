@@ -45,6 +45,10 @@ class Sequence:
     num_cached_blocks: int = 0
     num_preemptions: int = 0
     first_scheduled_time: Optional[float] = None
+    # When it first waited for its adapter's weights (a background read, or the slot fill of its
+    # step) and when they were ready: the adapter load span of tracing (telemetry/tracing.py).
+    load_wait_start: Optional[float] = None
+    load_wait_end: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finish_time: Optional[float] = None

@@ -45,6 +45,21 @@ class Tokenizer:
             return self._rust_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids that decoding with skip_special_tokens leaves out (added tokens marked special)."""
+        ids = {int(i) for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        return frozenset(ids | {int(i) for i in self.hf.all_special_ids})
+
+    def special_ids_of(self, texts: Sequence[str]) -> frozenset[int]:
+        """The ids of those of `texts` that are one special token each (e.g. `<tool_call>` in Qwen2.5)."""
+        out = set()
+        for text in texts:
+            i = self.hf.convert_tokens_to_ids(text)
+            if isinstance(i, int) and i in self.special_token_ids and self.hf.convert_ids_to_tokens(i) == text:
+                out.add(i)
+        return frozenset(out)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
@@ -56,13 +71,16 @@ class Tokenizer:
         return bool(re.search(r"\btools\b", t if isinstance(t, str) else " ".join(t.values())))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            add_special_tokens: bool = False, tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+                            add_special_tokens: bool = False, tools: Optional[list[dict[str, Any]]] = None,
+                            continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
         """Token ids of `messages` rendered by the model's chat template, by default ready for the reply.
-        add_special_tokens is off by default: the template already wrote any BOS it wants."""
+        add_special_tokens is off by default: the template already wrote any BOS it wants.
+        `template_kwargs`: extra variables the template reads (vLLM's chat_template_kwargs)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **template_kwargs)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
@@ -95,9 +113,14 @@ class IdsOnlyTokenizer:
         return ""
 
     supports_tools = False
+    special_token_ids: frozenset[int] = frozenset()
+
+    def special_ids_of(self, texts: Sequence[str]) -> frozenset[int]:
+        return frozenset()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            add_special_tokens: bool = False, tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+                            add_special_tokens: bool = False, tools: Optional[list[dict[str, Any]]] = None,
+                            continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
         return self.encode("")
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
@@ -105,10 +128,15 @@ class IdsOnlyTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of output token ids into text deltas that are safe to send."""
+    """Turns a growing list of output token ids into text deltas that are safe to send.
+    `skip_special_tokens`: special tokens are left out of the text, except the ids in `keep`."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.tok = tokenizer
+        self.skip = skip_special_tokens
+        # Left out by hand when some special tokens stay: decoding then keeps every special token.
+        self.drop = tokenizer.special_token_ids - keep if skip_special_tokens and keep else frozenset()
         # Start with a little of the prompt as left context so the first token's leading space is right.
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0  # start of the window decoded as context
@@ -117,8 +145,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the new text that is final (may be "")."""
         self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix):]
             # The emitted tokens become the next call's left context.
@@ -129,10 +157,15 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text held back at the end (an unfinished character is returned as is)."""
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
         self.read_offset = len(self.ids)
         return full[len(prefix):] if len(full) > len(prefix) else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.drop:
+            return self.tok.decode([i for i in ids if i not in self.drop], skip_special_tokens=False)
+        return self.tok.decode(ids, skip_special_tokens=self.skip)
 
 
 def find_stop(text: str, stops: Sequence[str], start: int) -> Optional[int]:

@@ -49,6 +49,7 @@ class ContextGroup:
     q_index: torch.Tensor  # [B, Q] long: each query's token in the step (padding -> 0)
     valid: torch.Tensor  # [B, Q] bool: real queries
     out_index: torch.Tensor  # [N] long: q_index[valid], where the outputs go
+    valid_index: torch.Tensor  # [N] long: flat positions (b * Q + i) of the real queries
     mask: torch.Tensor  # [B, Q, T] bool: key j visible to query i (padding rows see key 0 only)
     _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -93,8 +94,9 @@ def _group(chunks: list, block_size: int, device: torch.device) -> ContextGroup:
     q_index = torch.where(valid, q0 + i, 0)
     j = torch.arange(length)[None, None]
     mask = torch.where(valid[:, :, None], j <= c + i[:, :, None], j == 0)
+    # Index tensors built here, on the host: a boolean index on the device would sync every layer.
     return ContextGroup(tables.to(device), length, q_index.to(device), valid.to(device),
-                        q_index[valid].to(device), mask.to(device))
+                        q_index[valid].to(device), valid.flatten().nonzero().squeeze(1).to(device), mask.to(device))
 
 
 @dataclass
@@ -177,8 +179,8 @@ def _context_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     qb = q[g.q_index].view(b, q_max, kvh, grp, d).permute(0, 2, 1, 3, 4).reshape(b, kvh, q_max * grp, d)
     o = F.scaled_dot_product_attention(qb, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=g.mask_for(grp),
                                        scale=scale)
-    o = o.view(b, kvh, q_max, grp, d).permute(0, 2, 1, 3, 4).reshape(b, q_max, h, d)
-    out[g.out_index] = o[g.valid]
+    o = o.view(b, kvh, q_max, grp, d).permute(0, 2, 1, 3, 4).reshape(b * q_max, h, d)
+    out[g.out_index] = o[g.valid_index]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: object,

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 from urllib.parse import quote
 
 from starlette.applications import Starlette
@@ -59,6 +59,9 @@ from appliance.server.request_log import RequestLog, record_of
 from appliance.server.scrape import ScrapeApi
 from appliance.server.utility import UtilityApi
 
+if TYPE_CHECKING:  # imported only when tracing.enabled (server/run.py)
+    from appliance.telemetry.tracing import RequestTracer
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -69,14 +72,15 @@ class _ClientGone(Exception):
 
 
 def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource] = None,
-              metrics: Optional[Metrics] = None) -> Starlette:
+              metrics: Optional[Metrics] = None, tracer: Optional["RequestTracer"] = None) -> Starlette:
     """The Starlette app for a started `engine`; `app.state.server` is its `ServerState`, `app.state.metrics`
     its `Metrics` (None when metrics.enabled is false; the reconciler reports through it): `metrics`, built
     by build_metrics and fed by the engine (AsyncEngine's stats_sink). `source`: the config dir and overrides
-    `cfg` was composed from, which hot reload composes again."""
+    `cfg` was composed from, which hot reload composes again. `tracer`: the request spans (tracing.enabled;
+    telemetry/tracing.py's build_tracer), None = no tracing."""
     if cfg.metrics.enabled and metrics is None:
         raise ValueError("build_app: metrics.enabled needs the engine's Metrics (build_metrics)")
-    api = _Api(engine, cfg, source)
+    api = _Api(engine, cfg, source, tracer)
     # One limit shared by every inference route (server.max_concurrent_requests).
     limit = ConcurrencyLimit(cfg.server.max_concurrent_requests, api.body, api.admit)
     utility = UtilityApi(api.tokenizer, engine.max_model_len, api.auth, api._read_json, api.resolve_model,
@@ -100,7 +104,7 @@ def build_app(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[Config
         return e.response()
 
     # Inside the 500 handler, outside the others: it sees every answer, and the 500s as exceptions.
-    app = Starlette(routes=routes, middleware=[Middleware(RequestLog, metrics=metrics)], exception_handlers={
+    app = Starlette(routes=routes, middleware=[Middleware(RequestLog, metrics=metrics, tracer=tracer)], exception_handlers={
         ApiError: api_error,
         HTTPException: _http_error,
         _ClientGone: _client_gone,
@@ -144,7 +148,8 @@ def build_metrics(engine: LLMEngine, cfg: ApplianceConfig) -> Optional[Metrics]:
 
 
 class _Api:
-    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource]) -> None:
+    def __init__(self, engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource],
+                 tracer: Optional["RequestTracer"] = None) -> None:
         self.engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.cfg = cfg
@@ -162,7 +167,8 @@ class _Api:
         admin_auth = AdminAuth(cfg.server.admin_key, role_of=self._admin_role,
                                any_role=lambda: any(t.cfg.admin != "none" for t in self.tenants.tenants.values()))
         self.admin = AdminApi(ops, cfg, self._read_json, self.state.reconciler, admin_auth)
-        self.first_use = FirstUse(ops, AdapterResolver(cfg.lora.resolver, cfg.lora.allowed_sources), cfg.model.name)
+        self.first_use = FirstUse(ops, AdapterResolver(cfg.lora.resolver, cfg.lora.allowed_sources), cfg.model.name,
+                                  tracer)
 
     def _admin_role(self, token: bytes) -> Optional[str]:
         tenant = self.tenants.identify(token)

@@ -8,20 +8,26 @@ takes the engine thread, so other requests go on meanwhile; only requests for th
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from appliance.lora.sources.resolver import AdapterResolver, ResolveError
 from appliance.server.admin import AdapterAdmin
 from appliance.server.errors import ApiError
 from appliance.server.tenants import Tenant
 
+if TYPE_CHECKING:
+    from appliance.telemetry.tracing import RequestTracer
+
 
 class FirstUse:
-    def __init__(self, ops: AdapterAdmin, resolver: AdapterResolver, base_name: str) -> None:
+    def __init__(self, ops: AdapterAdmin, resolver: AdapterResolver, base_name: str,
+                 tracer: Optional["RequestTracer"] = None) -> None:
         self.ops = ops
         self.resolver = resolver
         self.base_name = base_name
+        self.tracer = tracer  # tracing.enabled: the wait for each load is an adapter_load span
 
     def unknown(self, names: Sequence[Optional[str]], published: Sequence[str]) -> list[str]:
         """The adapter names among `names` (a `model` or `<base>:<adapter>`) that are not loaded."""
@@ -46,7 +52,10 @@ class FirstUse:
         for name in self.unknown(names, lora.registry.published):
             if tenant is not None and not tenant.may_use(name):
                 continue
+            traced = nullcontext() if self.tracer is None else self.tracer.span(
+                "adapter_load", {"appliance.adapter": name, "appliance.adapter_source": "resolver"})
             try:
-                await self.resolver.resolve(name, partial(self.ops.load_resolved, name))
+                with traced:
+                    await self.resolver.resolve(name, partial(self.ops.load_resolved, name))
             except ResolveError as e:
                 raise ApiError(e.status, e.message, param=param, code=e.code) from None

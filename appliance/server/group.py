@@ -144,6 +144,7 @@ class RequestGroup:
             self._finished[i] = True
             c.finish_reason = out.finish_reason
             c.error = out.error
+            c.last = out
 
     def _submit_next(self) -> None:
         i = self._next_job

@@ -22,20 +22,18 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from jinja2 import TemplateError
-
 from appliance.engine.grammar.spec import GrammarSpec
-from appliance.engine.request import RequestError, SamplingParams, TokenLogprob
+from appliance.engine.request import RequestError, RequestOutput, SamplingParams, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 from appliance.lora.names import cut
 from appliance.server import logprob_format
+from appliance.server.chat_template import chat_prompt, template_options
 from appliance.server.errors import bad_request
 from appliance.server.grammar_params import generate_grammar, openai_grammar
 from appliance.server.schemas.base import extra_fields, json_type, refuse_unsupported, unknown_field_error, validate
 from appliance.server.schemas.native import GenerateRequest, GenerateSamplingParams
 from appliance.server.tools import parser as tool_parser
-from appliance.server.tools import prompt as tool_prompt
-from appliance.server.tools.request import ToolUse, check_messages, resolve_tools
+from appliance.server.tools.request import ToolUse, resolve_tools
 from appliance.server.schemas.openai import (UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETION, ChatCompletionRequest,
                                              ChatMessage, CompletionRequest, Sampling)
 
@@ -91,6 +89,7 @@ class Choice:
     logprobs_sent: int = 0  # a stream: how many of them went out in chunks (logprob_format.take)
     logprob_chars: int = 0  # a stream: the completion's text_offset after those
     counts_prompt: bool = True  # False for the 2nd..nth sample of a prompt: usage counts a prompt once
+    last: Optional[RequestOutput] = None  # the engine's final update: its timestamps make the trace spans
 
 
 # ------------------------------------------------------------------------------------------ JSON body
@@ -230,8 +229,9 @@ def _sampling(d: Union[Sampling, GenerateSamplingParams], limits: RequestLimits,
     temperature, top_p, top_k, seed, ignore_eos = d.temperature, d.top_p, d.top_k, d.seed, d.ignore_eos
     extra: dict[str, Any] = {"logprobs": logprobs,
                              "logit_bias": _logit_bias(d.logit_bias, p + "logit_bias", limits.tokenizer.vocab_size)}
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "cache_salt"):
-        if getattr(d, key) is not None:
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "cache_salt",
+                "skip_special_tokens"):  # the last: OpenAI routes only (vLLM's)
+        if getattr(d, key, None) is not None:
             extra[key] = getattr(d, key)
     extra["grammar"] = (generate_grammar(d, p) if isinstance(d, GenerateSamplingParams)
                         else openai_grammar(d))
@@ -361,9 +361,13 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
                       logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     n, _ = _samples(req.n, None, stream, 1, limits)
     tool_use = resolve_tools(req)
-    ids = chat_prompt(req.messages, limits.tokenizer, tools=tool_use.tools if tool_use else None)
+    options = template_options(req.add_generation_prompt, req.continue_final_message, req.add_special_tokens,
+                               req.chat_template_kwargs, limits.tokenizer)
+    ids = chat_prompt(req.messages, limits.tokenizer, options, tools=tool_use.tools if tool_use else None)
     _check_prompt_len(ids, limits, "messages")
     params = build(len(ids), limits.max_model_len)
+    if tool_use is not None:  # tags that are special tokens stay in the text the tool parser reads
+        params.kept_special_token_ids = limits.tokenizer.special_ids_of((tool_parser.OPEN, tool_parser.CLOSE))
     if tool_use is not None and tool_use.schema is not None:  # required / named: the calls are constrained
         if params.grammar is not None:
             raise bad_request(f"'{params.grammar.param}' cannot be combined with 'tool_choice' \"required\" or a "
@@ -375,24 +379,6 @@ def parse_chat(body: dict, limits: RequestLimits) -> ParsedRequest:
             raise bad_request(str(e), e.param) from None
     return ParsedRequest(req.model, [Job(ids, params)], stream, include_usage,
                          continuous_usage=continuous, ignored_fields=unknown, n=n, best_of=n, tool_use=tool_use)
-
-
-def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False, tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
-    """The token ids of `messages` (and `tools`) rendered by the model's chat template, by default ready
-    for the reply; tool turns and tools in the Hermes convention when the template knows no tools."""
-    if not tokenizer.has_chat_template:
-        raise bad_request("This model has no chat template; use /v1/completions.", "messages")
-    check_messages(messages)
-    uses_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
-    if uses_tools and not tokenizer.supports_tools:
-        rendered, tools = tool_prompt.hermes(messages, tools), None
-    else:
-        rendered = tool_prompt.native(messages)
-    try:
-        return tokenizer.apply_chat_template(rendered, add_generation_prompt, add_special_tokens, tools=tools)
-    except (TemplateError, ValueError) as e:  # e.g. a template that insists roles alternate
-        raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
 
 
 def parse_generate(body: dict, limits: RequestLimits) -> ParsedRequest:

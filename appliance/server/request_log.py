@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 from urllib.parse import quote
 
 from starlette.requests import Request
@@ -23,6 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.server.protocol import Choice, usage
 from appliance.telemetry.metrics import Metrics
+
+if TYPE_CHECKING:  # imported only when tracing.enabled (server/run.py)
+    from appliance.telemetry.tracing import RequestSpan, RequestTracer
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -59,9 +62,11 @@ def record_of(request: Request) -> RequestRecord:
 
 
 class RequestLog:
-    def __init__(self, app: ASGIApp, metrics: Optional[Metrics] = None) -> None:
+    def __init__(self, app: ASGIApp, metrics: Optional[Metrics] = None,
+                 tracer: Optional["RequestTracer"] = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.tracer = tracer  # tracing.enabled: a span per request, ended with the log line
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -72,6 +77,11 @@ class RequestLog:
         scope[_SCOPE_KEY] = rec
         status: list[int] = []
         done = False
+        span: Optional[RequestSpan] = None
+        token = None
+        if self.tracer is not None and self.tracer.traces(scope["path"]):
+            span = self.tracer.start(scope["method"], scope["headers"], rec.started)
+            token = span.attach()
 
         async def send_traced(message: Message) -> None:
             nonlocal done
@@ -82,7 +92,7 @@ class RequestLog:
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False) and not done:
                 done = True
-                self._finish(scope, rec, status[0] if status else 500)
+                self._finish(scope, rec, status[0] if status else 500, span)
 
         try:
             await self.app(scope, receive, send_traced)
@@ -90,13 +100,16 @@ class RequestLog:
             if not done:
                 done = True
                 # Not answered yet: the error handler outside answers 500; answered: the stream broke.
-                self._finish(scope, rec, status[0] if status else 500)
+                self._finish(scope, rec, status[0] if status else 500, span)
             raise
+        finally:
+            if token is not None:
+                span.detach(token)  # type: ignore[union-attr]
         if not done:  # no body was sent (the client left mid-stream)
             done = True
-            self._finish(scope, rec, status[0] if status else 499)
+            self._finish(scope, rec, status[0] if status else 499, span)
 
-    def _finish(self, scope: Scope, rec: RequestRecord, code: int) -> None:
+    def _finish(self, scope: Scope, rec: RequestRecord, code: int, span: Optional["RequestSpan"] = None) -> None:
         route_obj = scope.get("route")
         route = getattr(route_obj, "path", None) or UNMATCHED
         if self.metrics is not None:
@@ -113,3 +126,10 @@ class RequestLog:
         log.info("%s %s %s %d adapter=%s prompt_tokens=%s completion_tokens=%s ttft_s=%s e2e_s=%s",
                  rec.request_id, fields["method"], route, code, rec.adapter, fields["prompt_tokens"],
                  fields["completion_tokens"], fields["ttft_s"], fields["e2e_s"], extra=fields)
+        if span is not None:
+            span.end(None if route == UNMATCHED else route, code,
+                     {"url.path": fields["path"], "appliance.request_id": rec.request_id,
+                      "appliance.adapter": rec.adapter, "appliance.tenant": rec.tenant,
+                      "gen_ai.usage.input_tokens": fields["prompt_tokens"],
+                      "gen_ai.usage.output_tokens": fields["completion_tokens"]},
+                     [c.last for c in rec.choices or ()])

@@ -17,7 +17,7 @@ import logging
 import signal
 import threading
 from types import FrameType
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import uvicorn
 
@@ -29,6 +29,9 @@ from appliance.server.logs import setup_logging
 from appliance.telemetry.metrics import Metrics
 from appliance.server.state import ServerState
 
+if TYPE_CHECKING:
+    from appliance.telemetry.tracing import RequestTracer
+
 log = logging.getLogger(__name__)
 
 # After the drain, how long uvicorn waits for connections to finish before cancelling them.
@@ -39,10 +42,11 @@ def serve(cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
     """Load the model, start the engine and serve until a signal; returns after a clean shutdown.
     With `source` (where cfg was composed from) and reconcile.watch, the config dir is hot-reloaded."""
     setup_logging(cfg.server.log_level, cfg.logging.format)
+    tracer = build_request_tracer(cfg)  # before the model load: a missing extra fails at once
     log.info("loading model %s from %s", cfg.model.name, cfg.model.path)
     engine, metrics = start_engine(cfg)
     try:
-        make_server(engine, cfg, source, metrics).run()
+        make_server(engine, cfg, source, metrics, tracer).run()
     finally:
         engine.shutdown()
         # Then the other tensor-parallel ranks (none at tp_size 1); killed if a step is stuck.
@@ -61,18 +65,31 @@ def start_engine(cfg: ApplianceConfig) -> tuple[AsyncEngine, Optional[Metrics]]:
     return engine, metrics
 
 
+def build_request_tracer(cfg: ApplianceConfig) -> Optional["RequestTracer"]:
+    """The request spans' tracer (telemetry/tracing.py) when tracing.enabled, else None (nothing of
+    OpenTelemetry imported). ConfigError when the tracing extra is not installed."""
+    if not cfg.tracing.enabled:
+        return None
+    from appliance.telemetry.tracing import build_tracer
+
+    return build_tracer(cfg.tracing)
+
+
 def make_server(engine: AsyncEngine, cfg: ApplianceConfig, source: Optional[ConfigSource] = None,
-                metrics: Optional[Metrics] = None) -> "DrainingServer":
+                metrics: Optional[Metrics] = None, tracer: Optional["RequestTracer"] = None) -> "DrainingServer":
     """A uvicorn server for a started `engine` on cfg.server.host/port (port 0 = any free port); `metrics`
-    as start_engine returns them."""
-    app = build_app(engine, cfg, source, metrics)
+    as start_engine returns them; `tracer` as build_request_tracer does (tests: one with an in-memory
+    exporter), shut down (its spans exported) with the server."""
+    app = build_app(engine, cfg, source, metrics, tracer)
     # The request line (server/request_log.py) replaces uvicorn's access log; under JSON uvicorn's
     # loggers keep no handlers of their own and reach the root one (server/logs.py).
     log_config = None if cfg.logging.format == "json" else uvicorn.config.LOGGING_CONFIG
     config = uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port,
                             log_level=cfg.server.log_level, lifespan="off", access_log=False,
                             log_config=log_config, timeout_graceful_shutdown=_CONNECTION_CLOSE_TIMEOUT_S)
-    return DrainingServer(config, engine, app.state.server, cfg.server.shutdown_timeout_s)
+    server = DrainingServer(config, engine, app.state.server, cfg.server.shutdown_timeout_s)
+    server.tracer = tracer
+    return server
 
 
 class DrainingServer(uvicorn.Server):
@@ -88,6 +105,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: Optional[asyncio.Task] = None
         self._reload_stop: Optional[asyncio.Event] = None
         self._reload_tasks: list[asyncio.Task] = []
+        self.tracer: Optional[RequestTracer] = None  # exports what it holds at shutdown
 
     @property
     def port(self) -> int:
@@ -130,6 +148,8 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets: Optional[list] = None) -> None:
         await self._stop_hot_reload()
         await super().shutdown(sockets)
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # blocks up to tracing.export_timeout_s
 
     def _start_hot_reload(self) -> None:
         from appliance.reconcile.watch import run_resync, run_watch

@@ -1,13 +1,15 @@
 """vLLM's utility routes, so its clients and scripts work unchanged:
 
     POST /tokenize     {model?, prompt | messages, add_special_tokens?, add_generation_prompt?,
-                        return_token_strs?} -> {count, max_model_len, tokens, token_strs}
+                        continue_final_message?, tools?, chat_template_kwargs?, return_token_strs?}
+                       -> {count, max_model_len, tokens, token_strs}
     POST /detokenize   {model?, tokens} -> {prompt}
     GET  /version      {version}
 
 `model` may name an adapter (404 if it is not loaded); adapters share the base model's tokenizer, so
-the answer is the same. /tokenize renders `messages` exactly as /v1/chat/completions does
-(protocol.chat_prompt), so `count` is the prompt_tokens a chat request would be charged. Inference
+the answer is the same. /tokenize renders `messages` (and `tools`) exactly as /v1/chat/completions
+does (chat_template.chat_prompt), so `count` is the prompt_tokens a chat request with the same fields
+(and tool_choice auto) is charged. Inference
 keys apply (server.api_keys or a tenant's, which sees only its adapters); /version is open.
 """
 
@@ -23,7 +25,8 @@ from appliance.engine.request import RequestError
 from appliance.engine.tokenizer import Tokenizer
 from appliance.server.tenants import TenantAuth
 from appliance.server.errors import bad_request
-from appliance.server.protocol import chat_prompt, in_vocab
+from appliance.server.chat_template import chat_prompt, template_options
+from appliance.server.protocol import in_vocab
 from appliance.server.schemas.base import extra_fields, unknown_field_error, validate
 from appliance.server.schemas.utility import DetokenizeRequest, TokenizeRequest
 
@@ -59,11 +62,14 @@ class UtilityApi:
                 unknown = extra_fields(req)
                 if unknown and self.strict_fields:
                     raise unknown_field_error(unknown)
-                ids = chat_prompt(req.messages, self.tokenizer, add_generation_prompt=req.add_generation_prompt
-                                  is not False, add_special_tokens=bool(req.add_special_tokens))
+                options = template_options(req.add_generation_prompt, req.continue_final_message,
+                                           req.add_special_tokens, req.chat_template_kwargs, self.tokenizer)
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+                ids = chat_prompt(req.messages, self.tokenizer, options, tools=tools)
             else:
-                if req.add_generation_prompt is not None:
-                    raise bad_request("'add_generation_prompt' applies to 'messages' only.", "add_generation_prompt")
+                for key in ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"):
+                    if getattr(req, key) is not None:
+                        raise bad_request(f"'{key}' applies to 'messages' only.", key)
                 ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         except RequestError as e:  # a shape-only model dir has no tokenizer
             raise bad_request(str(e), "prompt") from None

@@ -95,8 +95,7 @@ def test_config_show_diff_prints_the_overrides(tmp_path: Path) -> None:
 def test_the_docs_configmap_example_composes(tmp_path: Path) -> None:
     import yaml
 
-    text = (REPO / "docs/operations.md").read_text()
-    section = text[text.index("### Kubernetes\n"):]
+    section = (REPO / "docs/kubernetes.md").read_text()
     block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
     configmap, pod = yaml.safe_load_all(block)
     for item in pod["volumes"][0]["configMap"]["items"]:  # what the kubelet writes into the mount

@@ -176,8 +176,8 @@ def test_async_engine_streams_settles_for_admin_calls_and_aborts(tiny_model_dir:
 
 
 def test_async_logprobs_and_penalties_match_sync(tiny_model_dir: Path) -> None:
-    """Logprobs travel with the launched step's tokens; a penalised request's steps run synchronously
-    (its penalties read every generated token) and mix with async ones without changing any token."""
+    """Logprobs travel with the launched step's tokens; a penalised request's steps read the step
+    before ahead of their sampling (its penalties read every generated token) without changing any token."""
     kinds = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3),
              SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True, logprobs=0),
              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=1.5,

@@ -63,3 +63,23 @@ def test_partial_stop_len_matches_its_definition() -> None:
         text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
         stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 3))]
         assert partial_stop_len(text, stops) == _partial_stop_len_oracle(text, stops), (text, stops)
+
+
+def test_kept_special_tokens_stay_while_others_are_skipped(tool_tag_model_dir: Path) -> None:
+    """Tool-call tags that are special tokens reach the text when kept; other special tokens do not."""
+    tok = Tokenizer(tool_tag_model_dir)
+    tags = ("<tool_call>", "</tool_call>")
+    keep = tok.special_ids_of(tags)
+    assert len(keep) == 2 and keep <= tok.special_token_ids
+    assert tok.special_ids_of(("hello", "<no_such_token>")) == frozenset()
+    body = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    ids = tok.encode(body, add_special_tokens=False) + tok.encode("<|im_start|>", add_special_tokens=False)
+    assert keep <= set(ids)
+
+    def stream(**kw: object) -> str:
+        d = IncrementalDetokenizer(tok, tok.encode("Say:"), **kw)
+        return "".join([d.add(t) for t in ids] + [d.flush()])
+
+    assert stream(keep=keep) == body
+    assert stream() == tok.decode(ids) == body.replace(tags[0], "").replace(tags[1], "")  # the bug it fixes
+    assert stream(skip_special_tokens=False) == body + "<|im_start|>"

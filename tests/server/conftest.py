@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 import requests
@@ -21,10 +21,11 @@ API_KEY = "test-key"
 class ServerThread:
     """`make_server` (what `appliance serve` runs) on a free port, in a thread; `stop()` to end."""
 
-    def __init__(self, cfg: ApplianceConfig, source: Optional[ConfigSource] = None) -> None:
+    def __init__(self, cfg: ApplianceConfig, source: Optional[ConfigSource] = None, tracer: Any = None) -> None:
         self.cfg = cfg
         self.engine, metrics = start_engine(cfg)
-        self.server: DrainingServer = make_server(self.engine, cfg, source, metrics)
+        # tracer: telemetry/tracing.py's RequestTracer (tests give it an in-memory exporter)
+        self.server: DrainingServer = make_server(self.engine, cfg, source, metrics, tracer)
         self._thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
 
     def start(self, timeout_s: float = 60.0) -> "ServerThread":

@@ -102,7 +102,8 @@ def test_hostile_unknown_field_names_stay_one_header(tiny_server: ServerThread) 
 
 
 @pytest.mark.parametrize("field, value", [
-    ("chat_template_kwargs", {"enable_thinking": False}),
+    ("audio", {"voice": "alloy"}),
+    ("modalities", ["text", "audio"]),
 ])
 def test_unimplemented_fields_are_refused(client: openai.OpenAI, field: str, value: object) -> None:
     with pytest.raises(openai.BadRequestError) as e:

@@ -169,3 +169,48 @@ def test_bad_tool_requests_are_400s_naming_the_field(client: openai.OpenAI, defa
     err = e.value.response.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert default_open_server.engine.num_in_flight == 0 and not default_open_server.engine.engine.has_unfinished()
+
+
+def few_shot(city: str) -> list[dict]:
+    """Three earlier turns in which the assistant says a few words, then calls get_weather; the model
+    copies the form for the last question (greedy), tags included."""
+    msgs: list[dict] = []
+    for i, c in enumerate(["Paris", "Rome", "Oslo"]):
+        msgs += [{"role": "user", "content": f"What is the weather in {c}?"},
+                 {"role": "assistant", "content": "Let me check.", "tool_calls": [{"id": f"call_{i}", "type": "function",
+                  "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}]},
+                 {"role": "tool", "tool_call_id": f"call_{i}", "content": "Sunny, 20 C"},
+                 {"role": "assistant", "content": f"It is sunny in {c}."}]
+    return msgs + [{"role": "user", "content": f"What is the weather in {city}?"}]
+
+
+@pytest.fixture(scope="module")
+def tag_server(tool_tag_model_dir) -> Any:
+    from tests.server.conftest import start_server
+
+    srv = start_server(f"model.path={tool_tag_model_dir}", "model.device=cpu")
+    yield srv
+    srv.stop()
+
+
+def test_auto_reads_calls_whose_tags_are_special_tokens(tag_server: ServerThread) -> None:
+    """`<tool_call>` / `</tool_call>` are special tokens of this tokenizer: the model generates them as
+    single tokens, which plain text decoding drops; the parser still sees them, streamed and not, and
+    the content keeps only the words around the call."""
+    messages = few_shot("Madrid")
+    tok = requests.post(tag_server.url + "/tokenize", json={"messages": messages, "tools": [WEATHER],
+                                                             "return_token_strs": True}, timeout=60).json()
+    assert tok["token_strs"].count("<tool_call>") == 2 + 3  # single tokens: the instructions, the calls
+    client = openai.OpenAI(base_url=tag_server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    kw = dict(messages=messages, tools=[WEATHER], max_tokens=40)
+    for choice in both(client, **kw):
+        assert choice.choices[0].finish_reason == "tool_calls"
+        msg = choice.choices[0].message
+        assert msg.content == "Let me check."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+            ("get_weather", {"city": "Madrid"})]
+    plain = client.chat.completions.create(model=MODEL, temperature=0, tool_choice="none", **kw)
+    assert "<tool_call>" not in plain.choices[0].message.content  # without tools the tags stay skipped
+    raw = client.chat.completions.create(model=MODEL, temperature=0, tool_choice="none", **kw,
+                                         extra_body={"skip_special_tokens": False})
+    assert "<tool_call>" in raw.choices[0].message.content

@@ -71,6 +71,39 @@ def test_tokenize_messages_is_what_chat_is_charged(srv: ServerThread, hf) -> Non
                       add_special_tokens=False).input_ids
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_tokenize_messages_with_tools_is_what_chat_with_tools_is_charged(srv: ServerThread, choice: str) -> None:
+    with_tools = post(srv, "/tokenize", {"messages": CHAT, "tools": [WEATHER]})
+    assert with_tools.status_code == 200, with_tools.text
+    assert with_tools.json()["count"] > post(srv, "/tokenize", {"messages": CHAT}).json()["count"]
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice=choice,
+                                          max_tokens=1)
+    assert chat.usage.prompt_tokens == with_tools.json()["count"]
+
+
+def test_template_options_reach_tokenize_and_chat_alike(srv: ServerThread, hf) -> None:
+    """continue_final_message leaves the last turn open (transformers' rendering); chat_template_kwargs
+    pass through; a chat request with the same options is charged the same count."""
+    turns = CHAT + [{"role": "assistant", "content": "France, Spain and"}]
+    opts = {"continue_final_message": True, "add_generation_prompt": False, "chat_template_kwargs": {"x": 1}}
+    r = post(srv, "/tokenize", {"messages": turns, **opts})
+    assert r.status_code == 200, r.text
+    ref = hf(hf.apply_chat_template(turns, tokenize=False, continue_final_message=True), add_special_tokens=False)
+    assert r.json()["tokens"] == ref.input_ids and hf.decode(ref.input_ids).endswith("France, Spain and")
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=1, extra_body=opts)
+    assert chat.usage.prompt_tokens == r.json()["count"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=turns, max_tokens=1,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": True})
+    assert e.value.response.json()["error"]["param"] == "continue_final_message"
+
+
 def test_detokenize_round_trip(srv: ServerThread, hf) -> None:
     text = "Grüße, 世界! <|im_start|>"
     ids = hf(text, add_special_tokens=False).input_ids
@@ -85,6 +118,12 @@ def test_detokenize_round_trip(srv: ServerThread, hf) -> None:
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "a", "tools": [WEATHER]}, 400, "tools"),
+    ("/tokenize", {"prompt": "a", "chat_template_kwargs": {}}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, 400, "chat_template_kwargs.tools"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs.tokenize"),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True}, 400,
+     "continue_final_message"),
     ("/tokenize", {"prompt": "a", "model": "nope"}, 404, "model"),
     ("/tokenize", {"prompt": "a", "extra": 1}, 400, "extra"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),

@@ -17,18 +17,21 @@ import torch
 @dataclass
 class TokenMask:
     """A step's masks: bits int32 [N, ceil(V / 32)] on the logits' device (rows not in `rows` are
-    unused), rows = the constrained rows' indices."""
+    unused), rows = the constrained rows' indices; index: the same as int32 [len(rows)] on a cuda
+    device (None on cpu)."""
 
     bits: torch.Tensor
     rows: list[int]
     vocab_size: int
+    index: Optional[torch.Tensor] = None
 
 
 class MaskFiller:
     """Fills the masks of a step's constrained rows into one reused host buffer (pinned on cuda).
 
-    Reusing the buffer is safe because a step with constrained rows runs synchronously (the engine
-    reads its tokens before the next step), so the copy of the previous mask has completed.
+    Reusing the buffer is safe: the engine fills only once it has read the tokens of every step
+    before (async scheduling: the step before is read first), and each mask's copy is queued before
+    its step's tokens, so the previous copy has completed.
     """
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device, threads: int) -> None:
@@ -51,6 +54,8 @@ class MaskFiller:
             import xgrammar as xgr
 
             self._host = xgr.allocate_token_bitmask(n, self.vocab_size)
+            if self.device.type == "cuda":
+                self._host = self._host.pin_memory()
         host = self._host[:n]
         live = [matchers[i] for i in rows]
         if self._batch is not None:
@@ -58,8 +63,11 @@ class MaskFiller:
         else:
             for i, m in zip(rows, live):
                 m.fill_next_token_bitmask(host, i)
-        bits = host if self.device.type == "cpu" else host.to(self.device, non_blocking=True)
-        return TokenMask(bits, rows, self.vocab_size)
+        if self.device.type == "cpu":
+            return TokenMask(host, rows, self.vocab_size)
+        # The row list goes over pinned too: xgrammar's own copy of a list would wait for the forward.
+        index = torch.tensor(rows, dtype=torch.int32).pin_memory().to(self.device, non_blocking=True)
+        return TokenMask(host.to(self.device, non_blocking=True), rows, self.vocab_size, index)
 
 
 def apply_mask(logits: torch.Tensor, mask: TokenMask) -> None:
@@ -67,7 +75,8 @@ def apply_mask(logits: torch.Tensor, mask: TokenMask) -> None:
     xgrammar's kernel (a CUDA kernel on the GPU, C++ on the CPU); `apply_mask_reference` is its twin."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, mask.bits, vocab_size=mask.vocab_size, indices=mask.rows)
+    rows = mask.rows if mask.index is None else mask.index
+    xgr.apply_token_bitmask_inplace(logits, mask.bits, vocab_size=mask.vocab_size, indices=rows)
 
 
 def apply_mask_reference(logits: torch.Tensor, mask: TokenMask) -> None:

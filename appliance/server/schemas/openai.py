@@ -74,6 +74,9 @@ class Sampling(Open):
     repetition_penalty: Optional[Number] = Field(None, gt=0, description="(vLLM) CTRL/HF, over prompt and output")
     min_p: Optional[Number] = Field(None, ge=0, le=1, description="(vLLM) relative to the top token's probability")
     cache_salt: Optional[CacheSalt] = None
+    skip_special_tokens: Optional[bool] = Field(
+        None, description="(vLLM) default true: special tokens are left out of the text (tool-call tags that "
+                          "are special tokens stay while the answer is parsed for calls)")
     # Structured outputs (server/grammar_params.py): at most one of these five.
     response_format: Optional[ResponseFormat] = Field(None, description="text, json_object or json_schema")
     guided_json: Optional[Union[str, dict[str, Any]]] = Field(
@@ -166,6 +169,11 @@ ToolChoice = Annotated[Union[Literal["none", "auto", "required"], NamedToolChoic
                                    '{"name": <string>}}.')]
 
 
+ChatTemplateKwargs = Annotated[dict[str, Any], Field(
+    description="(vLLM) extra variables the chat template reads (e.g. enable_thinking); not the ones the server "
+                "sets (messages, tools, add_generation_prompt, ...)")]
+
+
 class ChatCompletionRequest(Sampling):
     """POST /v1/chat/completions: `messages` rendered with the model's chat template."""
 
@@ -179,7 +187,13 @@ class ChatCompletionRequest(Sampling):
     parallel_tool_calls: Optional[bool] = Field(None, description="default true: required may call several")
     audio: Optional[dict[str, Any]] = Field(None, description="not supported")
     modalities: Optional[list[str]] = Field(None, description='only ["text"]')
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(None, description="(vLLM) not supported (only {})")
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None
+    add_generation_prompt: Optional[bool] = Field(None, description="(vLLM) default true (false with "
+                                                                    "continue_final_message)")
+    continue_final_message: Optional[bool] = Field(
+        None, description="(vLLM) the last message is left open and the answer continues it")
+    add_special_tokens: Optional[bool] = Field(
+        None, description="(vLLM) default false: the tokenizer's BOS etc. on top of what the template writes")
 
 
 def _never(v: Any) -> bool:
@@ -192,8 +206,7 @@ def _equals(default: Any) -> Callable[[Any], bool]:
 
 _SHARED: dict[str, Callable[[Any], bool]] = {}
 UNSUPPORTED_COMPLETION = {**_SHARED, "suffix": _equals("")}
-UNSUPPORTED_CHAT = {**_SHARED, "audio": _never, "modalities": _equals(["text"]),
-                    "chat_template_kwargs": _equals({})}
+UNSUPPORTED_CHAT = {**_SHARED, "audio": _never, "modalities": _equals(["text"])}
 
 
 # ------------------------------------------------------------------------------------------ responses

@@ -8,7 +8,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import BaseModel, Field
 
 from appliance.server.schemas.base import Closed
-from appliance.server.schemas.openai import ChatMessage, TokenIds
+from appliance.server.schemas.openai import ChatMessage, ChatTemplateKwargs, TokenIds, Tool
 
 
 class ErrorDetail(BaseModel):
@@ -40,7 +40,12 @@ class TokenizeRequest(Closed):
     add_special_tokens: Optional[bool] = Field(
         None, description="add the tokenizer's BOS etc.; default true for prompt, false for messages (the "
                           "template writes them)")
-    add_generation_prompt: Optional[bool] = Field(None, description="messages only; default true")
+    add_generation_prompt: Optional[bool] = Field(None, description="messages only; default true (false with "
+                                                                    "continue_final_message)")
+    continue_final_message: Optional[bool] = Field(None, description="messages only: the last message left open")
+    tools: Optional[list[Tool]] = Field(None, description="messages only: rendered as a chat request with these "
+                                                          "tools (tool_choice auto) renders them")
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None
     return_token_strs: Optional[bool] = Field(None, description="also each token as the vocabulary writes it")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance.engine.tokenizer import Tokenizer
-from appliance.server.protocol import chat_prompt
+from appliance.server.chat_template import chat_prompt
 from appliance.server.schemas.openai import ChatMessage
 from appliance.server.tools.prompt import TOOLS_FOOTER, TOOLS_HEADER
 
