@@ -18,6 +18,10 @@ ARGS ?=
 # Per-test limit in seconds (pytest-timeout); a hung engine test fails instead of eating CI's time.
 TEST_TIMEOUT ?= 300
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); whole files go to one process (--dist loadfile), so a module's server or
+# soak starts once. Most tests wait on subprocesses, sockets and Python code, so 2 fill a 2-core CI
+# machine. TEST_WORKERS=0: one process, as before.
+TEST_WORKERS ?= 2
 # e.g. BENCH_ARGS="--skip-online --new-tokens 32" (see benchmarks/bench_cpu.py --help).
 BENCH_ARGS ?=
 
@@ -72,7 +76,7 @@ system-deps:
 	fi
 
 test: install-dev prepare system-deps
-	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(PYTEST_ARGS)
+	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory compile-check
 
 # A fresh venv with the runtime dependencies only (no dev extra), as a new user gets it: pip install .,

@@ -196,7 +196,7 @@ def test_tp2_lora_kernel_backends_match_peft(tiny_model_dir: Path, tiny_adapters
             engine.lora.load(name, str(tiny_adapters[name]))
         jobs = [("pattern", 0), ("qv4", 1), (None, 2), ("pattern", 3)]
         # SHORT, not NEW, tokens: every step runs the kernels in Triton's interpreter on both ranks; the
-        # prefill and 4 decode steps are compared with peft's prefix (greedy never looks ahead).
+        # prefill and 2 decode steps are compared with peft's prefix (greedy never looks ahead).
         got = generate(engine, jobs, [SHORT] * len(jobs))
         assert got == [oracle[name][p][:SHORT] for name, p in jobs]
     finally:
