@@ -230,7 +230,7 @@ def _sampling(d: Union[Sampling, GenerateSamplingParams], limits: RequestLimits,
     extra: dict[str, Any] = {"logprobs": logprobs,
                              "logit_bias": _logit_bias(d.logit_bias, p + "logit_bias", limits.tokenizer.vocab_size)}
     for key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "cache_salt",
-                "skip_special_tokens"):  # the last: OpenAI routes only (vLLM's)
+                "skip_special_tokens"):
         if getattr(d, key, None) is not None:
             extra[key] = getattr(d, key)
     extra["grammar"] = (generate_grammar(d, p) if isinstance(d, GenerateSamplingParams)

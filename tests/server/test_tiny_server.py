@@ -144,6 +144,40 @@ def test_generate_stream_is_cumulative(tiny_server: ServerThread) -> None:
         assert mine[-1]["text"] == final[i]["text"] and mine[-1]["output_ids"] == final[i]["output_ids"]
 
 
+def test_generate_long_stream_ends_with_finish_and_done(tiny_server: ServerThread) -> None:
+    # Past schemathesis' default of 20 events (the fuzz's false alarm): one event per token, then [DONE].
+    body = {"input_ids": [1, 2, 3], "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}
+    with requests.post(tiny_server.url + "/generate", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    final = requests.post(tiny_server.url + "/generate", timeout=60, json={**body, "stream": False}).json()
+    assert events[-1]["meta_info"]["finish_reason"] == "length" and len(events[-1]["output_ids"]) == 40
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    assert events[-1]["output_ids"] == final["output_ids"] and events[-1]["text"] == final["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_skip_special_tokens(tiny_server: ServerThread, default_model_dir: Path, stream: bool) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    texts = {}
+    for skip in (None, True, False):  # None: the default (true)
+        params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {str(special): 100}}
+        if skip is not None:
+            params["skip_special_tokens"] = skip
+        body = {"text": "Hi", "stream": stream, "sampling_params": params}
+        with requests.post(tiny_server.url + "/generate", json=body, stream=stream, timeout=60) as r:
+            assert r.status_code == 200, r.text
+            out = sse_events(r)[-1] if stream else r.json()
+        assert out["output_ids"] == [special] * 3
+        assert out["text"] == tok.decode(out["output_ids"], skip_special_tokens=skip is not False)
+        texts[skip] = out["text"]
+    assert texts[None] == texts[True] == "" and texts[False] == "<|im_start|>" * 3
+
+
 @pytest.mark.parametrize("body", [
     {},
     {"text": "a", "input_ids": [1]},

@@ -33,6 +33,7 @@ class GenerateSamplingParams(Closed):
     regex: Optional[str] = Field(None, description="a regex the whole output matches")
     ebnf: Optional[str] = Field(None, description="an EBNF grammar (xgrammar's, root rule `root`)")
     cache_salt: Optional[CacheSalt] = None
+    skip_special_tokens: Optional[bool] = Field(None, description="default true: special tokens are left out of the text")
 
 
 _Text = Annotated[str, Field(min_length=1)]
