@@ -526,7 +526,8 @@ def _openai_stream(group: RequestGroup, head: list[str],
 async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int, RequestOutput], Optional[str]],
                       usage: Optional[Callable[[], dict]]) -> AsyncIterator[str]:
     """The SSE events of one stream: `head`, the event of each update (None = nothing to send), the
-    usage chunk when asked, then [DONE]. An error mid-stream becomes an error event before [DONE];
+    usage chunk when asked, then [DONE]. An error mid-stream becomes an error event before [DONE] (a
+    bug of ours too: logged, then the 500 a non-streamed request gets, instead of a cut connection);
     the request is cancelled however the stream ends (client gone included)."""
     try:
         for ev in head:
@@ -541,6 +542,10 @@ async def _sse_stream(group: RequestGroup, head: list[str], event: Callable[[int
         yield protocol.SSE_DONE
     except (ApiError, EngineError) as e:
         yield _to_api_error(e).sse_event()
+        yield protocol.SSE_DONE
+    except Exception as e:  # noqa: BLE001 - the status went out already; the client still hears why
+        log.exception("stream %s failed after its 200", group.request_id)
+        yield protocol.sse(error_body(500, f"Internal server error: {type(e).__name__}"))
         yield protocol.SSE_DONE
     finally:
         group.cancel()

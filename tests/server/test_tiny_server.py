@@ -157,6 +157,45 @@ def test_generate_long_stream_ends_with_finish_and_done(tiny_server: ServerThrea
     assert events[-1]["output_ids"] == final["output_ids"] and events[-1]["text"] == final["text"]
 
 
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+def test_server_fault_mid_stream_is_an_error_event(tiny_server: ServerThread, monkeypatch: pytest.MonkeyPatch,
+                                                   route: str) -> None:
+    # A bug in our own event building (injected: the engine runs for real) after the 200 went out.
+    from appliance.server import protocol
+
+    name, real = (("GenerateEvents.event", protocol.GenerateEvents.event) if route == "/generate"
+                  else ("completion_chunk", protocol.completion_chunk))
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(protocol.GenerateEvents if route == "/generate" else protocol, name.split(".")[-1], broken)
+    body = ({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}
+            if route == "/generate" else {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True})
+    with requests.post(tiny_server.url + route, json={**body, "stream": True}, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert len(events) == 3 and set(events[-1]) == {"error"}
+    assert events[-1]["error"] == {"message": "Internal server error: KeyError", "type": "server_error",
+                                   "param": None, "code": None}
+    if route == "/v1/completions":  # the official client raises it, after the chunks before it
+        calls.clear()
+        client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = []
+        with pytest.raises(openai.APIError, match="Internal server error: KeyError"):
+            for c in client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=8, stream=True,
+                                               extra_body={"ignore_eos": True}):
+                got.append(c.choices[0].text)
+        assert len(got) == 2
+    monkeypatch.undo()
+    assert tiny_server.wait_idle()  # the request was aborted in the engine
+    assert requests.post(tiny_server.url + route, json=body, timeout=60).status_code == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_generate_skip_special_tokens(tiny_server: ServerThread, default_model_dir: Path, stream: bool) -> None:
     from transformers import AutoTokenizer
