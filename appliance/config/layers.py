@@ -59,4 +59,9 @@ def flat(data: Any, prefix: str = "") -> dict[str, Any]:
 def differences(defaults: dict, effective: dict) -> dict[str, tuple[Any, Any]]:
     """`key` -> (packaged default, effective value) for every key whose value differs (missing: None)."""
     a, b = flat(defaults), flat(effective)
-    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+    def filled(k: str, side: dict) -> bool:  # an empty mapping on one side whose keys the other side sets
+        return any(x.startswith(k + ".") for x in side)
+
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)
+            and not (a.get(k) == {} and filled(k, b)) and not (b.get(k) == {} and filled(k, a))}

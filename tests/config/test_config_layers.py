@@ -92,6 +92,15 @@ def test_config_show_diff_prints_the_overrides(tmp_path: Path) -> None:
     assert "hunter2" not in r.stdout + r.stderr
 
 
+def test_diff_of_a_mapping_filled_from_empty_names_only_its_keys() -> None:
+    from appliance.config.layers import differences
+
+    assert differences({"tracing": {"headers": {}}}, {"tracing": {"headers": {"auth": "x"}}}) == {
+        "tracing.headers.auth": (None, "x")}
+    assert differences({"t": {"h": {"a": 1}}}, {"t": {"h": {}}}) == {"t.h.a": (1, None)}
+    assert differences({"t": {"h": {}}}, {"t": {"h": {}}}) == {}
+
+
 def test_the_docs_configmap_example_composes(tmp_path: Path) -> None:
     import yaml
 
