@@ -102,6 +102,17 @@ def make_tiny_model(dest: Path, tokenizer_src: Path, **overrides) -> Path:
     return dest
 
 
+def tokenizer_dir_with_template(dest: Path, model_dir: Path, template: str) -> Path:
+    """`dest` holding `model_dir`'s tokenizer files and `template` as its chat template."""
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / f, dest / f)
+    (dest / "chat_template.jinja").write_text(template)
+    return dest
+
+
 TOOL_TAGS = {"Ġzebra": "<tool_call>", "Ġgiraffe": "</tool_call>"}
 
 

@@ -3,7 +3,6 @@ enable_thinking): chat_template_kwargs reach it, the server's own variables cann
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from appliance.engine.tokenizer import Tokenizer
 from appliance.server.chat_template import TemplateOptions, chat_prompt, template_options
 from appliance.server.errors import ApiError
 from appliance.server.schemas.openai import ChatMessage
+from tests.conftest import tokenizer_dir_with_template
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not loop.last or not continue_final_message %}"
             "|{% endif %}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
@@ -21,11 +21,7 @@ CHAT = [ChatMessage(role="user", content="Hi")]
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Tokenizer:
-    d = tmp_path_factory.mktemp("kwtok")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / f, d / f)
-    (d / "chat_template.jinja").write_text(TEMPLATE)
-    return Tokenizer(d)
+    return Tokenizer(tokenizer_dir_with_template(tmp_path_factory.mktemp("kwtok"), default_model_dir, TEMPLATE))
 
 
 def render(tok: Tokenizer, options: TemplateOptions, messages: list[ChatMessage] = CHAT) -> str:

@@ -4,7 +4,6 @@ Hermes text) and a copy of it whose template reads `tools` (transformers' tool-u
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from appliance.engine.tokenizer import Tokenizer
 from appliance.server.chat_template import chat_prompt
 from appliance.server.schemas.openai import ChatMessage
 from appliance.server.tools.prompt import TOOLS_FOOTER, TOOLS_HEADER
+from tests.conftest import tokenizer_dir_with_template
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -43,11 +43,7 @@ def tok(default_model_dir: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def tool_tok(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Tokenizer:
-    d = tmp_path_factory.mktemp("tooltok")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / f, d / f)
-    (d / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    return Tokenizer(d)
+    return Tokenizer(tokenizer_dir_with_template(tmp_path_factory.mktemp("tooltok"), default_model_dir, TOOL_TEMPLATE))
 
 
 def test_default_template_gets_the_hermes_convention(tok: Tokenizer) -> None:
