@@ -35,13 +35,15 @@ class MaskFiller:
     """
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
-        import xgrammar as xgr
-
         self.vocab_size = vocab_size
         self.device = device
-        self._host = xgr.allocate_token_bitmask(max_rows, vocab_size)
-        if device.type == "cuda":
-            self._host = self._host.pin_memory()
+        self._host = self._allocate(max_rows)
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        import xgrammar as xgr
+
+        host = xgr.allocate_token_bitmask(rows, self.vocab_size)
+        return host.pin_memory() if self.device.type == "cuda" else host
 
     def fill(self, matchers: Sequence[Optional[Any]]) -> Optional[TokenMask]:
         """matchers[i]: row i's GrammarMatcher, None for a free row. None when no row is constrained."""
@@ -50,17 +52,12 @@ class MaskFiller:
             return None
         n = len(matchers)
         if n > self._host.shape[0]:  # more rows than max_num_seqs (isolated reruns never are)
-            import xgrammar as xgr
-
-            self._host = xgr.allocate_token_bitmask(n, self.vocab_size)
-            if self.device.type == "cuda":
-                self._host = self._host.pin_memory()
+            self._host = self._allocate(n)
         host = self._host[:n]
-        live = [matchers[i] for i in rows]
         # Row by row on this thread: xgrammar's BatchGrammarMatcher was slower at every thread count
         # measured (docs/performance.md, structured outputs), and the fill overlaps the forward.
-        for i, m in zip(rows, live):
-            m.fill_next_token_bitmask(host, i)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(host, i)
         if self.device.type == "cpu":
             return TokenMask(host, rows, self.vocab_size)
         # The row list goes over pinned too: xgrammar's own copy of a list would wait for the forward.
