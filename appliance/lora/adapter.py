@@ -35,7 +35,9 @@ if TYPE_CHECKING:  # torch only where tensors are read: validate, plan and apply
 __all__ = ["AdapterError", "AdapterSpec", "CONFIG_FILE", "WEIGHTS_FILE", "adapter_weights", "inspect_adapter",
            "load_adapter_weights", "read_adapter", "resolve_adapter_path"]
 Weights = dict[str, tuple["torch.Tensor", "torch.Tensor"]]
-_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# The float types an adapter may hold: safetensors dtype names -> torch's (the format is little-endian).
+_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_FLOAT_DTYPES = tuple(_TORCH_DTYPES)
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # PEFT options that add weights or change the math beyond y += scale·(x Aᵀ) Bᵀ: refused when set.
@@ -165,10 +167,6 @@ def adapter_weights(spec: AdapterSpec, files: AdapterFiles, dtype: torch.dtype, 
                 raise AdapterError(f"{wfile}: {kb}: lora_B times its scale {spec.scales[name]:g} (lora_alpha / r) "
                                    f"overflows {dtype}; refused (lower lora_alpha)")
     return out
-
-
-# safetensors dtype names -> torch's (the float types _validate admits); the format is little-endian.
-_TORCH_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 def _tensor_views(files: AdapterFiles, wfile: Path) -> dict[str, "torch.Tensor"]:
