@@ -37,6 +37,7 @@ from appliance.bench.report import table
 from appliance.bench.serve_client import HttpTarget, RequestSpec, Result
 from appliance.bench.serve_options import ServeOptions
 from appliance.bench.serve_process import free_port
+from appliance.bench.serve_report import failures_text, load_label
 from appliance.bench.serve_stats import counter_total, latency_ms, summarize
 from appliance.bench.workload import prompts_of_lengths
 from appliance.config.schema import ConfigError, LoRAConfig
@@ -373,9 +374,8 @@ def render_cold(res: dict) -> str:
         return (d or {}).get(q)
 
     def side(r: dict, s: dict, loads: str) -> dict:
-        return {"mix": r["mix"], "load": f"{r['concurrency']} concurrent" if r["load"] == "closed"
-                else f"{r['rate_rps']:g} req/s", "loads": loads, "ok": f"{s['ok']}/{s['requests']}",
-                "failures": ", ".join(f"{k}: {v}" for k, v in s["failures"].items()) or "0",
+        return {"mix": r["mix"], "load": load_label(r), "loads": loads, "ok": f"{s['ok']}/{s['requests']}",
+                "failures": failures_text(s["failures"]),
                 "out_tok_s": s["out_tok_s"], "ttft_p50": p(s["ttft_ms"], "p50"), "ttft_p99": p(s["ttft_ms"], "p99"),
                 "itl_p50": p(s["itl_ms"], "p50"), "itl_p99": p(s["itl_ms"], "p99")}
 

@@ -14,13 +14,22 @@ COLUMNS = ["mix", "load", "requests", "ok", "failures", "req_s", "out_tok_s", "i
            "slot_evictions", "preemptions", "client_cpu_util"]
 
 
+def load_label(r: dict) -> str:
+    """A row's load point as the tables print it."""
+    return f"{r['concurrency']} concurrent" if r["load"] == "closed" else f"{r['rate_rps']:g} req/s"
+
+
+def failures_text(failures: dict) -> str:
+    """Failures by kind as the tables print them ("0" for none)."""
+    return ", ".join(f"{k}: {v}" for k, v in failures.items()) or "0"
+
+
 def _flat(r: dict) -> dict:
     def p(key: str, q: str) -> Optional[float]:
         return (r.get(key) or {}).get(q)
 
     srv = r.get("server") or {}
-    return {**r, "load": f"{r['concurrency']} concurrent" if r["load"] == "closed" else f"{r['rate_rps']:g} req/s",
-            "failures": ", ".join(f"{k}: {v}" for k, v in r["failures"].items()) or "0",
+    return {**r, "load": load_label(r), "failures": failures_text(r["failures"]),
             "in_process_tok_s": (r.get("in_process") or {}).get("out_tok_s"),
             "ttft_p50": p("ttft_ms", "p50"), "ttft_p99": p("ttft_ms", "p99"), "itl_p50": p("itl_ms", "p50"),
             "itl_p99": p("itl_ms", "p99"), "tpot_p50": p("tpot_ms", "p50"), "e2e_p99": p("e2e_ms", "p99"),

@@ -29,7 +29,9 @@ from typing import Callable, Optional, Sequence
 from appliance.bench.report import table
 from appliance.bench.serve_client import ClientJob, HttpTarget, JobResult, RequestSpec, run_client_processes
 from appliance.bench.serve_options import ServeOptions
+from appliance.bench.serve_report import failures_text
 from appliance.bench.serve_stats import counter_deltas, counter_samples, server_summary, summarize
+from appliance.bench.workload import even_arrivals
 
 FLOOD, STEADY = "bench-a", "bench-b"  # tenant names (metrics labels): A floods, B is steady
 KEY_ENVS = {FLOOD: "APPLIANCE_BENCH_TENANT_A_KEY", STEADY: "APPLIANCE_BENCH_TENANT_B_KEY"}
@@ -68,11 +70,6 @@ class TenantPlan:
         limits = (f"{{requests_per_s: {self.rate:g}, burst: {self.burst}, max_concurrent: {self.max_concurrent}}}")
         return "".join(f"{name}:\n  keys: [\"${{oc.env:{KEY_ENVS[name]}}}\"]\n  adapters: [\"*\"]\n"
                        f"  allow_base: true\n  weight: 1\n  limits: {limits}\n" for name in (FLOOD, STEADY))
-
-
-def even_arrivals(n: int, rate: float) -> list[float]:
-    """`n` sends evenly spaced at `rate` per second, the first at 0."""
-    return [i / rate for i in range(n)]
 
 
 def server_setup(plan: TenantPlan, work_dir: Path, server_limit: int) -> tuple[list[str], dict[str, str], dict]:
@@ -197,7 +194,7 @@ def render(res: dict, model: str) -> str:
 
         other = {k: v for k, v in r["failures"].items() if k != "429"}
         return {**r, "tenant": "A" if r["tenant"] == FLOOD else "B", "429": r["failures"].get("429", 0),
-                "other_failures": ", ".join(f"{k}: {v}" for k, v in other.items()) or "0",
+                "other_failures": failures_text(other),
                 "ttft_p50": q("ttft_ms", "p50"), "ttft_p99": q("ttft_ms", "p99"), "itl_p99": q("itl_ms", "p99"),
                 "server_rejections": ", ".join(f"{k}: {v:g}" for k, v in r["server"]["rejections"].items()) or "0",
                 "queue_time_mean_ms": r["server"]["queue_time_mean_ms"]}

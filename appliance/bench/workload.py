@@ -25,6 +25,11 @@ def prompts_of_lengths(lengths: list[int], vocab: int, seed: int) -> list[list[i
     return [[rng.randrange(lo, vocab) for _ in range(n)] for n in lengths]
 
 
+def even_arrivals(n: int, rate: float) -> list[float]:
+    """`n` sends evenly spaced at `rate` per second, the first at 0."""
+    return [i / rate for i in range(n)]
+
+
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """Arrival offsets in seconds of `n` requests at `rate` per second (exponential gaps), first at 0."""
     rng = random.Random(seed)
