@@ -133,3 +133,61 @@ def test_piecewise_off_reasons(tiny_model_dir: Path) -> None:
     r = make_engine(tiny_model_dir).runner
     assert "cpu" in piecewise_off_reason(r.runtime, 1, [16])
     assert "piecewise_graph_tokens" in piecewise_off_reason(r.runtime, 1, [])
+
+
+LORA = {"qv4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        "all8": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+        "mlp6": dict(r=6, lora_alpha=24, target_modules=["gate_proj", "up_proj", "down_proj"])}
+LORA_JOBS = [("all8", 0), (None, 1), ("qv4", 3), ("mlp6", 4), ("all8", 2)]
+
+
+@pytest.fixture(scope="module")
+def lora_root(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    from tests.lora.test_lora_engine import make_adapter
+
+    root = tmp_path_factory.mktemp("piece-adapters")
+    for i, (name, kw) in enumerate(LORA.items()):
+        make_adapter(tiny_model_dir, root / name, seed=10 + i, **kw)
+    return root
+
+
+def lora_engine(model_dir: Path, root: Path, *overrides: str) -> LLMEngine:
+    # Two slots for three adapters: loads into slots between steps (copied into the buffers the pieces read).
+    return make_engine(model_dir, "lora.enabled=true", "lora.max_lora_rank=8", "lora.max_loras_per_batch=2",
+                       f"lora.adapter_roots=[{root}]", "lora.backend=triton", "engine.attention_backend=triton",
+                       "engine.fused_kernels=triton", *overrides)
+
+
+@pytest.mark.parametrize("aside", [False, True], ids=["apply", "aside"])
+def test_piecewise_lora_gives_the_eager_tokens(tiny_model_dir: Path, lora_root: Path, aside: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed adapter and base rows in the slot-sorted device layout (chunks of 2 rows, so several chunks
+    a slot), base and padding rows in slot -1 chunks; aside: lora.decode_side_stream's order (shrink,
+    base GEMM, expand), else lora_apply's. gate_up_proj's expand runs inside the activation. No piece
+    takes lora_linear (its path reads host facts of the step)."""
+    import kernels.silu_mul_lora
+    from appliance.lora.backend.triton_ops import TritonBackend
+
+    in_act: list[bool] = []
+    real_act = kernels.silu_mul_lora.silu_mul_lora
+    monkeypatch.setattr(kernels.silu_mul_lora, "silu_mul_lora",
+                        lambda *a, **k: (in_act.append(a[3].static_sorted), real_act(*a, **k))[1])
+    prefill_paths: list[bool] = []  # per lora_linear call: inside a piece?
+    real_prefill = TritonBackend._prefill
+    monkeypatch.setattr(TritonBackend, "_prefill", lambda self, p, x, info: (
+        prefill_paths.append(info.segments.static_sorted), real_prefill(self, p, x, info))[1])
+    eng = lora_engine(tiny_model_dir, lora_root, "lora.max_chunk_size=2",
+                      f"lora.decode_side_stream={str(aside).lower()}")
+    for name in LORA:
+        eng.lora.load(name, str(lora_root / name))
+    used = checked_piecewise(eng, atol=1e-3)
+    loads_after: list[int] = []  # piecewise steps run before each adapter load into a slot
+    real_ensure = eng.lora.ensure_loaded
+    monkeypatch.setattr(eng.lora, "ensure_loaded", lambda loads: (
+        loads_after.extend([len(used)] * len(loads)), real_ensure(loads))[1])
+    # Each step's argmax equals the eager step's (checked_piecewise), so the run's tokens are the eager run's.
+    out = run_all(eng, LORA_JOBS, 1, stagger=True)
+    assert sorted(out) == list(range(len(LORA_JOBS)))
+    assert any(in_act) and not any(prefill_paths)  # lora_linear only in the checking eager steps
+    assert any(len(b.prefills) > 1 for b in used) and any(b.prefills and b.decode_context_lens for b in used)
+    assert any(n > 0 for n in loads_after)  # a slot refilled after the pieces had read it
