@@ -62,6 +62,9 @@ class PiecewiseStep:
         self.sizes = sorted(set(sizes))
         self.capture = capture
         self.lora = lora if lora is not None else (runner.lora.ctx if runner.lora is not None else None)
+        if self.lora is not None and self.lora.backend == "torch":
+            raise ValueError("piecewise steps need lora.backend triton or csgmv: the torch backend groups "
+                             "tokens on the host per step")
         a = runner.model.args
         dev, dt = runner.device, runner.dtype
         tm = self.sizes[-1]
