@@ -95,8 +95,9 @@ class EngineConfig:
     # write, SiLU x up; kernels/rms_norm.py, rope_kv.py, silu_mul.py), torch = the plain torch ops
     # (their twins); auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
     fused_kernels: str = "auto"
-    # true = no CUDA graphs: every step runs eagerly. Graphs are used on cuda only, for decode-only steps,
-    # with attention_backend triton and a LoRA backend triton/csgmv (or LoRA off).
+    # true = no CUDA graphs: every step runs eagerly. Graphs are used on cuda only, for decode-only steps
+    # (and piecewise for steps with prefills), with attention_backend triton and a LoRA backend
+    # triton/csgmv (or LoRA off).
     enforce_eager: bool = False
     # Decode batch sizes captured as CUDA graphs; a step of n sequences replays the smallest size >= n,
     # larger steps run eagerly. Empty = 1, 2, 4, 8, ... up to max_num_seqs (and max_num_seqs itself).
