@@ -128,7 +128,8 @@ class ModelRunner:
         pieces = e.piecewise_sizes(self.device.type)
         if piecewise_off_reason(self.runtime, self.tp.size, pieces) is None:
             # Their shared pool holds one piece's transients at the largest size; a whole step's peak bounds it.
-            graphs += self._profile_peak(self._profile_batch(max(pieces), min(e.max_num_seqs, max(pieces))))
+            t = min(max(pieces), self.max_model_len)
+            graphs += self._profile_peak(self._profile_batch(t, min(e.max_num_seqs, t)))
         lora = 0
         if cfg.lora.enabled:  # its slot buffers are allocated after sizing (lora/layers.py)
             lora = lora_buffer_bytes(self.args, list(cfg.lora.resolved_targets()), cfg.lora.max_loras_per_batch,

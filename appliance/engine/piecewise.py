@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from appliance.engine.step import StepBatch
+from appliance.engine.step import StepBatch, padded_size
 from appliance.lora.batch import LoRABatchInfo
 from kernels.segments import sorted_segments_device
 
@@ -93,16 +93,9 @@ class PiecewiseStep:
         if capture:
             self._capture_all()
 
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
     def size_for(self, n: int) -> Optional[int]:
         """The padded size of a step of n tokens; None = too large, run it eagerly."""
-        for t in self.sizes:
-            if t >= n:
-                return t
-        return None
+        return padded_size(self.sizes, n)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -113,7 +106,7 @@ class PiecewiseStep:
         n = len(batch.input_ids)
         tb = self.size_for(n)
         if tb is None:
-            raise ValueError(f"piecewise steps take at most {self.max_size} tokens, got {n}")
+            raise ValueError(f"piecewise steps take at most {self.sizes[-1]} tokens, got {n}")
         meta = r.attention_meta(batch)  # before any launch: its small copies find the device idle
         with_lora = self._stage(batch, token_slots, tb)
         m = r.model
