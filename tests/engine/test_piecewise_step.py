@@ -191,3 +191,10 @@ def test_piecewise_lora_gives_the_eager_tokens(tiny_model_dir: Path, lora_root: 
     assert any(in_act) and not any(prefill_paths)  # lora_linear only in the checking eager steps
     assert any(len(b.prefills) > 1 for b in used) and any(b.prefills and b.decode_context_lens for b in used)
     assert any(n > 0 for n in loads_after)  # a slot refilled after the pieces had read it
+
+
+def test_piecewise_refuses_the_torch_lora_backend(tiny_model_dir: Path) -> None:
+    """Its per-step host groups are not in the pieces' layout: the deltas would be skipped."""
+    eng = make_engine(tiny_model_dir, "lora.enabled=true", "lora.max_lora_rank=8", "lora.backend=torch")
+    with pytest.raises(ValueError, match="lora.backend triton or csgmv"):
+        eng.runner.start_piecewise([8], capture=False)
