@@ -1,6 +1,6 @@
 """Pure-torch twins of the Triton kernels: the oracles of the kernels' tests (prefill attention's among
-them), the `torch` backends of the multi-LoRA ops and of decode attention, and the model's own elementwise path when the fused
-kernels are off (engine.fused_kernels, appliance/models/fused_ops.py).
+them), the `torch` backends of the multi-LoRA ops and of decode attention, and the model's own
+elementwise path when the fused kernels are off (engine.fused_kernels, appliance/models/fused_ops.py).
 
 Multi-LoRA ops:
 
