@@ -22,16 +22,16 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
+from kernels.online_softmax import LOG2E, online_softmax_step
+from kernels.paged_attention import check_q_and_cache
 from kernels.platform import dot_upcast, pdl_available
 from kernels.prefill_tiles import PrefillTiles
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _tile_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_mask, causal, qk_scale,
                UPCAST: tl.constexpr, IEEE: tl.constexpr, MASKED: tl.constexpr):
-    """One K/V tile of the online softmax (log2 domain): returns the updated acc, m_i, l_i."""
+    """Load one K/V tile, score it (log2 domain), mask it when MASKED: the updated acc, m_i, l_i."""
     if MASKED:
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
@@ -47,15 +47,7 @@ def _tile_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_mask, causal, qk_scale,
         s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         s = tl.where(causal, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-    else:  # p rounded to the cache dtype for the tensor-core product, as flash attention does
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return online_softmax_step(acc, m_i, l_i, s, v, IEEE)
 
 
 @triton.jit
@@ -142,25 +134,17 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     or fp16); out [Tp, H, D] (default: allocated; rows in no chunk are left as they are).
     block_n, num_warps, num_stages: the tile shape (default: by head_dim and dtype). Returns out.
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"prefill_attention: q must be [T, H, D], k/v cache [blocks, BS, KVH, D] alike; "
-                         f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    check_q_and_cache("prefill_attention", q, k_cache, v_cache)
     T, H, D = q.shape
-    _, BS, KVH, Dk = k_cache.shape
-    if Dk != D or H != tiles.group * KVH:
-        raise ValueError(f"prefill_attention: head_dim {D} vs cache {Dk}, or {H} query heads not "
-                         f"{tiles.group} (the tiles' group) x {KVH} KV heads")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.bfloat16,
-                                                                          torch.float16):
-        raise ValueError(f"prefill_attention: q and the cache must share fp32/bf16/fp16, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _, BS, KVH, _ = k_cache.shape
+    if H != tiles.group * KVH:
+        raise ValueError(f"prefill_attention: {H} query heads, the tiles were cut for {tiles.group} per "
+                         f"KV head x {KVH}")
     if tiles.num_tokens > T:
         raise ValueError(f"prefill_attention: the tiles cover {tiles.num_tokens} rows, q has {T}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("tiles", tiles.tiles), ("tables", tiles.tables)):
-        if t.device != q.device:
-            raise ValueError(f"prefill_attention: {name} is on {t.device}, q on {q.device}")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("prefill_attention: head_dim of q and the caches must be contiguous")
+    for name, t in (("tiles", tiles.tiles), ("tables", tiles.tables)):
+        if t.device != q.device or t.dtype != torch.int32:
+            raise ValueError(f"prefill_attention: {name} must be int32 on {q.device}, got {t.dtype} on {t.device}")
     if out is None:
         out = torch.empty(tiles.num_tokens, H, D, dtype=q.dtype, device=q.device)
     elif out.shape != (tiles.num_tokens, H, D) or out.dtype != q.dtype or out.stride(2) != 1:

@@ -4,9 +4,9 @@ On CPU it runs in Triton's interpreter (tests/conftest.py), so the shapes are sm
 1, 3, 4; head_dim 64 and 128; ragged steps of several chunks with and without a cached context, contexts
 that are not multiples of the block size, q_len from 1 to more than a block and more than a tile;
 tiles of 16 rows (many per chunk, a group that does not divide them) and the default 128;
-fp32/bf16/fp16 with a tolerance table. Every case poisons with NaN what must not be read: blocks no
-chunk owns, the slots past each chunk's last token, table entries past its blocks, and the query rows
-of the step's decode tokens after the chunks.
+fp32/bf16/fp16 with the decode tests' tolerance table. Every case poisons with NaN what must not be
+read (the decode tests' cache: blocks no chunk owns, the slots past each chunk's last token, table
+entries past its blocks), and the query rows of the step's decode tokens after the chunks.
 """
 
 from __future__ import annotations
@@ -17,14 +17,9 @@ import torch
 from kernels import reference as ref
 from kernels.prefill_attention import prefill_attention
 from kernels.prefill_tiles import prefill_tiles
+from tests.kernels.test_paged_attention import BS, DEV, TOL
+from tests.kernels.test_paged_attention import make_case as decode_case
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = {  # dtype -> (atol, rtol) against the twin in fp32 on the same rounded inputs
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (2e-2, 2e-2),
-}
-BS = 16
 # (context_len, q_len) per chunk: fresh prompts, a 1-token chunk, contexts off the block grid, a chunk
 # longer than a block and than a 16-row tile.
 RAGGED = [(0, 5), (21, 1), (16, 20), (0, 37), (35, 9)]
@@ -32,28 +27,16 @@ RAGGED = [(0, 5), (21, 1), (16, 20), (0, 37), (35, 9)]
 
 def make_case(num_heads: int, num_kv_heads: int, head_dim: int, chunks: list[tuple[int, int]],
               dtype: torch.dtype, decodes: int = 2, seed: int = 0):
-    """(q, k_cache, v_cache, chunk tuples for prefill_tiles) with everything not to be read poisoned."""
-    g = torch.Generator().manual_seed(seed)
-    need = [(c + n + BS - 1) // BS for c, n in chunks]
-    num_blocks = sum(need) + 3
-    kc = torch.randn(num_blocks, BS, num_kv_heads, head_dim, generator=g)
-    vc = torch.randn(num_blocks, BS, num_kv_heads, head_dim, generator=g)
-    poison = num_blocks - 1  # a block nobody owns, all NaN
-    kc[poison] = float("nan")
-    vc[poison] = float("nan")
-    order = torch.randperm(num_blocks - 1, generator=g).tolist()  # blocks scattered over the cache
-    out, o, q0 = [], 0, 0
-    for (c, n), nb in zip(chunks, need):
-        blocks = order[o:o + nb]
-        o += nb
-        tail = c + n - (nb - 1) * BS  # slots used in the last block
-        kc[blocks[-1], tail:] = float("nan")
-        vc[blocks[-1], tail:] = float("nan")
-        out.append((q0, n, c, blocks + [poison] * 2))  # table entries past its blocks must not be read
+    """(q, k_cache, v_cache, chunk tuples for prefill_tiles): the decode tests' poisoned cache holding
+    each chunk's context_len + q_len positions, and the chunks' queries followed by NaN decode rows."""
+    _, kc, vc, tables, _ = decode_case(num_heads, num_kv_heads, head_dim, [c + n for c, n in chunks], dtype, seed)
+    out, q0 = [], 0
+    for (c, n), table in zip(chunks, tables.tolist()):
+        out.append((q0, n, c, table))  # entries past a chunk's blocks point at the NaN block
         q0 += n
-    q = torch.randn(q0 + decodes, num_heads, head_dim, generator=g)
+    q = torch.randn(q0 + decodes, num_heads, head_dim, generator=torch.Generator().manual_seed(seed))
     q[q0:] = float("nan")  # the step's decode rows: not the kernel's
-    return q.to(dtype).to(DEV), kc.to(dtype).to(DEV), vc.to(dtype).to(DEV), out
+    return q.to(dtype).to(DEV), kc, vc, out
 
 
 def run_both(q, kc, vc, chunks, scale, dtype, block_m=16, **kw):
@@ -117,8 +100,10 @@ def test_prefill_tiles_cut_chunks_and_put_the_longest_first() -> None:
 def test_prefill_rejects_bad_inputs() -> None:
     q, kc, vc, chunks = make_case(4, 2, 64, [(0, 3)], torch.float32)
     tiles = prefill_tiles(chunks, BS, 2, DEV)
-    with pytest.raises(ValueError, match="query heads"):
+    with pytest.raises(ValueError, match="multiple"):
         prefill_attention(q[:, :3], kc, vc, tiles, 1.0)
+    with pytest.raises(ValueError, match="tiles were cut"):
+        prefill_attention(q[:, :2], kc, vc, tiles, 1.0)
     with pytest.raises(ValueError, match="share"):
         prefill_attention(q.half(), kc, vc, tiles, 1.0)
     with pytest.raises(ValueError, match="tiles cover"):
