@@ -192,6 +192,8 @@ def _kernel_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         from kernels.prefill_attention import prefill_attention  # needs triton: only when chosen
 
         prefill_attention(q, k_cache, v_cache, tiles, scale, out=out[:tiles.num_tokens])
+    if SDPA_PROMPT_TOKENS is None:
+        return  # the kernel did every chunk: no per-chunk loop in the layer
     for p in meta.prefills:
         if sdpa_prompt(p.q_len, p.context_len):
             sl = slice(p.q_start, p.q_start + p.q_len)
