@@ -3,7 +3,7 @@
 A small shape-only Llama (random weights, float32, so greedy tokens do not depend on how requests are
 batched), synthetic PEFT adapters, a CPU tier of 2 for 6 adapters, 2 GPU slots: every adapter but the
 last two loaded starts cold. The same requests run on an engine without overlap loading and on one with
-it (background reads slowed by debug.fault_injection_read_delay_s, pinned CPU tier, side-stream copies);
+it (background reads slowed by debug.fault_injection_read_delay_s, staged side-stream copies);
 the greedy tokens must be identical, the copies must have gone through the side stream, and tokens must
 have been generated while reads were in flight. Exit status 1 on any mismatch.
 
