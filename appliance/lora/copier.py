@@ -30,7 +30,8 @@ class CudaOps:
     fake of this)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        # An index the copy thread can select (torch.cuda.set_device refuses a bare "cuda").
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
     def stream(self) -> Any:
         return torch.cuda.Stream(self.device)
@@ -159,11 +160,20 @@ class SlotCopier:
 
     # ------------------------------------------------------------------ copy thread
     def _run(self) -> None:
-        self.ops.enter_thread()
+        try:
+            self.ops.enter_thread()
+            broken: Optional[BaseException] = None
+        except Exception as e:  # noqa: BLE001 - every copy then fails with it (never hangs its requests)
+            log.exception("the slot copy thread could not select its device")
+            broken = e
         while True:
             c = self._jobs.get()
             if c is None:
                 return
+            if broken is not None:
+                c.error, c.weights = broken, None
+                c.enqueued.set()
+                continue
             self._one(c)
             if self._jobs.empty():
                 try:
@@ -181,11 +191,14 @@ class SlotCopier:
                 c.start.record(self.stream)
                 self.image.unpack(c.slot, buf)
                 c.end.record(self.stream)
-        except BaseException as e:  # noqa: BLE001 - reported to the engine thread (failures), which fails the key
+        except Exception as e:  # noqa: BLE001 - reported to the engine thread (failures), which fails the key
             c.error = e
             log.error("adapter %r: slot copy failed: %s", c.key, e)
             if buf is not None:
-                c.end.record(self.stream)  # what was enqueued may still read `buf`
+                try:
+                    c.end.record(self.stream)  # what was enqueued may still read `buf`
+                except Exception:  # noqa: BLE001 - the device is broken: the buffer is never reused
+                    buf = None
         finally:
             c.weights = None
             if buf is not None:

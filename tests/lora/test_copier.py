@@ -95,10 +95,18 @@ def until(cond: Any, what: str) -> None:
         time.sleep(0.002)
 
 
+ALLOCATED: list[int] = []  # staging buffers made, by every pool of these tests
+
+
 def copier(buffers: int, auto: bool = False) -> tuple[SlotCopier, FakeOps, Any, StagingPool]:
     ctx = context()
     image = SlotImage(ctx)
-    pool = StagingPool(buffers, image.numel, image.dtype, pin=False)
+
+    def alloc() -> torch.Tensor:
+        ALLOCATED.append(image.numel)
+        return torch.empty(image.numel, dtype=image.dtype)
+
+    pool = StagingPool(buffers, image.numel, image.dtype, pin=False, alloc=alloc)
     ops = FakeOps(auto)
     return SlotCopier(image, pool, ops), ops, ctx, pool
 
@@ -124,6 +132,7 @@ def test_copy_is_done_after_its_events_and_gives_its_buffer_back() -> None:
 
 def test_more_copies_than_buffers_wait_for_one_and_land_in_order() -> None:
     c, ops, ctx, pool = copier(1)
+    made = len(ALLOCATED)
     seq = [adapter(s, MAX_RANK if s % 2 else 2, ALL) for s in range(3)]
     for s, w in enumerate(seq):
         c.copy(0, f"k@{s}", w)  # all into slot 0: the last one must win
@@ -134,7 +143,7 @@ def test_more_copies_than_buffers_wait_for_one_and_land_in_order() -> None:
         until(lambda: len(ops.recorded) == 2, "next copy enqueued")
         ops.complete()
     until(lambda: pool.free == 1, "buffer back")
-    assert c.done(0) and c.in_flight == 0
+    assert c.done(0) and c.in_flight == 0 and len(ALLOCATED) == made  # 3 copies, no buffer made after start
     want = context()
     load_adapter_into_slot(want, 0, seq[-1])
     for key, w in ctx.wrappers.items():
