@@ -316,6 +316,10 @@ class LoRAConfig:
     max_adapter_bytes: int = 1 << 30
     # Bound on one remote fetch (and each connect/read of it).
     fetch_timeout_s: float = 60.0
+    # true: remote fetches (store calls and the download into adapter_cache_dir) run in worker processes,
+    # at most loader_threads, started on the first fetch, so the S3/Hub clients never hold the server's
+    # GIL. false: on the thread that asks (the admin worker or the reader thread).
+    fetch_in_subprocess: bool = False
     # S3-compatible stores (MinIO, Ceph, ...): their endpoint; null = AWS. Credentials: the AWS environment.
     s3_endpoint_url: Optional[str] = None
     s3_region: Optional[str] = None

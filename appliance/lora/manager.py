@@ -116,8 +116,14 @@ class LoRAManager:
                 image = SlotImage(self.ctx)
                 self.copier = SlotCopier(image, StagingPool(cfg.loader_threads, image.numel, image.dtype, pin=True),
                                          CudaOps(device))
-        # Remote adapter paths (s3://, hf://): allowlist, fetch, disk cache (lora/sources/).
-        self.sources = AdapterSources(cfg)
+        # Remote adapter paths (s3://, hf://): allowlist, fetch, disk cache (lora/sources/); the fetch
+        # itself in worker processes with lora.fetch_in_subprocess.
+        workers = None
+        if cfg.fetch_in_subprocess and cfg.allowed_sources:
+            from appliance.lora.sources.worker import FetchWorkers
+
+            workers = FetchWorkers(cfg, cfg.loader_threads, timeout_s=3 * cfg.fetch_timeout_s + 60)
+        self.sources = AdapterSources(cfg, workers)
 
     # ------------------------------------------------------------------ admin operations
     def prepare(self, path: str) -> PreparedLoad:
@@ -363,6 +369,7 @@ class LoRAManager:
             self.reader.shutdown()
         if self.copier is not None:
             self.copier.close()
+        self.sources.close()
 
     # ------------------------------------------------------------------ per step
     def ensure_loaded(self, loads: list[tuple[int, str]]) -> dict[str, str]:
