@@ -143,14 +143,17 @@ def whole_loads(a: argparse.Namespace, args: ModelArgs, tmp: Path) -> None:
         with StepProbe() as sp:
             time.sleep(1.0)
         print(f"{'-':<9} {'idle 1 s':<7} {'':>12} {sp.max_gap_ms:>20.1f} / {sp.max_gap_ms:>9.1f} {sp.over_ms(20):>12}")
-        for mode in ("inproc", "worker"):
+        modes = ("inproc", "worker")
+        runs = {}
+        for mode in modes:
             cfg = LoRAConfig(adapter_roots=[], allowed_sources=[f"s3://{MOTO_BUCKET}"], max_lora_rank=a.rank,
                              adapter_cache_dir=str(tmp / f"cache-{mode}"), s3_endpoint_url=store.endpoint_url,
                              s3_region=MOTO_REGION, fetch_in_subprocess=mode == "worker")
-            workers = FetchWorkers(cfg, 1, 600) if mode == "worker" else None
-            sources = AdapterSources(cfg, workers)
-            stages: dict[str, list[tuple[float, float, int]]] = {"fetch": [], "read": [], "fill": [], "whole": []}
-            for i in range(a.repeats + 1):  # the first warms boto3 (and starts the worker): not counted
+            runs[mode] = (cfg, AdapterSources(cfg, FetchWorkers(cfg, 1, 600) if mode == "worker" else None))
+        stages = {m: {"fetch": [], "read": [], "fill": [], "whole": []} for m in modes}
+        for i in range(a.repeats + 1):  # the first warms boto3 (and starts the worker): not counted
+            for mode in modes:  # alternated: both see the same noise of a shared machine
+                cfg, sources = runs[mode]
                 uri = store.template.replace("{name}", f"{mode}-{i}")
                 marks: list[float] = []
                 with StepProbe() as sp:
@@ -171,11 +174,12 @@ def whole_loads(a: argparse.Namespace, args: ModelArgs, tmp: Path) -> None:
                 for stage, t0, t1 in (("fetch", marks[0], marks[1]), ("read", marks[1], marks[2]),
                                       ("fill", marks[2], marks[3]), ("whole", marks[0], marks[3])):
                     steps = sp.between(t0, t1)
-                    stages[stage].append((t1 - t0, max(steps, default=0.0), sum(g > 20e-3 for g in steps)))
-            sources.close()
-            label = "process" if mode == "worker" else "server"
-            for stage, rows in stages.items():
-                print(f"{label:<9} {stage:<7} {1e3 * statistics.median(r[0] for r in rows):>12.1f} "
+                    stages[mode][stage].append((t1 - t0, max(steps, default=0.0), sum(g > 20e-3 for g in steps)))
+        for mode in modes:
+            runs[mode][1].close()
+            for stage, rows in stages[mode].items():
+                print(f"{'process' if mode == 'worker' else 'server':<9} {stage:<7} "
+                      f"{1e3 * statistics.median(r[0] for r in rows):>12.1f} "
                       f"{1e3 * statistics.median(r[1] for r in rows):>20.1f} / {1e3 * max(r[1] for r in rows):>9.1f} "
                       f"{int(statistics.median(r[2] for r in rows)):>12}")
     finally:
