@@ -130,3 +130,26 @@ def test_cold_mix_with_fetches_in_workers(tmp_path: Path, capsys: pytest.Capture
     assert res["errors"] == {} and res["server"]["exit_status"] == 0
     assert "lora.fetch_in_subprocess=true" in res["server"]["overrides"]
     _check_cold_row(res)
+
+
+def test_engine_fetches_in_workers_and_stops_them_on_close(s3, s3_url: str, tmp_path: Path,
+                                                           tiny_model_dir: Path) -> None:
+    """The wiring: lora.fetch_in_subprocess gives the manager fetch workers; a load from s3:// starts
+    one and serves the adapter's tokens (equal to the in-process engine's); LLMEngine.close kills them."""
+    from tests.lora.test_lora_engine import ADAPTERS, make_adapter, lora_engine, run_mixed
+
+    d = make_adapter(tiny_model_dir, tmp_path / "qv4", seed=31, **ADAPTERS["qv4"])
+    uri = upload(s3, d, "team/engine-qv4")
+    common = (f"lora.allowed_sources=[s3://{BUCKET}/team]", f"lora.s3_endpoint_url={s3_url}", "lora.s3_region=us-east-1")
+    engines = {flag: lora_engine(tiny_model_dir, tmp_path, *common, f"lora.adapter_cache_dir={tmp_path / flag}",
+                                 f"lora.fetch_in_subprocess={flag}") for flag in ("true", "false")}
+    tokens = {}
+    for flag, engine in engines.items():
+        assert (engine.lora.sources.workers is not None) == (flag == "true")  # type: ignore[union-attr]
+        engine.lora.load("qv4", uri)  # type: ignore[union-attr]
+        tokens[flag] = run_mixed(engine, [("qv4", 0)])
+    workers = engines["true"].lora.sources.workers  # type: ignore[union-attr]
+    assert workers is not None and workers.started >= 1 and tokens["true"] == tokens["false"]
+    for engine in engines.values():
+        engine.close()
+    assert workers.started == 0
