@@ -10,10 +10,10 @@ stall). Idle gives the heartbeat's own floor on this machine.
 `--load` times a whole cold load instead, stage by stage, as the server runs it beside the engine
 thread, and the longest "step" of a probe thread beside it that drops and retakes the GIL 20 times
 every ms (StepProbe: the engine thread's pattern, which a single heartbeat wake-up does not show;
-`--probe heartbeat` runs the heartbeat instead). The fetch from a local S3 API server (moto's, a process of its own) into the disk cache,
-in this process (lora.fetch_in_subprocess=false) or in a worker process (true); the read; the slot
-fill's host work (the copy thread's pack into a staging buffer, lora/staging.py, then the copy into
-one slot of every wrapper; on CPU that copy is a memcpy too).
+`--probe heartbeat` runs the heartbeat instead). Stages: the fetch from a local S3 API server (moto's,
+a process of its own) into the disk cache, in this process (lora.fetch_in_subprocess=false) or in a
+worker process (true); the read; the slot fill's host work (the copy thread's pack into a staging
+buffer, lora/staging.py, then the copy into one slot of every wrapper; on CPU that copy is a memcpy).
 
     .venv/bin/python benchmarks/cold_read_cpu.py [--rank 16] [--repeats 5] [--load [--probe heartbeat]]
 """
@@ -145,7 +145,8 @@ def whole_loads(a: argparse.Namespace, args: ModelArgs, tmp: Path) -> None:
               f"{f'> {over:.0f} ms':>12}")
         with probe() as sp:
             time.sleep(1.0)
-        print(f"{'-':<9} {'idle 1 s':<7} {'':>12} {sp.max_gap_ms:>20.1f} / {sp.max_gap_ms:>9.1f} {sp.over_ms(over):>12}")
+        print(f"{'-':<9} {'idle 1 s':<7} {'':>12} {sp.max_gap_ms:>20.1f} / {sp.max_gap_ms:>9.1f} "
+              f"{sp.over_ms(over):>12}")
         modes = ("inproc", "worker")
         runs = {}
         for mode in modes:
