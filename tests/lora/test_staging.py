@@ -18,7 +18,8 @@ def context(slots: int = 3) -> LoRAContext:
     """Two layers of qkv (3 slices) and down_proj (1 slice), small shapes."""
     ctx = LoRAContext(backend="torch")
     for i in range(2):
-        qkv = LoRALinear(nn.Linear(32, 48, bias=False), ("q_proj", "k_proj", "v_proj"), [32, 8, 8], slots, MAX_RANK, ctx)
+        qkv = LoRALinear(nn.Linear(32, 48, bias=False), ("q_proj", "k_proj", "v_proj"), [32, 8, 8], slots, MAX_RANK,
+                         ctx)
         down = LoRALinear(nn.Linear(64, 32, bias=False), ("down_proj",), [32], slots, MAX_RANK, ctx)
         ctx.wrappers[f"layers.{i}.self_attn.qkv_proj"] = qkv
         ctx.wrappers[f"layers.{i}.mlp.down_proj"] = down
@@ -28,7 +29,8 @@ def context(slots: int = 3) -> LoRAContext:
 def adapter(seed: int, rank: int, projs: tuple[str, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     shapes = {"q_proj": (32, 32), "k_proj": (32, 8), "v_proj": (32, 8), "down_proj": (64, 32)}
-    return {f"layers.{i}.{p}": (torch.randn(rank, shapes[p][0], generator=g), torch.randn(shapes[p][1], rank, generator=g))
+    return {f"layers.{i}.{p}": (torch.randn(rank, shapes[p][0], generator=g),
+                                torch.randn(shapes[p][1], rank, generator=g))
             for i in range(2) for p in projs}
 
 

@@ -140,7 +140,8 @@ def test_engine_fetches_in_workers_and_stops_them_on_close(s3, s3_url: str, tmp_
 
     d = make_adapter(tiny_model_dir, tmp_path / "qv4", seed=31, **ADAPTERS["qv4"])
     uri = upload(s3, d, "team/engine-qv4")
-    common = (f"lora.allowed_sources=[s3://{BUCKET}/team]", f"lora.s3_endpoint_url={s3_url}", "lora.s3_region=us-east-1")
+    common = (f"lora.allowed_sources=[s3://{BUCKET}/team]", f"lora.s3_endpoint_url={s3_url}",
+              "lora.s3_region=us-east-1")
     engines = {flag: lora_engine(tiny_model_dir, tmp_path, *common, f"lora.adapter_cache_dir={tmp_path / flag}",
                                  f"lora.fetch_in_subprocess={flag}") for flag in ("true", "false")}
     tokens = {}
