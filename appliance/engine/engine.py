@@ -131,6 +131,7 @@ class LLMEngine:
             install_token_fault(self.runner.model, cfg.debug.fault_injection_token_id)
         # Last: the graphs capture the model as wrapped (LoRA) and with its hooks (no graphs under faults).
         self.runner.setup_decode_graphs(cfg.engine)
+        self.runner.setup_piecewise_graphs(cfg.engine)
         # Then the eager steps' kernel variants (the capture compiled the graphs' own).
         self.warmup: Optional[WarmupReport] = None
         if self.runner.runtime.warmup:
