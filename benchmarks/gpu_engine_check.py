@@ -14,8 +14,12 @@
 5. Async scheduling (engine/async_step.py) on vs off, both with graphs: identical tokens (fp32, LoRA,
    greedy, seeded sampling, stop tokens), and the decode step back to back vs serial.
 6. lora.decode_side_stream on vs off with graphs: identical greedy tokens (fp32, LoRA).
+7. Piecewise CUDA graphs (engine/piecewise.py) vs eager steps with prefills: identical greedy tokens
+   (fp32, base and 4 LoRA adapters, requests arriving two a step beside running decodes), and how
+   many steps took the piecewise path.
 
-    python benchmarks/gpu_engine_check.py --tokenizer DIR [--out FILE.json] [--sections kernels attention fused engine async aside]
+    python benchmarks/gpu_engine_check.py --tokenizer DIR [--out FILE.json]
+        [--sections kernels attention fused engine async aside piecewise]
 """
 
 from __future__ import annotations
@@ -406,19 +410,66 @@ def aside_section(res: dict, tokenizer: Path) -> None:
         print(f"\nfp32, graphs, 4 LoRA adapters, greedy: lora.decode_side_stream on vs off {same}/12 identical")
 
 
+def staggered(eng, prompts: list[list[int]], lens: list[int], adapters: "list[str | None]") -> dict[str, list[int]]:
+    """Greedy; two requests join per step, so their prefills run beside the running decodes."""
+    out: dict[str, list[int]] = {}
+    i = 0
+    while i < len(prompts) or eng.has_unfinished():
+        for j in range(i, min(i + 2, len(prompts))):
+            eng.add_request(str(j), prompts[j], SamplingParams(max_tokens=lens[j], temperature=0.0, ignore_eos=True),
+                            adapter=adapters[j])
+        i += 2
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
+
+
+def piecewise_section(res: dict, tokenizer: Path) -> None:
+    """engine.piecewise_graph_tokens default (16..512, captured) vs [] (steps with prefills eager), decode
+    graphs on in both: fp32 greedy tokens, base and with 4 LoRA adapters on 8 of 12 requests."""
+    with tempfile.TemporaryDirectory() as td:
+        d, prompts = small_model(td, tokenizer, 4)
+        adapters = rank8_adapters(Path(td) / "adapters", d)
+        lens = [4 + (i * 7) % 29 for i in range(12)]
+        for case, keys in (("base", [None] * 12), ("lora", adapter_keys(list(adapters)))):
+            out, steps = {}, 0
+            for on in (True, False):
+                eng = lora_engine(d, adapters, *(() if on else ("engine.piecewise_graph_tokens=[]",)))
+                pw = eng.runner.piecewise
+                assert (pw is not None and pw.capture) is on
+                if on:
+                    real_run = pw.run
+
+                    def counted(*a, _run=real_run, **kw):
+                        nonlocal steps
+                        steps += 1
+                        return _run(*a, **kw)
+
+                    pw.run = counted
+                out[on] = staggered(eng, prompts[:12], lens, keys)
+                del eng
+                torch.cuda.empty_cache()
+            same = sum(out[True][k] == out[False][k] for k in out[False])
+            res[f"piecewise_vs_eager_fp32_{case}_identical"] = f"{same}/12"
+            res[f"piecewise_steps_{case}"] = steps
+            print(f"\nfp32, {case}: piecewise graphs vs eager steps with prefills {same}/12 requests identical "
+                  f"({steps} piecewise steps)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--sections", nargs="+", default=["kernels", "attention", "fused", "engine", "async", "aside"],
-                    choices=["kernels", "attention", "fused", "engine", "async", "aside"])
+    names = ["kernels", "attention", "fused", "engine", "async", "aside", "piecewise"]
+    ap.add_argument("--sections", nargs="+", default=names, choices=names)
     args = ap.parse_args()
     print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
     res: dict = {}
     sections = {"kernels": kernels_section, "attention": attention_bench, "fused": fused_section,
                 "engine": lambda r: engine_section(r, args.tokenizer),
                 "async": lambda r: async_section(r, args.tokenizer),
-                "aside": lambda r: aside_section(r, args.tokenizer)}
+                "aside": lambda r: aside_section(r, args.tokenizer),
+                "piecewise": lambda r: piecewise_section(r, args.tokenizer)}
     for name in args.sections:
         try:
             sections[name](res)

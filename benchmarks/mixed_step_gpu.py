@@ -7,7 +7,11 @@ or spread over `--adapters` synthetic adapters), then times, per case, steps tha
 steps between them, and profiles one mixed step: host time per stage, the kernels it launches, the
 CPU ops that take the most host time, and any host sync it makes (torch.cuda.set_sync_debug_mode).
 
-    python benchmarks/mixed_step_gpu.py [--decode 64] [--prefill-len 128] [--adapters 8] [--steps 20] OVERRIDES...
+Steps whose tokens fit engine.piecewise_graph_tokens run as piecewise CUDA graphs (engine/piecewise.py);
+`--paths both` (default) runs every case that way and again with those steps eager, in one engine.
+
+    python benchmarks/mixed_step_gpu.py [--decode 64] [--prefill-len 128] [--adapters 8] [--steps 20]
+        [--paths both|piecewise|eager] OVERRIDES...
 """
 
 from __future__ import annotations
@@ -56,6 +60,11 @@ def run_case(eng: LLMEngine, names: list[Optional[str]], args: argparse.Namespac
         started |= {o.request_id for o in eng.step()}
     for _ in range(4):
         eng.step()
+    pw = eng.runner.piecewise
+    piece_steps = [0]
+    if pw is not None:  # counts the steps that took the piecewise path
+        real_run = pw.run
+        pw.run = lambda *a, **kw: (piece_steps.__setitem__(0, piece_steps[0] + 1), real_run(*a, **kw))[1]
     decode_ms, mixed_ms = [], []
     for k in range(args.steps):
         sync(dev)
@@ -71,11 +80,13 @@ def run_case(eng: LLMEngine, names: list[Optional[str]], args: argparse.Namespac
         sync(dev)
         mixed_ms.append((time.perf_counter() - t0) * 1e3)
     prof = profile_mixed(eng, names, args, rng)
+    if pw is not None:
+        del pw.run
     for rid in ids:
         eng.abort(rid)
     eng.settle()
     return {"decode_ms_p50": round(statistics.median(decode_ms), 2), "mixed_ms_p50": round(statistics.median(mixed_ms), 2),
-            "mixed_ms_max": round(max(mixed_ms), 2), **prof}
+            "mixed_ms_max": round(max(mixed_ms), 2), "piecewise_steps": piece_steps[0], **prof}
 
 
 def profile_mixed(eng: LLMEngine, names: list[Optional[str]], args: argparse.Namespace, rng: random.Random) -> dict:
@@ -93,7 +104,7 @@ def profile_mixed(eng: LLMEngine, names: list[Optional[str]], args: argparse.Nam
     sync(dev)
     stages: dict[str, float] = {}
     wrapped = {}
-    for name in ("host_batch", "inputs", "forward"):
+    for name in ("host_batch", "inputs", "attention_meta", "forward"):
         fn = getattr(runner, name)
         wrapped[name] = fn
 
@@ -175,6 +186,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--paths", choices=("both", "piecewise", "eager"), default="both",
+                    help="steps with prefills: piecewise graphs, eager, or each case both ways")
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -189,15 +202,30 @@ def main() -> None:
     for name, path in ads.items():
         eng.lora.load(name, str(path))
     rng = random.Random(0)
-    res = {"base": run_case(eng, [None], args, rng), f"{args.adapters} adapters": run_case(eng, list(ads), args, rng)}
+    paths = ["piecewise", "eager"] if args.paths == "both" else [args.paths]
+    sizes = cfg.engine.piecewise_sizes("cuda")
+    if (eng.runner.piecewise is None and "piecewise" in paths and eng.runner.device.type == "cpu" and sizes
+            and eng.lora.ctx.backend != "torch"):
+        eng.runner.start_piecewise(sizes, capture=False)  # a CPU smoke test of the path: the pieces uncaptured
+    pw = eng.runner.piecewise
+    if pw is None and "piecewise" in paths:
+        print("piecewise graphs are off for this config (the log says why): eager only", file=sys.stderr)
+        paths = ["eager"]
+    res = {}
+    for case, names in (("base", [None]), (f"{args.adapters} adapters", list(ads))):
+        for path in paths:
+            eng.runner.piecewise = pw if path == "piecewise" else None
+            res[f"{case}, {path}"] = run_case(eng, names, args, rng)
+    eng.runner.piecewise = pw
     text = json.dumps(res, indent=1)
     if args.out:
         Path(args.out).write_text(text)
     print(text)
-    print("\ncase | decode step p50 ms | mixed step p50 / max ms | kernels | kernel ms | profiled wall ms")
+    print("\ncase | decode step p50 ms | mixed step p50 / max ms | piecewise steps | kernels | kernel ms | "
+          "profiled wall ms")
     for k, r in res.items():
-        print(f"{k} | {r['decode_ms_p50']} | {r['mixed_ms_p50']} / {r['mixed_ms_max']} | {r['kernels']} | "
-              f"{r['kernel_ms']} | {r['profiled_wall_ms']}")
+        print(f"{k} | {r['decode_ms_p50']} | {r['mixed_ms_p50']} / {r['mixed_ms_max']} | {r['piecewise_steps']} | "
+              f"{r['kernels']} | {r['kernel_ms']} | {r['profiled_wall_ms']}")
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ class Bench:
             "engine": label, "build_s": round(time.perf_counter() - t0, 2),
             "warmup_steps": w.steps if w else 0, "warmup_s": round(w.seconds, 2) if w else None,
             "warmup_compiled": w.compiled if w else None,
-            "graph_sizes": eng.runner.static_decode.sizes if eng.runner.static_decode else []})
+            "graph_sizes": eng.runner.static_decode.sizes if eng.runner.static_decode else [],
+            "piecewise_sizes": eng.runner.piecewise.sizes if eng.runner.piecewise else []})
         return eng
 
     def synthetic_adapters(self, rank: int, count: int) -> dict[str, Path]:

@@ -64,6 +64,8 @@ class ModelConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# engine.piecewise_graph_tokens null on cuda: the sizes captured (steps above 512 tokens are GPU-bound).
+PIECEWISE_DEFAULT_TOKENS = (16, 32, 64, 128, 256, 512)
 # Not on/off: YAML reads those as booleans.
 FUSED_KERNELS = ("auto", "torch", "triton")
 
@@ -94,12 +96,18 @@ class EngineConfig:
     # write, SiLU x up; kernels/rms_norm.py, rope_kv.py, silu_mul.py), torch = the plain torch ops
     # (their twins); auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
     fused_kernels: str = "auto"
-    # true = no CUDA graphs: every step runs eagerly. Graphs are used on cuda only, for decode-only steps,
-    # with attention_backend triton and a LoRA backend triton/csgmv (or LoRA off).
+    # true = no CUDA graphs: every step runs eagerly. Graphs are used on cuda only, for decode-only steps
+    # (and piecewise for steps with prefills), with attention_backend triton and a LoRA backend
+    # triton/csgmv (or LoRA off).
     enforce_eager: bool = False
     # Decode batch sizes captured as CUDA graphs; a step of n sequences replays the smallest size >= n,
     # larger steps run eagerly. Empty = 1, 2, 4, 8, ... up to max_num_seqs (and max_num_seqs itself).
     cuda_graph_batch_sizes: list[int] = field(default_factory=list)
+    # Steps with prefill chunks (beside decodes) of up to this many tokens run as piecewise CUDA graphs:
+    # padded to the smallest size >= their tokens, everything but attention replayed per layer
+    # (engine/piecewise.py); larger steps run eagerly. null = 16, 32, ... 512 (up to
+    # max_num_batched_tokens) on cuda, off on cpu; [] = off. Off wherever decode graphs are, and under TP.
+    piecewise_graph_tokens: Optional[list[int]] = None
     # At start, run every Triton kernel variant a step can hit once (engine/warmup.py), so no request pays
     # a first-seen compile (seconds each on an H200). null = on for cuda, off on cpu (Triton's
     # interpreter gains nothing from it and is slow); true / false force it.
@@ -127,6 +135,14 @@ class EngineConfig:
             n *= 2
         return sizes + [self.max_num_seqs]
 
+    def piecewise_sizes(self, device_type: str) -> list[int]:
+        """The piecewise step sizes to capture on a device of this type, ascending ([] = off)."""
+        if self.piecewise_graph_tokens is not None:
+            return sorted(set(self.piecewise_graph_tokens))
+        if device_type != "cuda":
+            return []
+        return [t for t in PIECEWISE_DEFAULT_TOKENS if t <= self.max_num_batched_tokens]
+
     def check(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"engine.attention_backend: {self.attention_backend!r} is not one of "
@@ -140,6 +156,10 @@ class EngineConfig:
             if not 1 <= n <= self.max_num_seqs:
                 raise ConfigError(f"engine.cuda_graph_batch_sizes: {n} must be in [1, engine.max_num_seqs = "
                                   f"{self.max_num_seqs}]")
+        for n in self.piecewise_graph_tokens or []:
+            if not 1 <= n <= self.max_num_batched_tokens:
+                raise ConfigError(f"engine.piecewise_graph_tokens: {n} must be in [1, engine.max_num_batched_tokens "
+                                  f"= {self.max_num_batched_tokens}]")
         for key in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting_requests",
                     "grammar_cache_size", "grammar_threads"):
             if getattr(self, key) < 1:
@@ -280,12 +300,14 @@ class LoRAConfig:
     max_chunk_size: int = 16
     # true: a cold adapter (not in the CPU tier) is read from disk by a background thread while the
     # batch keeps running; its requests wait (reason "load") until the weights are in host memory. On
-    # CUDA the CPU tier is pinned and host->slot copies run on a side stream (the step that first uses
-    # the slot waits on the copy's event on the device). false: reads and copies run on the engine
-    # thread between steps, pausing every running request. Off by default: results are identical either
-    # way, and the CPU demo's few adapters never leave host memory (lora=gpu turns it on).
+    # CUDA a copy thread stages host->slot copies through page-locked buffers made at start-up and runs
+    # them on a side stream (the step that first uses the slot waits on the copy's event on the
+    # device). false: reads and copies run on the engine thread between steps, pausing every running
+    # request. Off by default: results are identical either way, and the CPU demo's few adapters never
+    # leave host memory (lora=gpu turns it on).
     overlap_loading: bool = False
-    # overlap_loading: threads that read cold adapters at once (more are queued).
+    # overlap_loading: threads that read cold adapters at once (more are queued); on CUDA also the
+    # page-locked staging buffers of slot copies (one slot's size each).
     loader_threads: int = 2
     # Decode steps (one token per sequence, backends triton/csgmv) run each projection's LoRA shrink
     # (x @ Aᵀ, the read of every A) on a side CUDA stream while the base GEMM runs, then the expand
@@ -315,6 +337,10 @@ class LoRAConfig:
     max_adapter_bytes: int = 1 << 30
     # Bound on one remote fetch (and each connect/read of it).
     fetch_timeout_s: float = 60.0
+    # true: remote fetches (store calls and the download into adapter_cache_dir) run in worker processes,
+    # at most loader_threads, started on the first fetch, so the S3/Hub clients never hold the server's
+    # GIL. false: on the thread that asks (the admin worker or the reader thread).
+    fetch_in_subprocess: bool = False
     # S3-compatible stores (MinIO, Ceph, ...): their endpoint; null = AWS. Credentials: the AWS environment.
     s3_endpoint_url: Optional[str] = None
     s3_region: Optional[str] = None

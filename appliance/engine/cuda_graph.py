@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 import torch
 
 from appliance.engine.scheduler import SchedulerOutput
-from appliance.engine.step import StepBatch
+from appliance.engine.step import StepBatch, padded_size
 from appliance.lora.batch import LoRABatchInfo
 from appliance.lora.layers import LoRAContext
 from appliance.models.attention import AttentionMetadata
@@ -136,10 +136,7 @@ class StaticDecode:
 
     def size_for(self, n: int) -> Optional[int]:
         """The padded size of a decode step of n sequences; None = too large, run it eagerly."""
-        for b in self.sizes:
-            if b >= n:
-                return b
-        return None
+        return padded_size(self.sizes, n)
 
     # ------------------------------------------------------------------ one step
     def run(self, plan: SchedulerOutput, sources: Optional[list[int]] = None) -> torch.Tensor:

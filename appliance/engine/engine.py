@@ -131,6 +131,7 @@ class LLMEngine:
             install_token_fault(self.runner.model, cfg.debug.fault_injection_token_id)
         # Last: the graphs capture the model as wrapped (LoRA) and with its hooks (no graphs under faults).
         self.runner.setup_decode_graphs(cfg.engine)
+        self.runner.setup_piecewise_graphs(cfg.engine)
         # Then the eager steps' kernel variants (the capture compiled the graphs' own).
         self.warmup: Optional[WarmupReport] = None
         if self.runner.runtime.warmup:
@@ -206,7 +207,10 @@ class LLMEngine:
 
     def close(self, graceful: bool = True) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at tp_size 1). Call it when no step runs;
-        `graceful=False` kills them instead (a step may be stuck in a collective)."""
+        `graceful=False` kills them instead (a step may be stuck in a collective). Also stops the LoRA
+        loader threads and fetch processes."""
+        if self.lora is not None:
+            self.lora.close()
         if self.tp is not None:
             tp, self.tp = self.tp, None
             self.runner.release_static_decode()  # graphs that captured NCCL collectives block its teardown

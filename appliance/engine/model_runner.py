@@ -18,7 +18,8 @@ from appliance.config.schema import ApplianceConfig, ConfigError, EngineConfig
 from appliance.engine.cuda_graph import StaticDecode
 from appliance.engine.kernel_variants import CompileWatch
 from appliance.engine.memory import check_weights_fit, lora_buffer_bytes, plan_kv_blocks, weight_bytes
-from appliance.engine.runtime import resolve_device, resolve_runtime
+from appliance.engine.piecewise import PiecewiseStep
+from appliance.engine.runtime import piecewise_off_reason, resolve_device, resolve_runtime
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.engine.step import StepBatch, StepInputs
 from appliance.models.attention import AttentionMetadata, PrefillSeq, context_groups, kernel_prefill_tiles
@@ -89,6 +90,8 @@ class ModelRunner:
                                     a.head_dim, dtype=self.dtype, device=self.device)
         # Decode-only steps over static buffers (CUDA graphs on cuda); set up by setup_decode_graphs.
         self.static_decode: Optional[StaticDecode] = None
+        # Steps with prefills of up to its largest size (graphs between attentions); set up by setup_piecewise_graphs.
+        self.piecewise: Optional[PiecewiseStep] = None
         # Set by watch_compiles once the start-up warm-up compiled the kernels: eager steps then log what it missed.
         self.compile_watch: Optional[CompileWatch] = None
         self.lora: Optional["LoRAManager"] = lora(self) if lora is not None else None
@@ -122,6 +125,11 @@ class ModelRunner:
                                                            e.max_num_seqs))
         graphs = 0 if not self.runtime.decode_graphs else self._profile_peak(
             self._profile_batch(0, max(e.graph_batch_sizes())))
+        pieces = e.piecewise_sizes(self.device.type)
+        if piecewise_off_reason(self.runtime, self.tp.size, pieces) is None:
+            # Their shared pool holds one piece's transients at the largest size; a whole step's peak bounds it.
+            t = min(max(pieces), self.max_model_len)
+            graphs += self._profile_peak(self._profile_batch(t, min(e.max_num_seqs, t)))
         lora = 0
         if cfg.lora.enabled:  # its slot buffers are allocated after sizing (lora/layers.py)
             lora = lora_buffer_bytes(self.args, list(cfg.lora.resolved_targets()), cfg.lora.max_loras_per_batch,
@@ -187,11 +195,30 @@ class ModelRunner:
             self.leader.setup_decode(sizes, capture)
         self.static_decode = StaticDecode(self, sizes, capture, lora)
 
+    def setup_piecewise_graphs(self, e: EngineConfig) -> None:
+        """Capture the piecewise graphs of steps with prefills when they apply (engine.piecewise_graph_tokens)."""
+        sizes = e.piecewise_sizes(self.device.type)
+        why = piecewise_off_reason(self.runtime, self.tp.size, sizes)
+        if why is not None:
+            log.info("steps with prefills run eagerly: %s", why)
+            return
+        self.start_piecewise(sizes, capture=True)
+
+    def start_piecewise(self, sizes: list[int], capture: bool) -> None:
+        """Steps of up to max(sizes) tokens that are not static decode steps run piecewise from now on,
+        over static buffers (engine/piecewise.py), replayed as CUDA graphs when `capture`."""
+        if self.tp.size > 1:
+            raise ValueError("piecewise steps are not available under tensor parallelism")
+        self.piecewise = PiecewiseStep(self, sizes, capture)
+
     def release_static_decode(self) -> None:
         """Free the decode graphs (before a TP process group is destroyed: StaticDecode.release)."""
         if self.static_decode is not None:
             self.static_decode.release()
             self.static_decode = None
+        if self.piecewise is not None:
+            self.piecewise.release()
+            self.piecewise = None
 
     def decode_splits(self, batch: int, len_bound: int) -> int:
         """Split-K parts of the Triton decode kernel: 1 unless the batch's programs fill at most a
@@ -239,10 +266,20 @@ class ModelRunner:
     def inputs(self, b: StepBatch) -> StepInputs:
         """The step's device tensors, built once."""
         dev = self.device
+        return StepInputs(
+            input_ids=torch.tensor(b.input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(b.positions, dtype=torch.long, device=dev),
+            meta=self.attention_meta(b),
+            logits_indices=torch.tensor(b.logits_indices, dtype=torch.long, device=dev),
+        )
+
+    def attention_meta(self, b: StepBatch) -> AttentionMetadata:
+        """The step's AttentionMetadata over its real rows (the eager step's, and the piecewise step's)."""
+        dev = self.device
         max_blocks = len(b.decode_tables[0]) if b.decode_tables else 0
         triton = self.attention_backend == "triton"
         group = self.model.args.num_heads // self.model.args.num_kv_heads  # this rank's query heads per KV head
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.tensor(b.slot_mapping, dtype=torch.long, device=dev),
             prefills=[PrefillSeq(q0, n, ctx, None if triton else torch.tensor(table, dtype=torch.long, device=dev))
                       for q0, n, ctx, table in b.prefills],
@@ -256,12 +293,6 @@ class ModelRunner:
             decode_len_bound=max(b.decode_context_lens, default=0),
             context_groups=context_groups(b.prefills, self.block_size, dev) if not triton else [],
             prefill_tiles=kernel_prefill_tiles(b.prefills, self.block_size, group, dev) if triton else None,
-        )
-        return StepInputs(
-            input_ids=torch.tensor(b.input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(b.positions, dtype=torch.long, device=dev),
-            meta=meta,
-            logits_indices=torch.tensor(b.logits_indices, dtype=torch.long, device=dev),
         )
 
     def runs_static(self, plan: SchedulerOutput) -> bool:
@@ -284,12 +315,23 @@ class ModelRunner:
             return self._on_all_ranks(lambda: sd.run(plan, sources))
         batch = self.host_batch(plan)
         steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in
-        if self.lora is not None:
-            batch.lora = self.lora.begin_step([s.num_new_tokens for s in steps], [s.seq.adapter for s in steps])
+        pw = self.piecewise
+        if pw is not None and pw.size_for(len(batch.input_ids)) is not None:
+            # Over the static buffers; the LoRA layout is built on the device from each token's slot.
+            token_slots = None
+            if self.lora is not None:
+                seg_slots = self.lora.step_slots([s.seq.adapter for s in steps])
+                token_slots = [sl for s, sl in zip(steps, seg_slots) for _ in range(s.num_new_tokens)]
+            run: Callable[[], torch.Tensor] = lambda: pw.run(batch, token_slots)  # noqa: E731
+        else:
+            if self.lora is not None:
+                batch.lora = self.lora.begin_step([s.num_new_tokens for s in steps],
+                                                  [s.seq.adapter for s in steps])
+            run = lambda: self._run(batch)  # noqa: E731
         if self.compile_watch is None:
-            return self._run(batch)
+            return run()
         t0 = time.perf_counter()
-        out = self._run(batch)
+        out = run()
         new = self.compile_watch.new_since_last()
         if new:
             log.warning("a step compiled %d Triton kernel variant(s) the start-up warm-up did not (%.1f s that "

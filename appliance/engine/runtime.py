@@ -126,6 +126,17 @@ def graphs_off_reason(cfg: ApplianceConfig, device: torch.device, attention_back
     return None
 
 
+def piecewise_off_reason(runtime: Runtime, tp_size: int, sizes: list[int]) -> Optional[str]:
+    """None when steps with prefills can run as piecewise CUDA graphs (engine/piecewise.py), else why not."""
+    if not sizes:
+        return "engine.piecewise_graph_tokens is [] (on cpu: null)"
+    if runtime.decode_graphs_off is not None:
+        return runtime.decode_graphs_off
+    if tp_size > 1:
+        return "not available under tensor parallelism"
+    return None
+
+
 def lora_backend(cfg: LoRAConfig, device: torch.device) -> str:
     """auto = triton on CUDA (the kernels and the decode CUDA graphs), torch elsewhere; else as given."""
     if cfg.backend != "auto":

@@ -3,6 +3,7 @@ the tensors a forward reads. Imported by the runner, the decode graphs, the warm
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -35,3 +36,9 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N]: row of each sampling sequence's last token in the step
+
+
+def padded_size(sizes: list[int], n: int) -> Optional[int]:
+    """The smallest of the captured `sizes` (ascending) that holds n rows; None = none does (run eagerly)."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None

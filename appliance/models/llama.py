@@ -105,27 +105,44 @@ class Attention(nn.Module):
         self.scale = args.head_dim ** -0.5
         self.fused = False  # set by LlamaModel.use_fused_kernels
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def qkv_rope(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> qkv [T, q | k | v] with q and k rotated in place; k and v stored in their cache
+        slots [T] (prefill attention reads the fresh K/V from qkv)."""
         a = self.args
         T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q | k | v]
+        qkv = self.qkv_proj(x)
         if self.fused:
             from kernels.rope_kv import rope_write_kv  # needs triton: only when chosen
 
-            # q and k rotated in place (prefill attention reads the fresh K/V from qkv), k and v
-            # stored in their cache slots: one launch.
-            rope_write_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+            rope_write_kv(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, slot_mapping,
                           a.num_heads, a.num_kv_heads)
+            return qkv
+        q, k, v = self.split_heads(qkv)
+        q_rot, k_rot = rope(positions, q, k)
+        q.copy_(q_rot)  # back into qkv: both paths hand the same rotated qkv on
+        k.copy_(k_rot)
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return qkv
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, q | k | v] -> views q [T, h, d], k and v [T, kvh, d]."""
+        a = self.args
+        T = qkv.shape[0]
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = q.view(T, a.num_heads, a.head_dim)
-        k = k.view(T, a.num_kv_heads, a.head_dim)
-        v = v.view(T, a.num_kv_heads, a.head_dim)
-        if not self.fused:
-            q, k = rope(positions, q, k)
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(T, a.q_size))
+        return (q.view(T, a.num_heads, a.head_dim), k.view(T, a.num_kv_heads, a.head_dim),
+                v.view(T, a.num_kv_heads, a.head_dim))
+
+    def attend(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Rotated qkv [T, q | k | v] (K/V already cached) -> attention output [T, q_size]."""
+        q, k, v = self.split_heads(qkv)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, self.scale).reshape(qkv.shape[0], self.args.q_size)
+
+    def forward(self, o: torch.Tensor) -> torch.Tensor:
+        """The module call is the output projection [T, q_size] -> [T, H]: the row-parallel linear
+        whose output tensor parallelism all-reduces with a forward hook (parallel/shard.py)."""
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -163,15 +180,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
-                rope: RotaryEmbedding, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    # The layer in two halves around attention, so the piecewise CUDA graphs (engine/piecewise.py) can
+    # capture everything but attention; LlamaModel.forward runs the same halves eagerly.
+    def before_attention(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
+                         rope: RotaryEmbedding, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous block's output [T, H] (the embeddings for layer 0, residual None);
-        residual: the stream before that block. Returns this layer's MLP output and the stream
-        before it: the stream after this layer is their sum, added by the next norm."""
+        residual: the stream before that block. -> (rotated qkv [T, q | k | v] with K/V cached, the
+        stream before this layer)."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, k_cache, v_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        return self.self_attn.qkv_rope(h, positions, rope, k_cache, v_cache, slot_mapping), residual
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o: attention output [T, q_size]. Returns this layer's MLP output and the stream before it:
+        the stream after this layer is their sum, added by the next norm."""
+        h, residual = self.post_attention_layernorm(self.self_attn(o), residual)
         return self.mlp(h), residual
 
 
@@ -194,7 +217,10 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         residual: Optional[torch.Tensor] = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]
+            qkv, residual = layer.before_attention(x, residual, positions, self.rope, k_cache, v_cache,
+                                                   meta.slot_mapping)
+            x, residual = layer.after_attention(layer.self_attn.attend(qkv, k_cache, v_cache, meta), residual)
         return self.norm(x, residual)[0]
 
     def use_fused_kernels(self, on: bool) -> None:
