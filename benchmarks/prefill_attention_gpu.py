@@ -30,6 +30,8 @@ from typing import Callable, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_engine_check import time_cuda  # noqa: E402
 from appliance.models.attention import (AttentionMetadata, PrefillSeq, context_groups,  # noqa: E402
                                         kernel_prefill_tiles, paged_attention, write_kv)
 from kernels import reference as ref  # noqa: E402
@@ -98,20 +100,7 @@ def device_ms(fn: Callable[[], object], reps: int = REPS) -> float:
     """Device time of fn, replayed from a CUDA graph (no host cost); wall time per call on CPU."""
     if not torch.cuda.is_available():
         return eager_ms(fn, reps)[0]
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return time_cuda(fn, reps)
 
 
 def eager_ms(fn: Callable[[], object], reps: int = REPS) -> tuple[float, float]:
