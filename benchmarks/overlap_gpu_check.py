@@ -3,9 +3,11 @@
 A small shape-only Llama (random weights, float32, so greedy tokens do not depend on how requests are
 batched), synthetic PEFT adapters, a CPU tier of 2 for 6 adapters, 2 GPU slots: every adapter but the
 last two loaded starts cold. The same requests run on an engine without overlap loading and on one with
-it (background reads slowed by debug.fault_injection_read_delay_s, pinned CPU tier, side-stream copies);
+it (background reads slowed by debug.fault_injection_read_delay_s, staged side-stream copies);
 the greedy tokens must be identical, the copies must have gone through the side stream, and tokens must
-have been generated while reads were in flight. Exit status 1 on any mismatch.
+have been generated while reads were in flight. Exit status 1 on any mismatch. It also prints the
+page-locked host blocks torch made while each run served (torch.cuda.host_memory_stats): overlap
+loading stages its copies through buffers made at start-up, so "on" should make no more than "off".
 
     python benchmarks/overlap_gpu_check.py [--delay 0.2] [--device cuda]
 """
@@ -50,6 +52,7 @@ def engine(shape: Path, root: Path, overlap: bool, delay: float) -> LLMEngine:
 def run(eng: LLMEngine, dirs: dict[str, Path], jobs: list[tuple[str | None, list[int]]]) -> tuple[dict, dict]:
     for name, d in dirs.items():
         eng.lora.load(name, str(d))  # type: ignore[union-attr]
+    pinned0 = _pinned()
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for i, (name, ids) in enumerate(jobs):
         eng.add_request(str(i), ids, params, adapter=name)
@@ -70,7 +73,17 @@ def run(eng: LLMEngine, dirs: dict[str, Path], jobs: list[tuple[str | None, list
                  "cpu_loads": sum(ld.tier == "cpu" and ld.ok for ld in ev.loads),
                  "gpu_loads": sum(ld.tier == "gpu" and ld.ok for ld in ev.loads),
                  "load_errors": sum(not ld.ok for ld in ev.loads),
-                 "side_stream": eng.lora.copier is not None}  # type: ignore[union-attr]
+                 "side_stream": eng.lora.copier is not None,  # type: ignore[union-attr]
+                 "pinned": tuple(b - a for a, b in zip(pinned0, _pinned()))}
+
+
+def _pinned() -> tuple[int, int]:
+    """(page-locked blocks, bytes) torch's host allocator has made so far in this process."""
+    if DEVICE != "cuda":
+        return (0, 0)
+    st = torch.cuda.host_memory_stats()
+    return (int(st.get("num_host_alloc", 0)), int(st.get("allocated_bytes.all.allocated",
+                                                          st.get("allocated_bytes.allocated", 0))))
 
 
 def main() -> int:
@@ -95,11 +108,12 @@ def main() -> int:
     ref, st_off = run(engine(shape, tmp / "adapters", False, 0.0), dirs, jobs)
     got, st_on = run(engine(shape, tmp / "adapters", True, a.delay), dirs, jobs)
     same = sum(ref[k] == got.get(k) for k in ref)
-    print("| overlap | wall_s | tokens during reads | cold reads | slot loads | load errors | side stream |")
-    print("|---|---|---|---|---|---|---|")
+    print("| overlap | wall_s | tokens during reads | cold reads | slot loads | load errors | side stream | "
+          "pinned blocks made while serving (bytes) |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, s in (("off", st_off), ("on", st_on)):
         print(f"| {label} | {s['wall_s']} | {s['tokens_during_reads']} | {s['cpu_loads']} | {s['gpu_loads']} | "
-              f"{s['load_errors']} | {s['side_stream']} |")
+              f"{s['load_errors']} | {s['side_stream']} | {s['pinned'][0]} ({s['pinned'][1]}) |")
     print(f"greedy tokens identical with and without overlap: {same}/{len(ref)} requests")
     ok = (same == len(ref) and st_on["side_stream"] == (DEVICE == "cuda") and st_on["tokens_during_reads"] > 0
           and st_on["load_errors"] == 0 and st_on["cpu_loads"] > 0 and st_on["gpu_loads"] > 0)

@@ -15,7 +15,7 @@ failing to run).
 The tests' shapes are tiny, and on them lora_gemm takes its CPU tiles (mma.sync): the H200's own
 configurations would never be compiled here. So the launchers are also called at Llama-3.1-8B shapes
 with the tiles a GPU takes (PRODUCTION: lora_gemm's tiles in kernels/configs/NVIDIA_H200.json, fused shrink and h given, one tile a
-program and the persistent grid; lora_shrink's 128-row prefill tiles). Every kernel whose PTX has wgmma
+program and the persistent grid; lora_shrink's 128-row prefill tiles; prefill attention's 128-row tiles). Every kernel whose PTX has wgmma
 then goes through `ptxas -v` once more: ptxas info C7515 (it serialized the kernel's wgmmas because a
 non-wgmma instruction defines accumulator registers while one is in flight: the right numbers at half
 the speed) counts as an error; register spills are listed.
@@ -163,6 +163,27 @@ def _production_launches() -> None:
                 lora_shrink(x, A, segs, ranks)
             except Exception:  # noqa: BLE001 - recorded in ERRORS by _compile_only
                 pass
+    _prefill_attention_launches()
+
+
+def _prefill_attention_launches() -> None:
+    """The prefill attention kernel with the tiles a GPU takes (128 rows) at Llama-3.1-8B's heads (32 / 8,
+    head_dim 128) and SmolLM2's (9 / 3, head_dim 64), bf16 and fp16: compiles only."""
+    import torch
+
+    from kernels.prefill_attention import prefill_attention
+    from kernels.prefill_tiles import prefill_tiles
+
+    cpu = torch.device("cpu")
+    for heads, kv_heads, d in ((32, 8, 128), (9, 3, 64)):
+        tiles = prefill_tiles([(0, 64, 1024, list(range(68)))], 16, heads // kv_heads, cpu)
+        for dtype in (torch.bfloat16, torch.float16):
+            q = torch.empty(64, heads, d, dtype=dtype)
+            cache = torch.empty(68, 16, kv_heads, d, dtype=dtype)
+            try:
+                prefill_attention(q, cache, cache, tiles, d ** -0.5)
+            except Exception:  # noqa: BLE001 - recorded in ERRORS by _compile_only
+                pass
 
 
 def _gpu_dot_upcast(dtype) -> bool:
@@ -200,7 +221,7 @@ def main() -> int:
         print(f"pytest could not run the tests (exit code {int(code)})")
         return 1
     print("... and the launches a GPU makes at Llama-3.1-8B shapes (lora_gemm's H200 tiles, lora_shrink's "
-          "prefill tiles)", flush=True)
+          "and prefill attention's prefill tiles)", flush=True)
     _production_launches()
     print(f"\ntriton {triton.__version__}, sm90: compiled {sum(COMPILED.values())} specializations of "
           f"{len(COMPILED)} kernels:", flush=True)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
+from kernels.online_softmax import LOG2E, online_softmax_step
 from kernels.platform import dot_upcast, pdl_available
 
 
@@ -31,7 +32,7 @@ def _paged_decode_kernel(
     k_ptr, v_ptr,  # [num_blocks, BS, KVH, D]
     bt_ptr,  # [B, max_blocks] int32/int64 block table
     ctx_ptr,  # [B] int context length (tokens in the cache, this step's included)
-    scale, part_len,  # softmax scale; tokens per split (a multiple of BLOCK_N)
+    qk_scale, part_len,  # softmax scale * log2(e); tokens per split (a multiple of BLOCK_N)
     stride_qb, stride_qh, stride_ob, stride_oh, stride_os,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -73,19 +74,11 @@ def _paged_decode_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         if IEEE:  # fp32 inputs: exact products, not tf32
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_G, BLOCK_N] fp32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N] fp32
         else:
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:  # p rounded to the cache dtype for the tensor-core product, as flash attention does
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, IEEE)
     o_rows = b.to(tl.int64) * stride_ob + heads * stride_oh  # [BLOCK_G]
     if not SPLIT:
         # An empty context (padding rows of a static batch) gives 0, not 0/0.
@@ -100,6 +93,26 @@ def _paged_decode_kernel(
         tl.store(l_ptr + ml, l_i, mask=g_mask)
 
 
+def check_q_and_cache(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The attention launchers' shared check: q [T, H, D] and k/v caches [blocks, BS, KVH, D] alike, H a
+    multiple of KVH, one dtype of fp32/bf16/fp16, one device, head_dim contiguous."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: q must be [T, H, D], k/v cache [blocks, BS, KVH, D] alike; "
+                         f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    H, D, KVH, Dk = q.shape[1], q.shape[2], k_cache.shape[2], k_cache.shape[3]
+    if Dk != D or H % KVH:
+        raise ValueError(f"{op}: head_dim {D} vs cache {Dk}, or {H} query heads not a multiple of {KVH} KV heads")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.bfloat16,
+                                                                          torch.float16):
+        raise ValueError(f"{op}: q and the cache must share fp32/bf16/fp16, got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, q on {q.device}")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"{op}: head_dim of q and the caches must be contiguous")
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int = 1, max_len_bound: Optional[int] = None,
@@ -112,31 +125,20 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     an upper bound of context_lens (host int; default max_blocks * BS) that sizes the parts.
     Returns out [B, H, D] in q's dtype.
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_attention_decode: q must be [B, H, D], k/v cache [blocks, BS, KVH, D] alike; "
-                         f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    check_q_and_cache("paged_attention_decode", q, k_cache, v_cache)
     B, H, D = q.shape
-    _, BS, KVH, Dk = k_cache.shape
-    if Dk != D or H % KVH:
-        raise ValueError(f"paged_attention_decode: head_dim {D} vs cache {Dk}, or {H} query heads not a "
-                         f"multiple of {KVH} KV heads")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.bfloat16,
-                                                                          torch.float16):
-        raise ValueError(f"paged_attention_decode: q and the cache must share fp32/bf16/fp16, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _, BS, KVH, _ = k_cache.shape
     if (block_tables.dim() != 2 or block_tables.shape[0] != B or context_lens.shape != (B,)
             or block_tables.dtype not in (torch.int32, torch.int64)
             or context_lens.dtype not in (torch.int32, torch.int64)):
         raise ValueError(f"paged_attention_decode: block_tables must be int [{B}, max_blocks] and context_lens "
                          f"int [{B}]; got {block_tables.dtype} {tuple(block_tables.shape)}, "
                          f"{context_lens.dtype} {tuple(context_lens.shape)}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-                    ("context_lens", context_lens)):
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
         if t.device != q.device:
             raise ValueError(f"paged_attention_decode: {name} is on {t.device}, q on {q.device}")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or block_tables.stride(1) != 1:
-        raise ValueError("paged_attention_decode: head_dim of q and the caches, and block_tables' columns, "
-                         "must be contiguous")
+    if block_tables.stride(1) != 1:
+        raise ValueError("paged_attention_decode: block_tables' columns must be contiguous")
     if num_splits < 1:
         raise ValueError(f"paged_attention_decode: num_splits must be >= 1, got {num_splits}")
     if out is None:
@@ -160,7 +162,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                   SPLIT=num_splits > 1, UPCAST=dot_upcast(q.dtype),
                   IEEE=dot_upcast(q.dtype) or q.dtype == torch.float32,
                   num_warps=4, num_stages=2, **pdl_launch(pdl))
-    args = (q, k_cache, v_cache, block_tables, context_lens, scale, part_len,
+    args = (q, k_cache, v_cache, block_tables, context_lens, scale * LOG2E, part_len,
             q.stride(0), q.stride(1))
     kv = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
           v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
@@ -171,9 +173,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     ell = torch.empty_like(m)
     _paged_decode_kernel[grid](acc, m, ell, *args, acc.stride(0), acc.stride(1), acc.stride(2), *kv, **common)
-    # Combine the splits: weights exp(m_s - max_s m_s); empty splits have m = -inf and weigh 0.
+    # Combine the splits: weights 2^(m_s - max_s m_s) (m in the kernel's log2 domain); empty splits have
+    # m = -inf and weigh 0.
     m_max = m.amax(dim=2, keepdim=True)  # [B, H, 1]
-    w = torch.exp(m - torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max))  # [B, H, S]
+    w = torch.exp2(m - torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max))  # [B, H, S]
     den = (w * ell).sum(dim=2, keepdim=True)  # [B, H, 1]
     o = (w[..., None] * acc).sum(dim=2) / torch.where(den > 0, den, torch.ones_like(den))
     out.copy_(o)

@@ -1,6 +1,6 @@
-"""Pure-torch twins of the Triton kernels: the oracles of the kernels' tests, the `torch` backends of
-the multi-LoRA ops and of decode attention, and the model's own elementwise path when the fused
-kernels are off (engine.fused_kernels, appliance/models/fused_ops.py).
+"""Pure-torch twins of the Triton kernels: the oracles of the kernels' tests (prefill attention's among
+them), the `torch` backends of the multi-LoRA ops and of decode attention, and the model's own
+elementwise path when the fused kernels are off (engine.fused_kernels, appliance/models/fused_ops.py).
 
 Multi-LoRA ops:
 
@@ -154,6 +154,28 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True).squeeze(2)
     return torch.where((context_lens > 0)[:, None, None], o, torch.zeros_like(o))
 
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      chunks: Sequence[tuple[int, int, int, Sequence[int]]], scale: float) -> torch.Tensor:
+    """out[t, h] = softmax(scale * q[t, h] · K[c, :P_t + 1, h // G]ᵀ) @ V[c, :P_t + 1, h // G] for the rows
+    t of every chunk c, P_t = context_len_c + t - q_start_c. The twin of kernels/prefill_attention.py:
+    per chunk, gather its K/V, one SDPA with the lower-right causal mask.
+
+    q [T, H, D]; caches [num_blocks, BS, KVH, D]; chunks: (q_start, q_len, context_len, block table)
+    each. Returns [T, H, D]; rows in no chunk are 0.
+    """
+    out = torch.zeros_like(q)
+    for q0, n, ctx, table in chunks:
+        total = ctx + n
+        bt = torch.as_tensor(list(table), dtype=torch.long, device=q.device)[None]
+        kc, vc = gather_kv(k_cache, v_cache, bt, total)  # [1, total, kvh, d]
+        mask = torch.arange(total, device=q.device)[None, :] <= ctx + torch.arange(n, device=q.device)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[q0:q0 + n].transpose(0, 1)[None], kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask,
+            scale=scale, enable_gqa=True)
+        out[q0:q0 + n] = o[0].transpose(0, 1)
+    return out
 
 # ---------------------------------------------------------------- the model's fused elementwise ops
 

@@ -88,8 +88,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # Requests waiting beyond this are refused with 429 (the server maps QueueFullError).
     max_waiting_requests: int = 1024
-    # Decode attention: triton = the Triton paged kernel (kernels/paged_attention.py), torch = its
-    # pure-torch twin; auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
+    # Attention: triton = one Triton kernel for the step's prefill chunks (kernels/prefill_attention.py)
+    # and one for its decode rows (kernels/paged_attention.py), torch = SDPA per prefill chunk and the
+    # decode kernel's twin; auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
     attention_backend: str = "auto"
     # The model's elementwise ops: triton = fused kernels (residual add + RMSNorm, RoPE + K/V cache
     # write, SiLU x up; kernels/rms_norm.py, rope_kv.py, silu_mul.py), torch = the plain torch ops
@@ -299,12 +300,14 @@ class LoRAConfig:
     max_chunk_size: int = 16
     # true: a cold adapter (not in the CPU tier) is read from disk by a background thread while the
     # batch keeps running; its requests wait (reason "load") until the weights are in host memory. On
-    # CUDA the CPU tier is pinned and host->slot copies run on a side stream (the step that first uses
-    # the slot waits on the copy's event on the device). false: reads and copies run on the engine
-    # thread between steps, pausing every running request. Off by default: results are identical either
-    # way, and the CPU demo's few adapters never leave host memory (lora=gpu turns it on).
+    # CUDA a copy thread stages host->slot copies through page-locked buffers made at start-up and runs
+    # them on a side stream (the step that first uses the slot waits on the copy's event on the
+    # device). false: reads and copies run on the engine thread between steps, pausing every running
+    # request. Off by default: results are identical either way, and the CPU demo's few adapters never
+    # leave host memory (lora=gpu turns it on).
     overlap_loading: bool = False
-    # overlap_loading: threads that read cold adapters at once (more are queued).
+    # overlap_loading: threads that read cold adapters at once (more are queued); on CUDA also the
+    # page-locked staging buffers of slot copies (one slot's size each).
     loader_threads: int = 2
     # Decode steps (one token per sequence, backends triton/csgmv) run each projection's LoRA shrink
     # (x @ Aᵀ, the read of every A) on a side CUDA stream while the base GEMM runs, then the expand
@@ -334,6 +337,10 @@ class LoRAConfig:
     max_adapter_bytes: int = 1 << 30
     # Bound on one remote fetch (and each connect/read of it).
     fetch_timeout_s: float = 60.0
+    # true: remote fetches (store calls and the download into adapter_cache_dir) run in worker processes,
+    # at most loader_threads, started on the first fetch, so the S3/Hub clients never hold the server's
+    # GIL. false: on the thread that asks (the admin worker or the reader thread).
+    fetch_in_subprocess: bool = False
     # S3-compatible stores (MinIO, Ceph, ...): their endpoint; null = AWS. Credentials: the AWS environment.
     s3_endpoint_url: Optional[str] = None
     s3_region: Optional[str] = None

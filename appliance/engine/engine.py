@@ -207,7 +207,10 @@ class LLMEngine:
 
     def close(self, graceful: bool = True) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at tp_size 1). Call it when no step runs;
-        `graceful=False` kills them instead (a step may be stuck in a collective)."""
+        `graceful=False` kills them instead (a step may be stuck in a collective). Also stops the LoRA
+        loader threads and fetch processes."""
+        if self.lora is not None:
+            self.lora.close()
         if self.tp is not None:
             tp, self.tp = self.tp, None
             self.runner.release_static_decode()  # graphs that captured NCCL collectives block its teardown

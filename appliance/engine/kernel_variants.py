@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kernels import lora_apply, lora_expand, lora_gemm, lora_shrink, paged_attention, silu_mul_lora
+from kernels import (lora_apply, lora_expand, lora_gemm, lora_shrink, paged_attention, prefill_attention,
+                     silu_mul_lora)
 from kernels.platform import interpreter_active
 
 # The kernels whose variants depend on a step's layout (tile buckets, bodies, splits).
@@ -13,7 +14,7 @@ LAYOUT_KERNELS = (
     lora_shrink._lora_shrink_kernel, lora_expand._lora_expand_kernel, lora_expand._lora_expand_gemv_kernel,
     lora_apply._lora_fused_gemv_kernel, lora_apply._lora_fused_tma_kernel, lora_gemm._lora_gemm_kernel,
     silu_mul_lora._silu_mul_lora_kernel, silu_mul_lora._silu_mul_lora_tile_kernel,
-    paged_attention._paged_decode_kernel,
+    paged_attention._paged_decode_kernel, prefill_attention._prefill_attention_kernel,
 )
 
 

@@ -22,7 +22,7 @@ from appliance.engine.piecewise import PiecewiseStep
 from appliance.engine.runtime import piecewise_off_reason, resolve_device, resolve_runtime
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.engine.step import StepBatch, StepInputs
-from appliance.models.attention import AttentionMetadata, PrefillSeq, context_groups
+from appliance.models.attention import AttentionMetadata, PrefillSeq, context_groups, kernel_prefill_tiles
 from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, random_model, read_hf_config
 from appliance.parallel.group import SingleRank, TPGroup
@@ -277,9 +277,11 @@ class ModelRunner:
         """The step's AttentionMetadata over its real rows (the eager step's, and the piecewise step's)."""
         dev = self.device
         max_blocks = len(b.decode_tables[0]) if b.decode_tables else 0
+        triton = self.attention_backend == "triton"
+        group = self.model.args.num_heads // self.model.args.num_kv_heads  # this rank's query heads per KV head
         return AttentionMetadata(
             slot_mapping=torch.tensor(b.slot_mapping, dtype=torch.long, device=dev),
-            prefills=[PrefillSeq(q0, n, ctx, torch.tensor(table, dtype=torch.long, device=dev))
+            prefills=[PrefillSeq(q0, n, ctx, None if triton else torch.tensor(table, dtype=torch.long, device=dev))
                       for q0, n, ctx, table in b.prefills],
             num_prefill_tokens=b.num_prefill_tokens,
             decode_block_tables=torch.tensor(b.decode_tables, dtype=torch.long,
@@ -289,7 +291,8 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             decode_splits=self.decode_splits(len(b.decode_context_lens), max(b.decode_context_lens, default=0)),
             decode_len_bound=max(b.decode_context_lens, default=0),
-            context_groups=context_groups(b.prefills, self.block_size, dev),
+            context_groups=context_groups(b.prefills, self.block_size, dev) if not triton else [],
+            prefill_tiles=kernel_prefill_tiles(b.prefills, self.block_size, group, dev) if triton else None,
         )
 
     def runs_static(self, plan: SchedulerOutput) -> bool:

@@ -100,8 +100,7 @@ def inspect_adapter(path: str | Path, lora_cfg: LoRAConfig, args: ModelArgs) -> 
     return read_adapter(path, lora_cfg, args)[0]
 
 
-def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype, lora_cfg: LoRAConfig, args: ModelArgs,
-                         pin_memory: bool = False) -> Weights:
+def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype, lora_cfg: LoRAConfig, args: ModelArgs) -> Weights:
     """A cold read of a registered adapter: its dir read and validated again (confined to the roots
     again: it may have been replaced by a symlink since), refused unless the bytes are the ones
     registered (checksum), then `adapter_weights`."""
@@ -112,14 +111,14 @@ def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype, lora_cfg: LoRACo
     if spec_now.checksum != spec.checksum:
         raise AdapterError(f"{spec.path}: adapter files changed on disk since they were inspected "
                            "(checksum differs); load it again")
-    return adapter_weights(spec_now, files, dtype, pin_memory)
+    return adapter_weights(spec_now, files, dtype)
 
 
-def adapter_weights(spec: AdapterSpec, files: AdapterFiles, dtype: torch.dtype, pin_memory: bool = False) -> Weights:
+def adapter_weights(spec: AdapterSpec, files: AdapterFiles, dtype: torch.dtype) -> Weights:
     """`layers.{i}.{proj}` -> (A [r, in], B [out, r] · scale), on CPU in `dtype`, parsed from the very
     bytes `spec` was made from. Refused (AdapterError) when a weight is NaN or Inf, or does not fit
     `dtype` once scaled (a lora_alpha so large that B · scale overflows). All tensors are views of one
-    new buffer (page-locked with `pin_memory`: the side-stream slot copies then run asynchronously)."""
+    new pageable buffer (never page-locked: side-stream copies go through lora/staging.py's buffers)."""
     import torch
 
     if not dtype.is_floating_point:
@@ -142,8 +141,7 @@ def adapter_weights(spec: AdapterSpec, files: AdapterFiles, dtype: torch.dtype, 
                     raise AdapterError(f"{wfile}: {key}: holds NaN or Inf values; refused")
     # Scale in at least float32 before the cast so bf16/fp16 round once, not twice.
     work = torch.promote_types(dtype, torch.float32)
-    flat = torch.empty(sum(src[ka].numel() + src[kb].numel() for _, ka, kb in order), dtype=dtype,
-                       pin_memory=pin_memory)
+    flat = torch.empty(sum(src[ka].numel() + src[kb].numel() for _, ka, kb in order), dtype=dtype)
     out: Weights = {}
     off = 0
     for name, ka, kb in order:

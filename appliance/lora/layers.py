@@ -82,16 +82,7 @@ class LoRALinear(nn.Module):
 
         Every shape is checked before the first copy (AdapterError: the caller frees the slot and fails
         only that adapter's requests); a copy's own RuntimeError would end the engine's step instead."""
-        R, n_in = self.A.shape[2], self.A.shape[3]
-        for i, proj in enumerate(self.slice_names):
-            ab = weights.get(f"{prefix}.{proj}")
-            if ab is None:
-                continue
-            a, b = ab
-            r, rows = a.shape[0] if a.dim() == 2 else -1, self.out_offsets[i + 1] - self.out_offsets[i]
-            if a.dim() != 2 or b.dim() != 2 or not 1 <= r <= R or a.shape[1] != n_in or tuple(b.shape) != (rows, r):
-                raise AdapterError(f"{prefix}.{proj}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit "
-                                   f"the slot (rank <= {R}, lora_A [r, {n_in}], lora_B [{rows}, r])")
+        self.check_slot(weights, prefix)
         self.A[slot].zero_()
         self.B[slot].zero_()
         for i, proj in enumerate(self.slice_names):
@@ -103,6 +94,20 @@ class LoRALinear(nn.Module):
             lo, hi = self.out_offsets[i], self.out_offsets[i + 1]
             self.A[slot, i, :r].copy_(a, non_blocking=True)
             self.B[slot, lo:hi, :r].copy_(b, non_blocking=True)
+
+    def check_slot(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], prefix: str) -> None:
+        """AdapterError unless every (A, B) of this module in `weights` fits a slot (`load_slot`'s check,
+        also run before a side-stream copy is queued)."""
+        R, n_in = self.A.shape[2], self.A.shape[3]
+        for i, proj in enumerate(self.slice_names):
+            ab = weights.get(f"{prefix}.{proj}")
+            if ab is None:
+                continue
+            a, b = ab
+            r, rows = a.shape[0] if a.dim() == 2 else -1, self.out_offsets[i + 1] - self.out_offsets[i]
+            if a.dim() != 2 or b.dim() != 2 or not 1 <= r <= R or a.shape[1] != n_in or tuple(b.shape) != (rows, r):
+                raise AdapterError(f"{prefix}.{proj}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit "
+                                   f"the slot (rank <= {R}, lora_A [r, {n_in}], lora_B [{rows}, r])")
 
     def clear_slot(self, slot: int) -> None:
         self.A[slot].zero_()
@@ -133,6 +138,12 @@ def apply_lora(model: LlamaModel, targets: tuple[str, ...], num_slots: int, max_
             setattr(parent, attr, wrapper)
             ctx.wrappers[f"layers.{i}.{path}"] = wrapper
     return ctx
+
+
+def check_adapter_fits(ctx: LoRAContext, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """AdapterError unless `weights` fit the slots of every wrapper (nothing is copied)."""
+    for key, wrapper in ctx.wrappers.items():
+        wrapper.check_slot(weights, key.rsplit(".", 2)[0])
 
 
 def load_adapter_into_slot(ctx: LoRAContext, slot: int,

@@ -25,7 +25,7 @@ from appliance.telemetry.stats import AdapterResidency, LoadTier, StatsRecorder
 from appliance.lora.adapter import AdapterError, AdapterSpec, adapter_weights, load_adapter_weights, read_adapter
 from appliance.lora.batch import LoRABatchInfo, LoRAStepLayout
 from appliance.lora.cache import HostCache
-from appliance.lora.layers import LoRAContext, apply_lora, load_adapter_into_slot
+from appliance.lora.layers import LoRAContext, apply_lora, check_adapter_fits, load_adapter_into_slot
 from appliance.lora.pool import SlotPool
 from appliance.lora.reader import BackgroundReader
 from appliance.lora.sources.fetch import AdapterSources, shown_as_source
@@ -109,14 +109,21 @@ class LoRAManager:
         if cfg.overlap_loading:
             self.reader = BackgroundReader(cfg.loader_threads, on_done=on_read_done)
             if device.type == "cuda":
-                from appliance.lora.copier import SlotCopier
+                from appliance.lora.copier import CudaOps, SlotCopier
+                from appliance.lora.staging import SlotImage, StagingPool
 
-                self.copier = SlotCopier(device)
-        # Pinned host memory makes the side-stream copies truly asynchronous (pageable ones stage); the
-        # read writes each adapter into one page-locked buffer (pinning is costly per call).
-        self._pin_host = self.copier is not None
-        # Remote adapter paths (s3://, hf://): allowlist, fetch, disk cache (lora/sources/).
-        self.sources = AdapterSources(cfg)
+                # The only page-locked memory of adapter loading, allocated now: the CPU tier is pageable.
+                image = SlotImage(self.ctx)
+                self.copier = SlotCopier(image, StagingPool(cfg.loader_threads, image.numel, image.dtype, pin=True),
+                                         CudaOps(device))
+        # Remote adapter paths (s3://, hf://): allowlist, fetch, disk cache (lora/sources/); the fetch
+        # itself in worker processes with lora.fetch_in_subprocess.
+        workers = None
+        if cfg.fetch_in_subprocess and cfg.allowed_sources:
+            from appliance.lora.sources.worker import FetchWorkers
+
+            workers = FetchWorkers(cfg, cfg.loader_threads, timeout_s=3 * cfg.fetch_timeout_s + 60)
+        self.sources = AdapterSources(cfg, workers)
 
     # ------------------------------------------------------------------ admin operations
     def prepare(self, path: str) -> PreparedLoad:
@@ -142,7 +149,7 @@ class LoRAManager:
         if fetched is not None:
             spec = replace(spec, source=fetched.source, revision=fetched.revision)
         try:
-            weights = adapter_weights(spec, files, self.dtype, pin_memory=self._pin_host)
+            weights = adapter_weights(spec, files, self.dtype)
         except AdapterError as e:
             return PreparedLoad(error=e, read_failed=True, read_s=time.perf_counter() - t0, fetch_s=fetch_s)
         return PreparedLoad(spec.path, spec, weights, time.perf_counter() - t0, fetch_s=fetch_s)
@@ -332,6 +339,11 @@ class LoRAManager:
         if self.copier is not None:
             for d in self.copier.finished_durations():
                 self.stats.load("gpu", True, d)
+            for slot, key, why in self.copier.failures():
+                self.stats.load("gpu", False, 0.0)
+                if key in self.keys and self.pool.lookup(key) == slot:
+                    self.load_failed(key)  # the slot holds no valid weights: its next request copies again
+                    failed[key] = why
         if self.reader is None:
             return failed
         for o in self.reader.poll():
@@ -355,6 +367,9 @@ class LoRAManager:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.shutdown()
+        if self.copier is not None:
+            self.copier.close()
+        self.sources.close()
 
     # ------------------------------------------------------------------ per step
     def ensure_loaded(self, loads: list[tuple[int, str]]) -> dict[str, str]:
@@ -367,6 +382,8 @@ class LoRAManager:
             try:
                 weights = self.host.get(key)
                 self._fill_slot(slot, key, self.keys[key].spec, weights)
+                if self.copier is not None and (err := self.copier.enqueued(slot)) is not None:
+                    raise AdapterError(f"copying it into a GPU slot failed: {err}")  # this step uses the slot
             except AdapterError as e:  # the read, or under TP another rank's read or copy
                 failed[key] = str(e)
         return failed
@@ -392,11 +409,11 @@ class LoRAManager:
     def _fill_slot(self, slot: int, key: str, spec: AdapterSpec, weights: Weights) -> None:
         self.host.release(key)  # read for its requests, now on its way to their slot
         if self.copier is not None:
-            # Enqueued on the side stream; the duration is recorded once its events completed
-            # (poll_loads), a failure to enqueue right here.
+            # Queued for the copy thread (lora/copier.py): the engine thread only checks the shapes. The
+            # duration is recorded once its events completed (poll_loads), a refusal right here.
             copier = self.copier
-            self._timed("gpu", lambda: copier.copy(slot, partial(load_adapter_into_slot, self.ctx, slot, weights),
-                                                    keep=weights), record_ok=False)
+            self._timed("gpu", lambda: (check_adapter_fits(self.ctx, weights), copier.copy(slot, key, weights)),
+                        record_ok=False)
             self.slot_ranks[slot] = spec.rank
             return
 
@@ -443,7 +460,7 @@ class LoRAManager:
             slow_read(self.read_delay_s)
         if spec.source is not None:  # its disk-cache entry may have been evicted since: fetched again
             spec = replace(spec, path=self.sources.refresh(spec.source, spec.path))
-        return load_adapter_weights(spec, self.dtype, self.cfg, self.args, pin_memory=self._pin_host)
+        return load_adapter_weights(spec, self.dtype, self.cfg, self.args)
 
     def _read_weights(self, key: str) -> Weights:
         """A cold read on the engine thread (CPU tier miss without overlap loading, or an admin pin)."""

@@ -4,12 +4,14 @@ The step's tokens are flattened: first the prefill chunks of some sequences, the
 each decoding sequence. `AttentionMetadata` (built once per step by the model runner) says where each
 token's K/V goes in the cache and which cache blocks each sequence reads.
 
-Decode tokens go through one batched call: the Triton kernel (kernels/paged_attention.py, backend
-`triton`: reads each K/V tile once for all query heads of its KV head, lengths read on the device) or
-its pure-torch twin (backend `torch`: gathers the KV up to the longest context). Prefill chunks use
-SDPA per sequence; a lone chunk that continues a cached context gets a lower-right causal bias. Two or
-more such chunks (prefix-cache hits, chunked prefill) go through one padded SDPA call per group
-(`ContextBatch`, built once per step), not one call per chunk and layer.
+Backend `triton` (engine.attention_backend): all prefill chunks of the step in one launch of
+kernels/prefill_attention.py, which reads K/V straight from the paged cache (this step's are written
+before attention) through `PrefillTiles` built once per step; decode tokens in one launch of
+kernels/paged_attention.py (each K/V tile read once for all query heads of its KV head, lengths read
+on the device). Backend `torch` (the CPU default and the kernels' oracle): prefill chunks use SDPA per
+sequence; a lone chunk that continues a cached context gets a lower-right causal bias, two or more
+such chunks (prefix-cache hits, chunked prefill) one padded SDPA call per group (`ContextGroup`,
+built once per step); decode tokens the decode kernel's twin (gathers the KV up to the longest context).
 
 Cache layout per layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 """
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import reference as ref
+from kernels.prefill_tiles import PrefillTiles, prefill_tiles
 
 
 @dataclass
@@ -31,7 +34,25 @@ class PrefillSeq:
     q_start: int  # index of this sequence's first new token in the flattened step
     q_len: int  # new tokens of this sequence in this step
     context_len: int  # tokens already in the cache before this step
-    block_table: torch.Tensor  # [num_blocks_of_seq] long, on device
+    # [num_blocks_of_seq] long, on device; backend torch only (the triton kernel reads PrefillTiles.tables)
+    block_table: Optional[torch.Tensor]
+
+
+# Backend triton: a chunk with no cached context and at least this many tokens runs as its own SDPA call
+# (flash / cuDNN) instead of in the prefill kernel; None = every chunk in the kernel (docs/performance.md).
+SDPA_PROMPT_TOKENS: Optional[int] = None
+
+
+def sdpa_prompt(q_len: int, context_len: int) -> bool:
+    """Whether backend triton leaves a prefill chunk to SDPA (SDPA_PROMPT_TOKENS)."""
+    return SDPA_PROMPT_TOKENS is not None and context_len == 0 and q_len >= SDPA_PROMPT_TOKENS
+
+
+def kernel_prefill_tiles(prefills: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int, group: int,
+                         device: torch.device) -> PrefillTiles:
+    """Backend triton's per-step layout: the tiles of every prefill chunk (q_start, q_len, context_len,
+    block table) the kernel computes (all but sdpa_prompt's); group: query heads per KV head."""
+    return prefill_tiles([p for p in prefills if not sdpa_prompt(p[1], p[2])], block_size, group, device)
 
 
 # Gathered K/V positions of one group (B x longest context): bounds its transient memory.
@@ -114,8 +135,10 @@ class AttentionMetadata:
     # by the batch size and max_model_len, never by this step's lengths; see ModelRunner.decode_splits).
     decode_splits: int = 1
     decode_len_bound: int = 0
-    # Chunks with a cached context batched per group (context_groups); [] = each chunk on its own.
+    # Backend torch: chunks with a cached context batched per group (context_groups); [] = each on its own.
     context_groups: list[ContextGroup] = field(default_factory=list)
+    # Backend triton: the prefill chunks' tiles (kernel_prefill_tiles); needed when there are prefills.
+    prefill_tiles: Optional[PrefillTiles] = None
 
     @property
     def num_decodes(self) -> int:
@@ -137,6 +160,49 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     q: [T, h, d]; k, v: [T, kvh, d] (already written to the cache); returns [T, h, d].
     """
     out = torch.empty_like(q)
+    if meta.attention_backend == "triton":
+        _kernel_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+    else:
+        _torch_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+    if meta.num_decodes:
+        qd = q[meta.num_prefill_tokens:]  # [D, h, d]
+        if meta.attention_backend == "triton":
+            from kernels.paged_attention import paged_attention_decode  # needs triton: only when chosen
+
+            out[meta.num_prefill_tokens:] = paged_attention_decode(
+                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                num_splits=meta.decode_splits, max_len_bound=meta.decode_len_bound or None)
+        else:
+            out[meta.num_prefill_tokens:] = ref.paged_attention_decode(
+                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+                max_len=meta.decode_max_len)
+    return out
+
+
+def _kernel_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Backend triton: every chunk's rows of `out` in one kernel launch (and sdpa_prompt's chunks by SDPA)."""
+    if not meta.prefills:
+        return
+    tiles = meta.prefill_tiles
+    if tiles is None:
+        raise ValueError("paged_attention: backend triton needs meta.prefill_tiles for a step with prefill "
+                         "chunks (kernel_prefill_tiles, built with the step's metadata)")
+    if tiles.num_tiles:
+        from kernels.prefill_attention import prefill_attention  # needs triton: only when chosen
+
+        prefill_attention(q, k_cache, v_cache, tiles, scale, out=out[:tiles.num_tokens])
+    if SDPA_PROMPT_TOKENS is None:
+        return  # the kernel did every chunk: no per-chunk loop in the layer
+    for p in meta.prefills:
+        if sdpa_prompt(p.q_len, p.context_len):
+            sl = slice(p.q_start, p.q_start + p.q_len)
+            out[sl] = _sdpa(q[sl], k[sl], v[sl], None, causal=True, scale=scale)
+
+
+def _torch_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Backend torch: SDPA per chunk, chunks with a context batched per group (context_groups)."""
     for g in meta.context_groups:
         _context_group(q, k_cache, v_cache, g, scale, out)
     for p in meta.prefills:
@@ -152,19 +218,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             total = p.context_len + p.q_len
             kc, vc = ref.gather_kv(k_cache, v_cache, p.block_table[None], total)
             out[sl] = _sdpa(q[sl], kc[0], vc[0], causal_lower_right(p.q_len, total), causal=False, scale=scale)
-    if meta.num_decodes:
-        qd = q[meta.num_prefill_tokens:]  # [D, h, d]
-        if meta.attention_backend == "triton":
-            from kernels.paged_attention import paged_attention_decode  # needs triton: only when chosen
-
-            out[meta.num_prefill_tokens:] = paged_attention_decode(
-                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                num_splits=meta.decode_splits, max_len_bound=meta.decode_len_bound or None)
-        else:
-            out[meta.num_prefill_tokens:] = ref.paged_attention_decode(
-                qd, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
-                max_len=meta.decode_max_len)
-    return out
 
 
 def _context_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: ContextGroup,

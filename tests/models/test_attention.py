@@ -1,7 +1,9 @@
-"""Prefill chunks that continue a cached context, batched per group, against a naive softmax oracle."""
+"""Prefill chunks that continue a cached context, batched per group, against a naive softmax oracle; backend
+triton's one prefill kernel launch against backend torch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from appliance.models import attention
@@ -74,3 +76,44 @@ def test_a_lone_context_chunk_is_not_grouped(monkeypatch) -> None:
     for q0, n, c, t in prefills:
         if c:
             torch.testing.assert_close(got[q0:q0 + n], _naive(q[q0:q0 + n], kc, vc, t, c, n, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_triton_runs_every_chunk_in_the_kernel_and_matches_torch(monkeypatch) -> None:
+    # Backend triton (the prefill kernel in the interpreter, then the decode kernel) against backend torch
+    # on one mixed step: fresh prompts, context chunks, a 1-token chunk, then two decode rows; and with
+    # SDPA_PROMPT_TOKENS set, the long fresh prompts left to SDPA beside the kernel's chunks.
+    from kernels.prefill_tiles import prefill_tiles
+
+    chunks = [(0, 5), (8, 3), (0, 9), (3, 1), (21, 6)]
+    q, kc, vc, prefills = _step(chunks)
+    tp = q.shape[0]
+    g = torch.Generator().manual_seed(1)
+    q = torch.cat([q, torch.randn(2, *q.shape[1:], generator=g)])
+    k = torch.randn(tp + 2, kc.shape[2], kc.shape[3], generator=g)
+    v = torch.randn(tp + 2, kc.shape[2], kc.shape[3], generator=g)
+    for q0, n, c, t in prefills:  # this step's K/V are in the cache already, as the model writes them first
+        for i in range(n):
+            kc[t[(c + i) // 4], (c + i) % 4] = k[q0 + i]
+            vc[t[(c + i) // 4], (c + i) % 4] = v[q0 + i]
+    dec = dict(decode_block_tables=torch.tensor([[1, 2, 3], [4, 5, 0]]), decode_context_lens=torch.tensor([11, 6]),
+               decode_max_len=11)
+
+    def meta(backend: str, tiles=None, groups=()):
+        m = _meta(prefills, list(groups))
+        m.decode_block_tables, m.decode_context_lens, m.decode_max_len = dec.values()
+        m.attention_backend, m.prefill_tiles = backend, tiles
+        return m
+
+    want = paged_attention(q, k, v, kc, vc, meta("torch", groups=context_groups(prefills, 4, q.device)), 0.3)
+    tiles = attention.kernel_prefill_tiles(prefills, 4, 3, q.device)
+    assert tiles.num_tiles == 5 and tiles.num_tokens == tp
+    got = paged_attention(q, k, v, kc, vc, meta("triton", tiles), 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(attention, "SDPA_PROMPT_TOKENS", 5)
+    tiles = attention.kernel_prefill_tiles(prefills, 4, 3, q.device)
+    assert tiles.num_tiles == 3 and tiles.num_tokens == tp  # the 5- and 9-token prompts go to SDPA
+    got = paged_attention(q, k, v, kc, vc, meta("triton", tiles), 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert prefill_tiles([], 4, 3, q.device).num_tiles == 0
+    with pytest.raises(ValueError, match="prefill_tiles"):
+        paged_attention(q, k, v, kc, vc, meta("triton"), 0.3)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from appliance.config.schema import LoRAConfig
 from appliance.lora.adapter_files import AdapterError
 from appliance.lora.sources.cache import DiskCache
 from appliance.lora.sources.uri import RemoteURI, SourceError, check_allowed, is_remote, parse_allowed, parse_uri
+
+if TYPE_CHECKING:
+    from appliance.lora.sources.worker import FetchWorkers
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,10 @@ def shown_as_source(e: AdapterError, fetched: Optional[Fetched]) -> AdapterError
 class AdapterSources:
     """One per LoRA config; instances sharing a cache dir share downloads through its file locks."""
 
-    def __init__(self, cfg: LoRAConfig) -> None:
+    def __init__(self, cfg: LoRAConfig, workers: Optional["FetchWorkers"] = None) -> None:
+        # workers: run each remote fetch in a worker process (lora.fetch_in_subprocess; worker.py)
         self.cfg = cfg
+        self.workers = workers
         self.allowed: list[RemoteURI] = parse_allowed(cfg.allowed_sources)
         self.cache = DiskCache(Path(cfg.adapter_cache_dir).expanduser(), cfg.adapter_cache_bytes)
         self._fetchers: dict[str, Any] = {}
@@ -54,6 +59,11 @@ class AdapterSources:
             return None
         uri = parse_uri(path)
         check_allowed(uri, self.allowed)
+        if self.workers is not None:  # the same steps below, in a worker process
+            fetched = self.workers.fetch(path)
+            assert fetched is not None
+            self.cache.downloads += fetched.downloaded
+            return fetched
         fetcher = self.fetcher(uri.scheme)
         rev = fetcher.resolve(uri, self.cfg.max_adapter_bytes)
         self.cache.root.mkdir(parents=True, exist_ok=True)
@@ -73,6 +83,10 @@ class AdapterSources:
         """The local dir to read for `path`: itself when local, else its fetched cache entry."""
         fetched = self.fetch(path)
         return (path, None) if fetched is None else (str(fetched.dir), fetched)
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
 
     def fetcher(self, scheme: str) -> Any:
         with self._lock:
