@@ -425,7 +425,7 @@ def staggered(eng, prompts: list[list[int]], lens: list[int], adapters: "list[st
 
 
 def piecewise_section(res: dict, tokenizer: Path) -> None:
-    """engine.piecewise_graph_tokens default (16..512, captured) vs [] (steps with prefills eager), decode
+    """engine.piecewise_graph_tokens null (16..512, captured) vs [] (steps with prefills eager), decode
     graphs on in both: fp32 greedy tokens, base and with 4 LoRA adapters on 8 of 12 requests."""
     with tempfile.TemporaryDirectory() as td:
         d, prompts = small_model(td, tokenizer, 4)
@@ -434,7 +434,7 @@ def piecewise_section(res: dict, tokenizer: Path) -> None:
         for case, keys in (("base", [None] * 12), ("lora", adapter_keys(list(adapters)))):
             out, steps = {}, 0
             for on in (True, False):
-                eng = lora_engine(d, adapters, *(() if on else ("engine.piecewise_graph_tokens=[]",)))
+                eng = lora_engine(d, adapters, f"engine.piecewise_graph_tokens={'null' if on else '[]'}")
                 pw = eng.runner.piecewise
                 assert (pw is not None and pw.capture) is on
                 if on:

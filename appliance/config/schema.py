@@ -88,10 +88,14 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     # Requests waiting beyond this are refused with 429 (the server maps QueueFullError).
     max_waiting_requests: int = 1024
-    # Attention: triton = one Triton kernel for the step's prefill chunks (kernels/prefill_attention.py)
-    # and one for its decode rows (kernels/paged_attention.py), torch = SDPA per prefill chunk and the
-    # decode kernel's twin; auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
+    # Attention: triton = the Triton decode kernel (kernels/paged_attention.py) and, with
+    # prefill_attention_kernel, one Triton kernel for the step's prefill chunks (kernels/prefill_attention.py);
+    # torch = SDPA per prefill chunk and the decode kernel's twin; auto = triton on cuda, torch on cpu
+    # (triton on cpu needs TRITON_INTERPRET=1).
     attention_backend: str = "auto"
+    # true (attention_backend triton): every prefill chunk of a step in one kernel launch per layer, K/V
+    # read from the paged cache; false = SDPA per chunk (context chunks gathered). Off until it has run on a GPU.
+    prefill_attention_kernel: bool = False
     # The model's elementwise ops: triton = fused kernels (residual add + RMSNorm, RoPE + K/V cache
     # write, SiLU x up; kernels/rms_norm.py, rope_kv.py, silu_mul.py), torch = the plain torch ops
     # (their twins); auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).

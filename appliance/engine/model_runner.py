@@ -77,6 +77,8 @@ class ModelRunner:
         else:
             self.model = load_model(model_path, self.dtype, self.device, self.max_model_len)
         self.attention_backend = self.runtime.attention_backend
+        # engine.prefill_attention_kernel: the step's prefill chunks in one Triton launch a layer (else SDPA per chunk).
+        self.prefill_kernel = self.attention_backend == "triton" and cfg.engine.prefill_attention_kernel
         self.fused_kernels = self.runtime.fused_kernels
         self.model.use_fused_kernels(self.fused_kernels == "triton")
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -277,7 +279,7 @@ class ModelRunner:
         """The step's AttentionMetadata over its real rows (the eager step's, and the piecewise step's)."""
         dev = self.device
         max_blocks = len(b.decode_tables[0]) if b.decode_tables else 0
-        triton = self.attention_backend == "triton"
+        triton = self.prefill_kernel
         group = self.model.args.num_heads // self.model.args.num_kv_heads  # this rank's query heads per KV head
         return AttentionMetadata(
             slot_mapping=torch.tensor(b.slot_mapping, dtype=torch.long, device=dev),

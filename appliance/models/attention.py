@@ -160,7 +160,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     q: [T, h, d]; k, v: [T, kvh, d] (already written to the cache); returns [T, h, d].
     """
     out = torch.empty_like(q)
-    if meta.attention_backend == "triton":
+    if meta.prefill_tiles is not None:  # engine.prefill_attention_kernel (backend triton)
         _kernel_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
     else:
         _torch_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
@@ -185,9 +185,6 @@ def _kernel_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if not meta.prefills:
         return
     tiles = meta.prefill_tiles
-    if tiles is None:
-        raise ValueError("paged_attention: backend triton needs meta.prefill_tiles for a step with prefill "
-                         "chunks (kernel_prefill_tiles, built with the step's metadata)")
     if tiles.num_tiles:
         from kernels.prefill_attention import prefill_attention  # needs triton: only when chosen
 

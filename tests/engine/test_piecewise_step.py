@@ -91,7 +91,7 @@ BASE_JOBS = [(None, p) for p in range(5)] + [(None, 2), (None, 0)]  # repeats: p
 @pytest.fixture(scope="module")
 def base_eager(tiny_model_dir: Path) -> dict:
     eng = make_engine(tiny_model_dir)
-    assert eng.runner.piecewise is None  # cpu: piecewise_graph_tokens null is off
+    assert eng.runner.piecewise is None  # off by default (and on cpu even with null)
     return run_all(eng, BASE_JOBS, 3, stagger=True)
 
 

@@ -1,4 +1,4 @@
-"""engine.attention_backend triton runs every prefill chunk of a step through one prefill kernel launch
+"""engine.attention_backend triton with engine.prefill_attention_kernel runs every prefill chunk of a step through one prefill kernel launch
 (kernels/prefill_attention.py, the interpreter on CPU): greedy tokens equal backend torch's over fresh
 prompts, prefix-cache hits (many chunks over a cached context in one step) and chunked prefill."""
 
@@ -20,8 +20,9 @@ def tokens(model_dir: Path, backend: str) -> tuple[list[list[int]], list[int]]:
     30-token prompt is cut in chunks by the 48-token budget); and the cache hits per admission."""
     eng = LLMEngine(default_config(f"model.path={model_dir}", "model.device=cpu", "model.max_model_len=256",
                                    "engine.kv_block_size=16", "engine.num_kv_blocks=64",
-                                   "engine.max_num_batched_tokens=48", f"engine.attention_backend={backend}"))
-    assert eng.runner.attention_backend == backend
+                                   "engine.max_num_batched_tokens=48", f"engine.attention_backend={backend}",
+                                   "engine.prefill_attention_kernel=true"))
+    assert eng.runner.attention_backend == backend and eng.runner.prefill_kernel == (backend == "triton")
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     out: dict[str, list[int]] = {}
     for wave in ([0], [1, 2, 3, 4]):

@@ -115,5 +115,6 @@ def test_backend_triton_runs_every_chunk_in_the_kernel_and_matches_torch(monkeyp
     got = paged_attention(q, k, v, kc, vc, meta("triton", tiles), 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert prefill_tiles([], 4, 3, q.device).num_tiles == 0
-    with pytest.raises(ValueError, match="prefill_tiles"):
-        paged_attention(q, k, v, kc, vc, meta("triton"), 0.3)
+    # backend triton without tiles (engine.prefill_attention_kernel false): SDPA prefills, the decode kernel
+    got = paged_attention(q, k, v, kc, vc, meta("triton", groups=context_groups(prefills, 4, q.device)), 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
