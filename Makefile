@@ -75,8 +75,9 @@ system-deps:
 	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+# --durations: each run names its 20 slowest tests, so the suite can be kept well under 20 minutes.
 test: install-dev prepare system-deps
-	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 --timeout=$(TEST_TIMEOUT) $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory compile-check
 
 # A fresh venv with the runtime dependencies only (no dev extra), as a new user gets it: pip install .,
