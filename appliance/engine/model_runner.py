@@ -279,11 +279,11 @@ class ModelRunner:
         """The step's AttentionMetadata over its real rows (the eager step's, and the piecewise step's)."""
         dev = self.device
         max_blocks = len(b.decode_tables[0]) if b.decode_tables else 0
-        triton = self.prefill_kernel
+        kernel = self.prefill_kernel
         group = self.model.args.num_heads // self.model.args.num_kv_heads  # this rank's query heads per KV head
         return AttentionMetadata(
             slot_mapping=torch.tensor(b.slot_mapping, dtype=torch.long, device=dev),
-            prefills=[PrefillSeq(q0, n, ctx, None if triton else torch.tensor(table, dtype=torch.long, device=dev))
+            prefills=[PrefillSeq(q0, n, ctx, None if kernel else torch.tensor(table, dtype=torch.long, device=dev))
                       for q0, n, ctx, table in b.prefills],
             num_prefill_tokens=b.num_prefill_tokens,
             decode_block_tables=torch.tensor(b.decode_tables, dtype=torch.long,
@@ -293,8 +293,8 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             decode_splits=self.decode_splits(len(b.decode_context_lens), max(b.decode_context_lens, default=0)),
             decode_len_bound=max(b.decode_context_lens, default=0),
-            context_groups=context_groups(b.prefills, self.block_size, dev) if not triton else [],
-            prefill_tiles=kernel_prefill_tiles(b.prefills, self.block_size, group, dev) if triton else None,
+            context_groups=context_groups(b.prefills, self.block_size, dev) if not kernel else [],
+            prefill_tiles=kernel_prefill_tiles(b.prefills, self.block_size, group, dev) if kernel else None,
         )
 
     def runs_static(self, plan: SchedulerOutput) -> bool:

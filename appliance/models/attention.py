@@ -4,11 +4,11 @@ The step's tokens are flattened: first the prefill chunks of some sequences, the
 each decoding sequence. `AttentionMetadata` (built once per step by the model runner) says where each
 token's K/V goes in the cache and which cache blocks each sequence reads.
 
-Backend `triton` (engine.attention_backend): all prefill chunks of the step in one launch of
+Backend `triton` (engine.attention_backend): decode tokens in one launch of kernels/paged_attention.py
+(each K/V tile read once for all query heads of its KV head, lengths read on the device); with
+engine.prefill_attention_kernel, all prefill chunks of the step in one launch of
 kernels/prefill_attention.py, which reads K/V straight from the paged cache (this step's are written
-before attention) through `PrefillTiles` built once per step; decode tokens in one launch of
-kernels/paged_attention.py (each K/V tile read once for all query heads of its KV head, lengths read
-on the device). Backend `torch` (the CPU default and the kernels' oracle): prefill chunks use SDPA per
+before attention) through `PrefillTiles` built once per step, else prefills as below. Backend `torch` (the CPU default and the kernels' oracle): prefill chunks use SDPA per
 sequence; a lone chunk that continues a cached context gets a lower-right causal bias, two or more
 such chunks (prefix-cache hits, chunked prefill) one padded SDPA call per group (`ContextGroup`,
 built once per step); decode tokens the decode kernel's twin (gathers the KV up to the longest context).
@@ -137,7 +137,8 @@ class AttentionMetadata:
     decode_len_bound: int = 0
     # Backend torch: chunks with a cached context batched per group (context_groups); [] = each on its own.
     context_groups: list[ContextGroup] = field(default_factory=list)
-    # Backend triton: the prefill chunks' tiles (kernel_prefill_tiles); needed when there are prefills.
+    # engine.prefill_attention_kernel (backend triton): the prefill chunks' tiles (kernel_prefill_tiles);
+    # None = prefills by SDPA per chunk (context_groups above).
     prefill_tiles: Optional[PrefillTiles] = None
 
     @property
