@@ -15,6 +15,19 @@ LOG2E = 1.4426950408889634  # the launchers scale by softmax scale * LOG2E
 
 
 @triton.jit
+def tile_scores(q, k, v, qk_scale, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """q [M, D] and a loaded K/V tile [N, D] -> (scores [M, N] fp32 in the log2 domain, v for the update)."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:  # fp32 inputs: exact products, not tf32
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    return s, v
+
+
+@triton.jit
 def online_softmax_step(acc, m_i, l_i, s, v, IEEE: tl.constexpr):
     """acc [M, D] fp32, m_i / l_i [M] fp32, s [M, N] fp32 (log2 domain), v [N, D] -> (acc, m_i, l_i).
     A row whose scores are all -inf so far keeps m = -inf and must not be read (0/0)."""

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
-from kernels.online_softmax import LOG2E, online_softmax_step
+from kernels.online_softmax import LOG2E, online_softmax_step, tile_scores
 from kernels.platform import dot_upcast, pdl_available
 
 
@@ -70,13 +70,7 @@ def _paged_decode_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IEEE:  # fp32 inputs: exact products, not tf32
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N] fp32
-        else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale
+        s, v = tile_scores(q, k, v, qk_scale, UPCAST, IEEE)  # s [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, IEEE)
     o_rows = b.to(tl.int64) * stride_ob + heads * stride_oh  # [BLOCK_G]

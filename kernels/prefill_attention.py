@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.gdc import gdc_wait, pdl_launch
-from kernels.online_softmax import LOG2E, online_softmax_step
+from kernels.online_softmax import LOG2E, online_softmax_step, tile_scores
 from kernels.paged_attention import check_q_and_cache
 from kernels.platform import dot_upcast, pdl_available
 from kernels.prefill_tiles import PrefillTiles
@@ -38,13 +38,7 @@ def _tile_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_mask, causal, qk_scale,
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    if IEEE:  # fp32 inputs: exact products, not tf32
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N] fp32
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+    s, v = tile_scores(q, k, v, qk_scale, UPCAST, IEEE)  # s [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where(causal, s, float("-inf"))
     return online_softmax_step(acc, m_i, l_i, s, v, IEEE)
