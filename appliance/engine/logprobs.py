@@ -2,7 +2,7 @@
 
 They are vLLM's default "raw" logprobs: log_softmax of the model's float32 logits before logit bias,
 penalties, temperature and the top-k/top-p/min-p filters, so they describe the model, not the filtered
-distribution a token was drawn from (docs/operations.md). The chosen token, its logprob and the k best
+distribution a token was drawn from (docs/sampling.md). The chosen token, its logprob and the k best
 (k = the largest `logprobs` of the step's rows) are packed into one float64 matrix, whose every value
 (token ids below 2^53, float32 logprobs) is exact, so the step's tokens and logprobs cross to the host
 together.

@@ -2,7 +2,7 @@
 
 All of it runs on the logits' device from host lists moved in pinned memory without blocking: a row's
 tokens are scattered into a count matrix, so no row is handled on its own and nothing waits for the
-device. Definitions (docs/operations.md): repetition (CTRL/HF) divides a positive logit of a token seen in
+device. Definitions (docs/sampling.md): repetition (CTRL/HF) divides a positive logit of a token seen in
 the prompt or the output by the penalty and multiplies a negative one; frequency and presence (OpenAI)
 subtract `frequency * count + presence * (count > 0)` over the generated tokens only.
 """

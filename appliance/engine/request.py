@@ -12,7 +12,7 @@ from typing import Optional
 from appliance.engine.grammar.spec import GrammarSpec
 
 MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
-MAX_LOGIT_BIAS = 300  # entries a request's logit_bias may hold (docs/operations.md)
+MAX_LOGIT_BIAS = 300  # entries a request's logit_bias may hold (docs/sampling.md)
 
 
 class EngineError(Exception):

@@ -2,7 +2,7 @@
 
 The engine gives one `TokenLogprob` per generated token (engine/request.py). A token's text is its own
 decode (special tokens kept); a token that holds part of a UTF-8 character decodes to U+FFFD, and its
-`bytes` are those of that text, not the raw byte (docs/operations.md).
+`bytes` are those of that text, not the raw byte (docs/sampling.md).
 """
 
 from __future__ import annotations

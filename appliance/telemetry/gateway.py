@@ -1,7 +1,7 @@
 """The model-server protocol metrics the Gateway API Inference Extension's endpoint picker reads, under
 vLLM's names (metrics.gateway_compat): queue length, running requests, KV usage and, with LoRA on,
 `vllm:lora_requests_info`. The protocol is kubernetes-sigs/gateway-api-inference-extension's
-docs/proposals/003-model-server-protocol; docs/operations.md#gateway-compat lists what each one holds.
+docs/proposals/003-model-server-protocol; docs/metrics.md#gateway-compat lists what each one holds.
 
 They live in the appliance's registry beside its own metrics and are set from the same snapshot at
 each scrape, so both views agree. Adapter names in `lora_requests_info` are registered names of

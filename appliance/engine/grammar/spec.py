@@ -12,7 +12,7 @@ from typing import Literal
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf")
-MAX_GRAMMAR_CHARS = 65536  # bound on a spec's text (docs/operations.md)
+MAX_GRAMMAR_CHARS = 65536  # bound on a spec's text (docs/structured-outputs.md)
 
 
 @dataclass(frozen=True)

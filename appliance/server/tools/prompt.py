@@ -5,7 +5,7 @@ the messages in transformers' tool-use shape (`tool_calls` with the arguments as
 A template that does not (the default SmolLM2-135M-Instruct) gets the Hermes convention in plain
 messages: a system section that lists the tools and asks for `<tool_call>{..}</tool_call>`, earlier calls
 written the same way in the assistant's text, and tool results as a user turn in `<tool_response>` tags
-(the format Qwen/Hermes-style fine-tunes are trained on; docs/operations.md).
+(the format Qwen/Hermes-style fine-tunes are trained on; docs/tool-calling.md).
 """
 
 from __future__ import annotations
