@@ -230,12 +230,14 @@ def _bench_serve_parser() -> argparse.ArgumentParser:
       help="HTTP client processes (default 0: one per two cores, at most 8)")
     a("--cold-adapters", type=int, default=d.cold_adapters,
       help="run every row again while this many requests each name an adapter not loaded, resolved from "
-           "--cold-source on first request (lora.resolver); reports the steady streams' p99 ITL ratio")
+           "--cold-source on first request (lora.resolver), and send as many at the same times to loaded "
+           "adapters in the regular rows; reports the steady streams' p99 ITL ratio")
     a("--cold-source", default=d.cold_source,
       help="moto (start a local S3 API server) or an existing store's s3://BUCKET/PREFIX/{name} (default moto)")
-    a("--cold-start-s", type=float, default=d.cold_start_s, help="first cold request, into the measured requests")
-    a("--cold-interval-s", type=float, default=d.cold_interval_s, help="between cold requests")
-    a("--cold-output-len", type=int, default=d.cold_output_len, help="output tokens of a cold request")
+    a("--cold-start-s", type=float, default=d.cold_start_s,
+      help="first extra (cold or warm) request, into the measured requests")
+    a("--cold-interval-s", type=float, default=d.cold_interval_s, help="between extra requests")
+    a("--cold-output-len", type=int, default=d.cold_output_len, help="output tokens of an extra request")
     a("--tenant-rate", type=float, default=d.tenant_rate,
       help="run the two-tenant fairness mix instead of the load rows: each tenant's share in requests/s, "
            "which tenant B offers steadily (docs/tenants.md)")

@@ -215,7 +215,7 @@ class ServeBench:
             self.adapter_dirs = self._synthetic_adapters()
         overrides = self._server_overrides()
         if o.cold_adapters:  # the cold-adapter mix (serve_cold.py): its store, adapters and server settings
-            self.cold = ColdMix(o, self.out, len(o.mixes) * len(self._points()))
+            self.cold = ColdMix(o, self.out, len(self._points()))
             self.res["cold"] = self.cold.prepare(Path(self.cfg.model.path), self.cfg.model.dtype, self.cfg.model.name,
                                                  self.cfg.lora)
             if o.url is None:
@@ -252,14 +252,16 @@ class ServeBench:
                                          names)
             if self.tenant_plan is not None:
                 self._tenant_mix(api, route, card["id"], specs, warm, url, api_key, tenant_keys)
-            else:
+            elif self.cold is None:
                 self._http_rows(api, route, card["id"], specs, warm, url, api_key)
-                if self.cold is not None:  # the same rows again, on fresh prompts, with cold loads
-                    steady, cold = self.cold.workload(specs, tok.vocab_size if tok is not None else self._vocab(),
-                                                      tok.decode if route == "chat" else None)
-                    target = HttpTarget(route, url, api_key, card["id"], o.request_timeout_s)
-                    hook = ColdRows(cold, target, o, self.res)
-                    self._http_rows(api, route, card["id"], steady, warm, url, api_key, hook)
+            else:  # the rows with K extra requests to warm adapters, then again on fresh prompts to cold ones
+                cw = self.cold.workload(specs, tok.vocab_size if tok is not None else self._vocab(),
+                                        tok.decode if route == "chat" else None)
+                target = HttpTarget(route, url, api_key, card["id"], o.request_timeout_s)
+                self._http_rows(api, route, card["id"], specs, warm, url, api_key,
+                                ColdRows(cw.warm, target, o, self.res, cold=False))
+                self._http_rows(api, route, card["id"], cw.steady, warm, url, api_key,
+                                ColdRows(cw.cold, target, o, self.res, cold=True))
         finally:
             if api is not None:
                 api.close()
@@ -349,13 +351,13 @@ class ServeBench:
 
     def _http_rows(self, api: ServerApi, route: str, base: str, specs: dict, warm: dict, url: str,
                    api_key: Optional[str], cold: Optional[ColdRows] = None) -> None:
-        """One row per mix and load point; with `cold`, each row's cold requests run beside it and the
-        row goes to the cold section."""
+        """One row per mix and load point; with `cold`, each row's extra requests run beside it and
+        `cold.finish` files the row (serve_cold.py)."""
         target = HttpTarget(route, url, api_key, base, self.opts.request_timeout_s)
         procs = self.opts.client_processes()
         for mix in self.opts.mixes:
             for load, x in self._points():
-                label = f"{mix} {load} {x:g}" + (" with cold loads" if cold is not None else "")
+                label = f"{mix} {load} {x:g}" + (f" {cold.label}" if cold is not None else "")
                 before: dict[str, float] = {}
 
                 def measuring() -> None:
@@ -375,7 +377,7 @@ class ServeBench:
                                                      f"http {label}", measuring)
                     util = cpu / wall
                 if cold is not None:
-                    cold.wait()  # before the scrape: the row's counters include its loads
+                    cold.wait()  # before the scrape: the row's counters include its extras' loads
                 deltas = counter_deltas(before, counter_samples(api.metrics()))
                 row = {"mix": mix, "load": load, "concurrency": int(x) if load == "closed" else None,
                        "rate_rps": x if load == "poisson" else None,

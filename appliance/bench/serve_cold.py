@@ -1,14 +1,18 @@
 """The cold-adapter mix of `appliance bench serve` (`--cold-adapters K`): how much loading adapters from
 a remote store on their first request disturbs the streams that are already running (issue 33).
 
-After the regular rows (the "no loads" runs), every row runs again on fresh prompts of the same
-lengths (a repeat would hit the prefix cache), and `cold_start_s` into its measured requests K
-requests, `cold_interval_s` apart, each name an adapter the server has never seen. The server looks
-each up through lora.resolver.sources, fetches it from the store into its disk cache, reads it and
-serves it, while the row's steady streams decode. Each row reports the steady requests' ITL and TTFT
-with and without the loads (the cold requests are timed apart from them), the cold requests' TTFT
-(lookup + fetch + read + slot load + prefill), the server's fetches and reads over the row, and p99 ITL
-with loads over p99 ITL without, against COLD_ITL_LIMIT.
+Both sides of the comparison serve K extra requests beside each row's steady streams, `cold_start_s`
+into its measured requests and `cold_interval_s` apart, of the same prompt and output lengths; only
+their adapters differ, so the only difference between the sides is the load. The regular rows (the
+"no loads" side) send them to adapters the server already holds (the row's mix's adapters in turn;
+the base model for the `base` mix). Then every row runs again on fresh prompts of the same lengths
+(a repeat would hit the prefix cache), its extras each naming an adapter the server has never seen:
+the server looks each up through lora.resolver.sources, fetches it from the store into its disk
+cache, reads it and serves it, while the row's steady streams decode. Each row reports the steady
+requests' ITL and TTFT with and without the loads (the extra requests are timed apart from them on
+both sides), the warm and the cold extras' TTFT (the cold ones' add lookup + fetch + read + slot
+load), the server's fetches and reads over each side, and p99 ITL with loads over p99 ITL without,
+against COLD_ITL_LIMIT.
 
 The store is a local S3 API server (moto's, a subprocess on a free 127.0.0.1 port; one-off fake
 credentials go to the server in its environment) or an existing one named by its resolver template
@@ -30,6 +34,7 @@ import tempfile
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -50,7 +55,8 @@ FIELD = "{name}"
 # The steady figures a row's "no loads" side keeps from the regular row.
 STEADY_KEYS = ("requests", "ok", "failures", "out_tok_s", "ttft_ms", "itl_ms", "tpot_ms")
 COLUMNS = ["mix", "load", "loads", "ok", "failures", "out_tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
-           "cold_ok", "overlapped", "cold_ttft_p50", "cold_ttft_max", "fetched", "itl_p99_x", "limit", "met"]
+           "extras", "extra_ok", "overlapped", "extra_ttft_p50", "extra_ttft_max", "fetched", "itl_p99_x", "limit",
+           "met"]
 
 
 def check_cold_options(o: ServeOptions) -> None:
@@ -171,14 +177,27 @@ class ColdStore:
         self.uploaded.clear()
 
 
-class ColdMix:
-    """The cold adapters of one run: K synthetic adapters, uploaded under fresh names for each of the
-    `rows` rows (a name is loaded once: the next row needs new ones), the store and the server settings."""
+@dataclass
+class ColdWorkload:
+    """What the two passes send: `steady` the second pass's steady specs per mix (fresh prompts), and per
+    row (mix-major, then load point, as ServeBench._http_rows runs them) the K extra requests, `warm` to
+    adapters already loaded (first pass) and `cold` to never-seen ones (second pass), of equal lengths."""
 
-    def __init__(self, opts: ServeOptions, out: Path, rows: int) -> None:
-        self.opts, self.out = opts, out
+    steady: dict[str, list[RequestSpec]]
+    warm: list[list[RequestSpec]]
+    cold: list[list[RequestSpec]]
+
+
+class ColdMix:
+    """The cold adapters of one run: K synthetic adapters, uploaded under fresh names for each row (every
+    mix at each of its `points` load points; a name is loaded once: the next row needs new ones), the
+    store and the server settings."""
+
+    def __init__(self, opts: ServeOptions, out: Path, points: int) -> None:
+        self.opts, self.out, self.points = opts, out, points
         token = secrets.token_hex(3)  # names of this run only: an existing store or server never saw them
-        self.names = [[f"cold-{token}-{j}-{i}" for i in range(opts.cold_adapters)] for j in range(rows)]
+        self.names = [[f"cold-{token}-{j}-{i}" for i in range(opts.cold_adapters)]
+                      for j in range(len(opts.mixes) * points)]
         self.dir: Optional[Path] = None
         self.cache_dir: Optional[Path] = None
         self.store: Optional[ColdStore] = None
@@ -239,10 +258,10 @@ class ColdMix:
             out += [f"lora.s3_endpoint_url={self.store.endpoint_url}", f"lora.s3_region={MOTO_REGION}"]
         return out
 
-    def workload(self, specs: dict[str, list[RequestSpec]], vocab: int, decode: Optional[Callable[[list[int]], str]]
-                 ) -> tuple[dict[str, list[RequestSpec]], list[list[RequestSpec]]]:
-        """(the steady specs again with fresh prompt tokens after the shared prefix, the cold requests per
-        row): the same lengths and adapters, so the rows differ only by the loads."""
+    def workload(self, specs: dict[str, list[RequestSpec]], vocab: int,
+                 decode: Optional[Callable[[list[int]], str]]) -> ColdWorkload:
+        """The steady specs again with fresh prompt tokens after the shared prefix (same lengths and
+        adapters), and each row's warm and cold extra requests: the sides differ only by the loads."""
         o = self.opts
         seed = o.seed + 7
         fresh: dict[str, list[RequestSpec]] = {}
@@ -256,11 +275,18 @@ class ColdMix:
         total = [len(first[i % len(first)].prompt_ids) + first[i % len(first)].output_len
                  for i in range(o.cold_adapters)]
         out = [min(o.cold_output_len, max(1, n - 1)) for n in total]
-        cold = []
+        lengths = [n - k for n, k in zip(total, out)]
+        rows = len(self.names)
+        warm, cold = [], []
         for j, names in enumerate(self.names):
-            prompts = prompts_of_lengths([n - k for n, k in zip(total, out)], vocab, o.seed + 100 + j)
+            # The adapters the row's mix already serves, in order of first use (None: the base model).
+            held = list(dict.fromkeys(s.adapter for s in specs[o.mixes[j // self.points]]))
+            # Prompts of their own on each side: neither side's extras find the other's in the prefix cache.
+            prompts = prompts_of_lengths(lengths, vocab, o.seed + 100 + rows + j)
+            warm.append([self._spec(p, k, held[i % len(held)], decode) for i, (p, k) in enumerate(zip(prompts, out))])
+            prompts = prompts_of_lengths(lengths, vocab, o.seed + 100 + j)
             cold.append([self._spec(p, k, name, decode) for p, k, name in zip(prompts, out, names)])
-        return fresh, cold
+        return ColdWorkload(fresh, warm, cold)
 
     @staticmethod
     def _spec(ids: list[int], output_len: int, adapter: Optional[str],
@@ -277,12 +303,16 @@ class ColdMix:
 
 
 class ColdRows:
-    """The second pass's hook into ServeBench._http_rows: `start` when a row's measured requests start
-    (sends that row's cold requests from a thread of their own, so any client layout keeps running),
-    `wait` once they ended, `finish` with the row (paired with the regular row of its load point)."""
+    """Either pass's hook into ServeBench._http_rows: `start` when a row's measured requests start (sends
+    that row's extra requests from a thread of their own, so any client layout keeps running), `wait`
+    once they ended, `finish` with the row. `cold` False: the first pass, whose extras name warm
+    adapters; its rows are the regular rows, with those extras in `extras`. `cold` True: the second
+    pass, whose rows go to the cold section, each paired with the regular row of its load point."""
 
-    def __init__(self, cold: list[list[RequestSpec]], target: HttpTarget, opts: ServeOptions, res: dict) -> None:
-        self.cold, self.target, self.opts, self.res = cold, target, opts, res
+    def __init__(self, extras: list[list[RequestSpec]], target: HttpTarget, opts: ServeOptions, res: dict,
+                 cold: bool) -> None:
+        self.extras, self.target, self.opts, self.res, self.cold = extras, target, opts, res, cold
+        self.kind = "cold" if cold else "warm"
         self.row = -1
         self.t0 = 0.0
         self.window_s = 0.0
@@ -290,11 +320,16 @@ class ColdRows:
         self.sent: list[tuple[float, Result]] = []
         self.error: Optional[BaseException] = None
 
+    @property
+    def label(self) -> str:
+        """What the progress lines add to a row's name."""
+        return f"with {self.opts.cold_adapters} {'cold loads' if self.cold else 'warm extras'}"
+
     def start(self) -> None:
         self.row += 1
         self.sent, self.error = [], None
         self.t0 = time.perf_counter()
-        self.thread = threading.Thread(target=self._send, args=(self.cold[self.row],), daemon=True)
+        self.thread = threading.Thread(target=self._send, args=(self.extras[self.row],), daemon=True)
         self.thread.start()
 
     def _send(self, specs: list[RequestSpec]) -> None:
@@ -318,28 +353,47 @@ class ColdRows:
             self.error = e
 
     def wait(self) -> None:
-        """After the row's steady requests: the window's length, then the cold requests' ends."""
+        """After the row's steady requests: the window's length, then the extra requests' ends."""
         self.window_s = time.perf_counter() - self.t0
         assert self.thread is not None
         self.thread.join()
         if self.error is not None:
-            raise RuntimeError(f"the cold requests failed: {type(self.error).__name__}: {self.error}")
+            raise RuntimeError(f"the {self.kind} extra requests failed: {type(self.error).__name__}: {self.error}")
 
     def finish(self, row: dict) -> None:
+        extras = self._summary(row["metrics_delta"])
+        if not self.cold:
+            self.res["rows"].append({**row, "extras": extras})
+            return
         key = (row["mix"], row["load"], row["concurrency"], row["rate_rps"])
         base = next((r for r in self.res["rows"] if (r["mix"], r["load"], r["concurrency"], r["rate_rps"]) == key),
                     None)
-        specs = self.cold[self.row]
+        warm = base.get("extras") if base is not None else None
+        ratio = None
+        if base is not None and base.get("itl_ms") and row.get("itl_ms") and base["itl_ms"]["p99"] > 0:
+            ratio = round(row["itl_ms"]["p99"] / base["itl_ms"]["p99"], 4)
+        n = len(self.extras[self.row])
+        # Not judged unless every extra request of both sides had its first token before the steady
+        # requests ended: a later load (or warm prefill) is not in the ratio.
+        seen = extras["in_window"] == n and warm is not None and warm["in_window"] == n
+        self.res["cold"]["rows"].append({
+            "mix": row["mix"], "load": row["load"], "concurrency": row["concurrency"], "rate_rps": row["rate_rps"],
+            "no_loads": {k: base.get(k) for k in STEADY_KEYS} if base is not None else None,
+            "with_loads": row, "warm": warm, "cold": extras, "itl_p99_ratio": ratio, "limit": COLD_ITL_LIMIT,
+            "met": None if ratio is None or not seen else ratio <= COLD_ITL_LIMIT})
+
+    def _summary(self, d: dict) -> dict:
+        """This row's extra requests, and what the server loaded over the row (`d`: its metrics_delta)."""
+        specs = self.extras[self.row]
         results = [r for _, r in self.sent]
         s = summarize(results, max(self.window_s, 1e-9), [x.output_len for x in specs])
-        d = row["metrics_delta"]
         fetch_n = counter_total(d, "appliance_lora_load_duration_seconds_count", tier="disk")
-        cold = {
-            "names": [x.adapter for x in specs], "requests": len(results), "ok": s["ok"], "failures": s["failures"],
-            "first_errors": s["first_errors"], "ttft_ms": s["ttft_ms"],
+        return {
+            "kind": self.kind, "names": [x.adapter for x in specs], "requests": len(results), "ok": s["ok"],
+            "failures": s["failures"], "first_errors": s["first_errors"], "ttft_ms": s["ttft_ms"],
             "ttft_max_ms": max((round(r.ttft_s * 1e3, 3) for r in results if r.ttft_s is not None), default=None),
             "sent_s": [round(at, 4) for at, _ in self.sent], "window_s": round(self.window_s, 4),
-            # Cold requests that had their first token before the steady requests ended: loads that overlapped.
+            # Extra requests that had their first token before the steady requests ended: in the ratio.
             "in_window": sum(1 for at, r in self.sent if r.ttft_s is not None and at + r.ttft_s <= self.window_s),
             # The server's remote -> disk fetches and disk -> host reads over the row (each adapter once).
             "fetches": int(counter_total(d, "appliance_lora_loads_total", tier="disk", result="success")),
@@ -347,25 +401,18 @@ class ColdRows:
             "load_errors": int(counter_total(d, "appliance_lora_loads_total", result="error")),
             "fetch_mean_ms": (round(1e3 * counter_total(d, "appliance_lora_load_duration_seconds_sum", tier="disk")
                                     / fetch_n, 3) if fetch_n else None)}
-        ratio = None
-        if base is not None and base.get("itl_ms") and row.get("itl_ms") and base["itl_ms"]["p99"] > 0:
-            ratio = round(row["itl_ms"]["p99"] / base["itl_ms"]["p99"], 4)
-        self.res["cold"]["rows"].append({
-            "mix": row["mix"], "load": row["load"], "concurrency": row["concurrency"], "rate_rps": row["rate_rps"],
-            "no_loads": {k: base.get(k) for k in STEADY_KEYS} if base is not None else None,
-            "with_loads": row, "cold": cold, "itl_p99_ratio": ratio, "limit": COLD_ITL_LIMIT,
-            # Not judged when a load ended after the steady requests: the ratio would not have seen it.
-            "met": None if ratio is None or cold["in_window"] < len(specs) else ratio <= COLD_ITL_LIMIT})
 
 
 def failed(res: dict) -> bool:
-    """Any steady or cold request of the cold rows failed."""
+    """Any extra request of a regular row, or any steady or extra request of a cold row, failed."""
     rows = (res.get("cold") or {}).get("rows") or []
-    return any(r["with_loads"]["failures"] or r["cold"]["failures"] for r in rows)
+    return (any((r.get("extras") or {}).get("failures") for r in res.get("rows") or [])
+            or any(r["with_loads"]["failures"] or r["cold"]["failures"] for r in rows))
 
 
 def render_cold(res: dict) -> str:
-    """Two lines per load point: its steady streams without loads and with K cold loads."""
+    """Two lines per load point: its steady streams with K extra requests to warm adapters (no loads)
+    and with K to cold ones (loads); the extra_* and fetched columns are each line's extras."""
     c = res.get("cold")
     if not c:
         return ""
@@ -373,23 +420,26 @@ def render_cold(res: dict) -> str:
     def p(d: Optional[dict], q: str) -> Optional[float]:
         return (d or {}).get(q)
 
-    def side(r: dict, s: dict, loads: str) -> dict:
-        return {"mix": r["mix"], "load": load_label(r), "loads": loads, "ok": f"{s['ok']}/{s['requests']}",
-                "failures": failures_text(s["failures"]),
-                "out_tok_s": s["out_tok_s"], "ttft_p50": p(s["ttft_ms"], "p50"), "ttft_p99": p(s["ttft_ms"], "p99"),
+    def side(r: dict, s: dict, loads: str, x: Optional[dict]) -> dict:
+        line = {"mix": r["mix"], "load": load_label(r), "loads": loads, "ok": f"{s['ok']}/{s['requests']}",
+                "failures": failures_text(s["failures"]), "out_tok_s": s["out_tok_s"],
+                "ttft_p50": p(s["ttft_ms"], "p50"), "ttft_p99": p(s["ttft_ms"], "p99"),
                 "itl_p50": p(s["itl_ms"], "p50"), "itl_p99": p(s["itl_ms"], "p99")}
+        if x is not None:
+            line.update({"extras": f"{x['requests']} {x['kind']}", "extra_ok": f"{x['ok']}/{x['requests']}",
+                         "overlapped": f"{x['in_window']}/{x['requests']}", "extra_ttft_p50": p(x["ttft_ms"], "p50"),
+                         "extra_ttft_max": x["ttft_max_ms"], "fetched": x["fetches"]})
+        return line
 
     lines = []
     for r in c["rows"]:
         if r["no_loads"] is not None:
-            lines.append(side(r, r["no_loads"], "none"))
+            lines.append(side(r, r["no_loads"], "none", r.get("warm")))
         k = r["cold"]
-        lines.append({**side(r, r["with_loads"], f"{k['requests']} cold"), "cold_ok": f"{k['ok']}/{k['requests']}",
-                      "overlapped": f"{k['in_window']}/{k['requests']}",
-                      "cold_ttft_p50": p(k["ttft_ms"], "p50"), "cold_ttft_max": k["ttft_max_ms"],
-                      "fetched": k["fetches"], "itl_p99_x": r["itl_p99_ratio"], "limit": f"<= {r['limit']}",
-                      "met": r["met"]})
+        lines.append({**side(r, r["with_loads"], f"{k['requests']} cold", k), "itl_p99_x": r["itl_p99_ratio"],
+                      "limit": f"<= {r['limit']}", "met": r["met"]})
     head = (f"## cold loads: {c['adapters']} rank-{c['rank']} adapters ({c['adapter_bytes'] / 2**20:.1f} MiB each) "
             f"from {c['template']} on first request, the first {c['start_s']:g} s into each row, "
-            f"{c['interval_s']:g} s apart (steady streams only; latencies in ms)")
+            f"{c['interval_s']:g} s apart; the no-loads line sends as many requests to warm adapters at the "
+            "same times (steady streams' latencies apart from the extras'; in ms)")
     return "\n".join([head, "", table(lines, COLUMNS)])

@@ -55,12 +55,13 @@ class ServeOptions:
     # events a second: on a GPU server a single client would be the bottleneck).
     client_procs: int = 0
     # Cold-adapter mix (serve_cold.py): every row again, with this many requests that each name an adapter
-    # the server has not loaded and resolves from cold_source (lora.resolver) while the row runs; 0 = off.
+    # the server has not loaded and resolves from cold_source (lora.resolver) while the row runs; the
+    # regular rows send as many to loaded adapters at the same times (the same run without loads); 0 = off.
     cold_adapters: int = 0
     cold_source: str = "moto"  # moto (a local S3 API server the bench starts) or s3://BUCKET/PREFIX/{name}
-    cold_start_s: float = 1.0  # the first cold request, this long into the row's measured requests
-    cold_interval_s: float = 0.5  # between cold requests
-    cold_output_len: int = 16  # output tokens of a cold request
+    cold_start_s: float = 1.0  # the first extra (cold or warm) request, this long into the row's measured requests
+    cold_interval_s: float = 0.5  # between extra requests
+    cold_output_len: int = 16  # output tokens of an extra request
     # The two-tenant fairness mix (serve_tenants.py, docs/tenants.md) instead of the load rows: each
     # tenant's share in requests/s, which tenant B offers steadily; 0 = off.
     tenant_rate: float = 0.0

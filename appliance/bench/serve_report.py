@@ -43,6 +43,9 @@ def render(res: dict) -> str:
             f"~{w.get('prompt_len', {}).get('mean')}, output {w.get('output_len', {}).get('dist')} "
             f"~{w.get('output_len', {}).get('mean')} tokens (latencies in ms)")
     parts = [head, "", table([_flat(r) for r in res.get("rows") or []], COLUMNS)]
+    if res.get("cold"):  # the cold mix's no-loads side (serve_cold.py)
+        parts.append(f"Each row also served {res['cold']['adapters']} extra requests to warm adapters, timed apart "
+                     "from its requests (the cold table's no-loads side).")
     for phase, err in (res.get("errors") or {}).items():
         parts.append(f"ERROR in {phase}: {err}")
     return "\n".join(parts)

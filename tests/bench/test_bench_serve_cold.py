@@ -1,7 +1,8 @@
 """`appliance bench serve --cold-adapters`: the whole cold-adapter mix end to end against a real
-`appliance serve` subprocess and moto's S3 API server started by the bench (every cold adapter fetched
-and read once, every steady request served, the paired rows and their ratio in the report, the store's
-credentials nowhere in it), against an existing store (uploads deleted after), and its torch-free parts."""
+`appliance serve` subprocess and moto's S3 API server started by the bench (the regular rows' K extra
+requests served by warm adapters with nothing fetched, every cold adapter fetched and read once, every
+steady request served, the paired rows and their ratio in the report, the store's credentials nowhere
+in it), against an existing store (uploads deleted after), and its torch-free parts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance.bench.serve_cold import COLD_ITL_LIMIT, allowed_entry, check_cold_options, failed, render_cold
+from appliance.bench.adapters import adapter_name
+from appliance.bench.serve_client import RequestSpec
+from appliance.bench.serve_cold import (COLD_ITL_LIMIT, ColdMix, allowed_entry, check_cold_options, failed,
+                                        render_cold)
 from appliance.bench.serve_options import ServeOptions
 from appliance.cli import main
 from appliance.config.schema import ConfigError
@@ -37,9 +41,24 @@ def _bench(tmp_path: Path, *extra: str) -> list[str]:
             f"model.path={_shape(tmp_path)}", *SHAPE, "lora.max_loras_per_batch=4", *extra]
 
 
+def _check_extras(x: dict, kind: str) -> None:
+    """K extra requests of `kind`, all served, sent cold_interval_s apart from cold_start_s (0)."""
+    assert x["kind"] == kind and x["requests"] == x["ok"] == K and x["failures"] == {} and x["load_errors"] == 0
+    assert 0 < x["ttft_ms"]["p50"] <= x["ttft_max_ms"] and len(x["sent_s"]) == K and 0 <= x["in_window"] <= K
+    assert x["sent_s"][0] < x["sent_s"][1] and x["sent_s"][1] >= 0.05
+
+
 def _check_cold_row(res: dict) -> dict:
     [regular] = res["rows"]
-    assert regular["ok"] == STEADY and regular["server"]["cold_reads"] == 0  # no loads in the first pass
+    # The no-loads side serves K extra requests too, at the same times, to the adapter it already holds:
+    # nothing fetched or read.
+    assert regular["ok"] == STEADY and regular["server"]["cold_reads"] == 0
+    warm = regular["extras"]
+    _check_extras(warm, "warm")
+    assert warm["names"] == [adapter_name(8, 0)] * K  # the uniform mix's one adapter, loaded before the rows
+    assert warm["fetches"] == 0 and warm["reads"] == 0 and warm["fetch_mean_ms"] is None
+    assert regular["server"]["requests_by_reason"]["length"] == STEADY + K
+    assert regular["server"]["generation_tokens"] == STEADY * OUT_LEN + K * 4
     [r] = res["cold"]["rows"]
     assert (r["mix"], r["load"], r["concurrency"]) == ("uniform", "closed", 2)
     # The steady requests alone: all served, their own tokens; the server served the cold ones besides.
@@ -48,16 +67,18 @@ def _check_cold_row(res: dict) -> dict:
     assert w["output_tokens"] == STEADY * OUT_LEN
     assert w["server"]["requests_by_reason"]["length"] == STEADY + K
     assert w["server"]["generation_tokens"] == STEADY * OUT_LEN + K * 4
-    assert r["no_loads"]["ok"] == STEADY and r["no_loads"]["itl_ms"] == regular["itl_ms"]
+    assert r["no_loads"]["ok"] == STEADY and r["no_loads"]["itl_ms"] == regular["itl_ms"] and r["warm"] == warm
     # Each cold adapter looked up, fetched from the store and read once, then served.
     c = r["cold"]
-    assert c["requests"] == c["ok"] == K and c["failures"] == {} and len(set(c["names"])) == K
-    assert c["fetches"] == K and c["reads"] == K and c["load_errors"] == 0 and c["fetch_mean_ms"] > 0
-    assert 0 < c["ttft_ms"]["p50"] <= c["ttft_max_ms"] and len(c["sent_s"]) == K and 0 <= c["in_window"] <= K
+    _check_extras(c, "cold")
+    assert len(set(c["names"])) == K and not set(c["names"]) & set(warm["names"])
+    assert c["fetches"] == K and c["reads"] == K and c["fetch_mean_ms"] > 0
     assert r["itl_p99_ratio"] == round(w["itl_ms"]["p99"] / regular["itl_ms"]["p99"], 4)
     assert r["limit"] == COLD_ITL_LIMIT
-    # Judged only when every load overlapped the steady requests (a tiny CPU run may outpace them).
-    assert r["met"] == (r["itl_p99_ratio"] <= COLD_ITL_LIMIT if c["in_window"] == K else None)
+    # Judged only when every extra request of both sides overlapped the steady requests (a tiny CPU run
+    # may outpace them).
+    seen = c["in_window"] == K and warm["in_window"] == K
+    assert r["met"] == (r["itl_p99_ratio"] <= COLD_ITL_LIMIT if seen else None)
     return r
 
 
@@ -79,8 +100,12 @@ def test_cold_mix_through_moto_end_to_end(tmp_path: Path, capsys: pytest.Capture
     assert "AKIA" not in text and "AKIA" not in printed and "AKIA" not in log
     assert "GET /appliance-bench/cold/" in (out / "moto.log").read_text()
     assert "## cold loads: 2 rank-8 adapters" in printed
-    assert "| uniform | 2 concurrent | none | 8/8 | 0 |" in printed
-    assert "| uniform | 2 concurrent | 2 cold | 8/8 | 0 |" in printed
+    assert "Each row also served 2 extra requests to warm adapters, timed apart from its requests" in printed
+    lines = printed.splitlines()
+    [none] = [x for x in lines if x.startswith("| uniform | 2 concurrent | none | 8/8 | 0 |")]
+    [loads] = [x for x in lines if x.startswith("| uniform | 2 concurrent | 2 cold | 8/8 | 0 |")]
+    assert "| 2 warm | 2/2 |" in none and none.endswith("| 0 |  |  |  |")  # fetched 0, no ratio of its own
+    assert "| 2 cold | 2/2 |" in loads and "| 2 | " in loads
     assert f"| {r['itl_p99_ratio']} | <= 1.2 |" in printed
 
 
@@ -134,18 +159,47 @@ def test_cold_options() -> None:
 def test_cold_table_and_failures() -> None:
     lat = {"mean": 1.0, "p50": 1.0, "p90": 2.0, "p99": 3.0}
     steady = {"requests": 4, "ok": 4, "failures": {}, "out_tok_s": 10.0, "ttft_ms": lat, "itl_ms": lat}
+    extras = {"requests": 2, "ok": 2, "failures": {}, "in_window": 2}
     row = {"mix": "base", "load": "closed", "concurrency": 4, "rate_rps": None, "no_loads": steady,
            "with_loads": {**steady, "itl_ms": {**lat, "p99": 3.3}},
-           "cold": {"requests": 2, "ok": 2, "failures": {}, "ttft_ms": {**lat, "p50": 250.0}, "ttft_max_ms": 300.0,
-                    "fetches": 2, "in_window": 2},
+           "warm": {**extras, "kind": "warm", "ttft_ms": {**lat, "p50": 20.0}, "ttft_max_ms": 30.0, "fetches": 0},
+           "cold": {**extras, "kind": "cold", "ttft_ms": {**lat, "p50": 250.0}, "ttft_max_ms": 300.0, "fetches": 2},
            "itl_p99_ratio": 1.1, "limit": 1.2, "met": True}
     res = {"cold": {"adapters": 2, "rank": 16, "adapter_bytes": 2 << 20, "template": "s3://b/{name}", "start_s": 1.0,
                     "interval_s": 0.5, "rows": [row]}}
     text = render_cold(res)
     assert "2 rank-16 adapters (2.0 MiB each) from s3://b/{name}" in text
-    assert "| base | 4 concurrent | none | 4/4 | 0 | 10.0 | 1.0 | 3.0 | 1.0 | 3.0 |  |  |  |  |  |  |  |  |" in text
-    assert ("| base | 4 concurrent | 2 cold | 4/4 | 0 | 10.0 | 1.0 | 3.0 | 1.0 | 3.3 | 2/2 | 2/2 | 250.0 | 300.0 | 2 | 1.1 "
-            "| <= 1.2 | True |") in text
+    assert "the no-loads line sends as many requests to warm adapters at the same times" in text
+    assert ("| base | 4 concurrent | none | 4/4 | 0 | 10.0 | 1.0 | 3.0 | 1.0 | 3.0 | 2 warm | 2/2 | 2/2 | 20.0 | 30.0 "
+            "| 0 |  |  |  |") in text
+    assert ("| base | 4 concurrent | 2 cold | 4/4 | 0 | 10.0 | 1.0 | 3.0 | 1.0 | 3.3 | 2 cold | 2/2 | 2/2 | 250.0 "
+            "| 300.0 | 2 | 1.1 | <= 1.2 | True |") in text
     assert not failed(res) and not failed({})
     row["cold"]["failures"] = {"404": 1}
     assert failed(res)
+    row["cold"]["failures"] = {}
+    res["rows"] = [{"extras": {**extras, "failures": {"timeout": 1}}}]  # a regular row's warm extra failed
+    assert failed(res)
+
+
+def test_cold_workload_sends_each_row_as_many_warm_extras(tmp_path: Path) -> None:
+    """Row j (mix-major, then load point): K warm extras over the adapters its mix already serves, in
+    turn (the base model for `base`), and K cold ones under that row's new names, of equal lengths and
+    on prompts of their own; the steady specs again on fresh prompts, same lengths and adapters."""
+    mixes = {"base": [None] * 4, "uniform": ["b", "a", "b", "a"], "one": ["a"] * 4}
+    opts = ServeOptions(mixes=list(mixes), adapters=2, cold_adapters=3, shared_prefix_len=2)
+    specs = {m: [RequestSpec(list(range(5 + i)), "", 3 + i, a) for i, a in enumerate(ads)] for m, ads in mixes.items()}
+    mix = ColdMix(opts, tmp_path, points=2)
+    w = mix.workload(specs, 1000, None)
+    assert len(w.warm) == len(w.cold) == len(mix.names) == 6
+    held = {"base": [None] * 3, "uniform": ["b", "a", "b"], "one": ["a"] * 3}
+    for j, (warm, cold) in enumerate(zip(w.warm, w.cold)):
+        assert [s.adapter for s in warm] == held[opts.mixes[j // 2]] and [s.adapter for s in cold] == mix.names[j]
+        assert [(len(s.prompt_ids), s.output_len) for s in warm] == [(len(s.prompt_ids), s.output_len) for s in cold]
+        assert all(a.prompt_ids != b.prompt_ids for a, b in zip(warm, cold))
+    assert len({n for names in mix.names for n in names}) == 18
+    for m, ss in specs.items():
+        fresh = w.steady[m]
+        assert [(len(s.prompt_ids), s.output_len, s.adapter) for s in fresh] == [
+            (len(s.prompt_ids), s.output_len, s.adapter) for s in ss]
+        assert all(f.prompt_ids[:2] == s.prompt_ids[:2] and f.prompt_ids != s.prompt_ids for f, s in zip(fresh, ss))
