@@ -38,21 +38,11 @@ class PrefillSeq:
     block_table: Optional[torch.Tensor]
 
 
-# Backend triton: a chunk with no cached context and at least this many tokens runs as its own SDPA call
-# (flash / cuDNN) instead of in the prefill kernel; None = every chunk in the kernel (docs/performance.md).
-SDPA_PROMPT_TOKENS: Optional[int] = None
-
-
-def sdpa_prompt(q_len: int, context_len: int) -> bool:
-    """Whether backend triton leaves a prefill chunk to SDPA (SDPA_PROMPT_TOKENS)."""
-    return SDPA_PROMPT_TOKENS is not None and context_len == 0 and q_len >= SDPA_PROMPT_TOKENS
-
-
 def kernel_prefill_tiles(prefills: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int, group: int,
                          device: torch.device) -> PrefillTiles:
     """Backend triton's per-step layout: the tiles of every prefill chunk (q_start, q_len, context_len,
-    block table) the kernel computes (all but sdpa_prompt's); group: query heads per KV head."""
-    return prefill_tiles([p for p in prefills if not sdpa_prompt(p[1], p[2])], block_size, group, device)
+    block table); group: query heads per KV head."""
+    return prefill_tiles(prefills, block_size, group, device)
 
 
 # Gathered K/V positions of one group (B x longest context): bounds its transient memory.
@@ -182,7 +172,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def _kernel_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Backend triton: every chunk's rows of `out` in one kernel launch (and sdpa_prompt's chunks by SDPA)."""
+    """Backend triton: every chunk's rows of `out` in one kernel launch."""
     if not meta.prefills:
         return
     tiles = meta.prefill_tiles
@@ -190,12 +180,6 @@ def _kernel_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         from kernels.prefill_attention import prefill_attention  # needs triton: only when chosen
 
         prefill_attention(q, k_cache, v_cache, tiles, scale, out=out[:tiles.num_tokens])
-    if SDPA_PROMPT_TOKENS is None:
-        return  # the kernel did every chunk: no per-chunk loop in the layer
-    for p in meta.prefills:
-        if sdpa_prompt(p.q_len, p.context_len):
-            sl = slice(p.q_start, p.q_start + p.q_len)
-            out[sl] = _sdpa(q[sl], k[sl], v[sl], None, causal=True, scale=scale)
 
 
 def _torch_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -131,8 +131,7 @@ def test_steps_over_the_largest_size_run_eagerly(tiny_model_dir: Path, base_eage
 def test_piecewise_settings() -> None:
     from appliance.config.schema import ConfigError
 
-    assert default_config().engine.piecewise_sizes("cuda") == []  # shipped off until it has run on a GPU
-    e = default_config("engine.piecewise_graph_tokens=null").engine
+    e = default_config().engine  # shipped on (null): the sizes on cuda, off on cpu
     assert e.piecewise_sizes("cpu") == [] and e.piecewise_sizes("cuda") == [16, 32, 64, 128, 256, 512]
     assert default_config("engine.max_num_batched_tokens=100",
                           "engine.piecewise_graph_tokens=null").engine.piecewise_sizes("cuda") == [16, 32, 64]

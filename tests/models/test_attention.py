@@ -78,10 +78,9 @@ def test_a_lone_context_chunk_is_not_grouped(monkeypatch) -> None:
             torch.testing.assert_close(got[q0:q0 + n], _naive(q[q0:q0 + n], kc, vc, t, c, n, 0.3), atol=1e-5, rtol=1e-5)
 
 
-def test_backend_triton_runs_every_chunk_in_the_kernel_and_matches_torch(monkeypatch) -> None:
+def test_backend_triton_runs_every_chunk_in_the_kernel_and_matches_torch() -> None:
     # Backend triton (the prefill kernel in the interpreter, then the decode kernel) against backend torch
-    # on one mixed step: fresh prompts, context chunks, a 1-token chunk, then two decode rows; and with
-    # SDPA_PROMPT_TOKENS set, the long fresh prompts left to SDPA beside the kernel's chunks.
+    # on one mixed step: fresh prompts, context chunks, a 1-token chunk, then two decode rows.
     from kernels.prefill_tiles import prefill_tiles
 
     chunks = [(0, 5), (8, 3), (0, 9), (3, 1), (21, 6)]
@@ -107,11 +106,6 @@ def test_backend_triton_runs_every_chunk_in_the_kernel_and_matches_torch(monkeyp
     want = paged_attention(q, k, v, kc, vc, meta("torch", groups=context_groups(prefills, 4, q.device)), 0.3)
     tiles = attention.kernel_prefill_tiles(prefills, 4, 3, q.device)
     assert tiles.num_tiles == 5 and tiles.num_tokens == tp
-    got = paged_attention(q, k, v, kc, vc, meta("triton", tiles), 0.3)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(attention, "SDPA_PROMPT_TOKENS", 5)
-    tiles = attention.kernel_prefill_tiles(prefills, 4, 3, q.device)
-    assert tiles.num_tiles == 3 and tiles.num_tokens == tp  # the 5- and 9-token prompts go to SDPA
     got = paged_attention(q, k, v, kc, vc, meta("triton", tiles), 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert prefill_tiles([], 4, 3, q.device).num_tiles == 0
