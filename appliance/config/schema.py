@@ -94,8 +94,8 @@ class EngineConfig:
     # (triton on cpu needs TRITON_INTERPRET=1).
     attention_backend: str = "auto"
     # true (attention_backend triton): every prefill chunk of a step in one kernel launch per layer, K/V
-    # read from the paged cache; false = SDPA per chunk (context chunks gathered). Off until it has run on a GPU.
-    prefill_attention_kernel: bool = False
+    # read from the paged cache; false = SDPA per chunk (context chunks gathered).
+    prefill_attention_kernel: bool = True
     # The model's elementwise ops: triton = fused kernels (residual add + RMSNorm, RoPE + K/V cache
     # write, SiLU x up; kernels/rms_norm.py, rope_kv.py, silu_mul.py), torch = the plain torch ops
     # (their twins); auto = triton on cuda, torch on cpu (triton on cpu needs TRITON_INTERPRET=1).
