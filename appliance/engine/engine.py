@@ -96,7 +96,7 @@ class LLMEngine:
         # Rung by the LoRA manager's background reads; the async engine's loop sleeps on it.
         self.doorbell = Doorbell()
         self.runner = ModelRunner(cfg, str(model_path), tp=None if self.tp is None else self.tp.group, leader=self.tp,
-                                  lora=self._lora_manager if cfg.lora.enabled else None)
+                                  lora=self._lora_manager if cfg.lora.enabled else None, stats=self.stats)
         self.lora: Optional[LoRAManager] = self.runner.lora
         self.tokenizer: Tokenizer | IdsOnlyTokenizer
         if cfg.model.init == "random" and not has_tokenizer(model_path):

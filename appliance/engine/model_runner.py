@@ -26,6 +26,7 @@ from appliance.models.attention import AttentionMetadata, PrefillSeq, context_gr
 from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, random_model, read_hf_config
 from appliance.parallel.group import SingleRank, TPGroup
+from appliance.telemetry.stats import StatsRecorder, StepPath
 
 if TYPE_CHECKING:
     from appliance.lora.layers import LoRAContext
@@ -37,11 +38,14 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, cfg: ApplianceConfig, model_path: str, tp: Optional[TPGroup] = None,
                  leader: Optional["TPLeader"] = None,
-                 lora: Optional[Callable[["ModelRunner"], "LoRAManager"]] = None) -> None:
+                 lora: Optional[Callable[["ModelRunner"], "LoRAManager"]] = None,
+                 stats: Optional[StatsRecorder] = None) -> None:
         # tp: this rank's tensor-parallel group (None: tp_size 1, a SingleRank: no process group, no collectives).
         # leader: TP rank 0's sender of each step's batch and the decode setup (parallel/launcher.py).
         # lora: builds the LoRA manager over this runner's model, called last (after the KV cache is sized).
+        # stats: where `execute` records each step's path; only rank 0 executes, so TP workers record nothing.
         self.leader = leader
+        self.stats = stats if stats is not None else StatsRecorder()
         self.tp: TPGroup | SingleRank = tp if tp is not None else SingleRank(resolve_device(cfg.model.device))
         tp = self.tp
         self.device = tp.device
@@ -314,7 +318,9 @@ class ModelRunner:
         sd = self.static_decode
         if sd is not None and self.runs_static(plan):
             # Fills the LoRA info itself (fixed per-row layout); under TP sends the staged rows first.
-            return self._on_all_ranks(lambda: sd.run(plan, sources))
+            out = self._on_all_ranks(lambda: sd.run(plan, sources))
+            self.stats.step("graph", len(plan.decodes))
+            return out
         batch = self.host_batch(plan)
         steps = plan.prefills + plan.decodes  # the order host_batch() flattens them in
         pw = self.piecewise
@@ -325,15 +331,18 @@ class ModelRunner:
                 seg_slots = self.lora.step_slots([s.seq.adapter for s in steps])
                 token_slots = [sl for s, sl in zip(steps, seg_slots) for _ in range(s.num_new_tokens)]
             run: Callable[[], torch.Tensor] = lambda: pw.run(batch, token_slots)  # noqa: E731
+            path: StepPath = "piecewise"
         else:
             if self.lora is not None:
                 batch.lora = self.lora.begin_step([s.num_new_tokens for s in steps],
                                                   [s.seq.adapter for s in steps])
             run = lambda: self._run(batch)  # noqa: E731
-        if self.compile_watch is None:
-            return run()
+            path = "eager"
         t0 = time.perf_counter()
         out = run()
+        self.stats.step(path, len(batch.input_ids))
+        if self.compile_watch is None:
+            return out
         new = self.compile_watch.new_since_last()
         if new:
             log.warning("a step compiled %d Triton kernel variant(s) the start-up warm-up did not (%.1f s that "

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from appliance.config.schema import MetricsConfig
 from appliance.telemetry.gateway import GatewayMetrics
-from appliance.telemetry.stats import WAIT_REASONS, EngineEvents, EngineSnapshot
+from appliance.telemetry.stats import STEP_PATHS, WAIT_REASONS, EngineEvents, EngineSnapshot
 
 # The classic text format. Every name here is a legacy (ASCII) name, for which generate_latest's output
 # is exactly format 0.0.4, the version every Prometheus (Debian's 2.42 included) knows by this header.
@@ -56,6 +56,9 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 # Reading a PEFT dir (ms to seconds for big all-linear adapters); copying into a slot (sub-ms to 100s ms).
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0)
+# Scheduled tokens of a step: the decode batch sizes and engine.piecewise_graph_tokens' sizes (up to 512)
+# and beyond, up to engine.max_num_batched_tokens' range, so eager steps show how large they ran.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 RECONCILE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 # Label values the reconciler may report (anything else is a bug: ValueError, never a new series). The
@@ -172,6 +175,13 @@ class Metrics:
                                 "(stop, length, abort, error).", ["adapter", "finish_reason"], registry=r)
         self.preemptions = Counter("appliance_preemptions", "Running requests preempted because the KV "
                                    "cache ran out (recomputed later).", registry=r)
+        self.steps = Counter("appliance_engine_steps", "Model steps by how they ran: graph (decode-only over "
+                             "the static decode buffers: a CUDA graph replay on cuda, the same buffers "
+                             "uncaptured elsewhere), piecewise (prefills up to the largest "
+                             "engine.piecewise_graph_tokens size), eager (anything else).", ["path"], registry=r)
+        self.step_tokens = Histogram("appliance_engine_step_tokens", "Scheduled tokens of a model step (real "
+                                     "rows, not padding), by path.", ["path"], buckets=STEP_TOKEN_BUCKETS,
+                                     registry=r)
         # --- prefix caching (engine.enable_prefix_caching)
         self.prefix_cache_queries = Counter("appliance_prefix_cache_queries", "Tokens of admitted requests "
                                             "looked up in the prefix cache (prompt, or prompt + output "
@@ -230,6 +240,9 @@ class Metrics:
                     self.lora_loads.labels(tier, result)
         for reason in FINISH_REASONS:
             self.requests.labels(BASE_LABEL, reason)
+        for path in STEP_PATHS:
+            self.steps.labels(path)
+            self.step_tokens.labels(path)
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             h.labels(BASE_LABEL)
         self.prefix_cache_queries.labels(BASE_LABEL)
@@ -271,6 +284,9 @@ class Metrics:
             self.prefix_cache_queries.labels(a).inc(queried)
             self.prefix_cache_hits.labels(a).inc(hit)
         self.prefix_cache_evictions.inc(ev.prefix_cache_evictions)
+        for path, tokens in ev.steps:
+            self.steps.labels(path).inc()
+            self.step_tokens.labels(path).observe(tokens)
 
     def record_snapshot(self, snap: EngineSnapshot) -> None:
         self.running.set(snap.running)

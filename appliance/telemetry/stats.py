@@ -22,6 +22,11 @@ WAIT_REASONS: tuple[WaitReason, ...] = ("slot", "kv", "budget", "load")
 # LoRA tiers: "disk" = a remote store -> the disk cache (a download), "cpu" = disk -> host memory,
 # "gpu" = host memory -> a GPU slot.
 LoadTier = Literal["disk", "cpu", "gpu"]
+# How the model runner ran a step: graph = over the static decode buffers (a CUDA graph replay on cuda,
+# the same buffers run uncaptured elsewhere), piecewise = over the piecewise step's buffers (graphs
+# between attentions on cuda), eager = anything else (larger steps, CPU without static buffers).
+StepPath = Literal["graph", "piecewise", "eager"]
+STEP_PATHS: tuple[StepPath, ...] = ("graph", "piecewise", "eager")
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class EngineEvents:
     slot_waits: list[float] = field(default_factory=list)  # per admission of an adapter request
     loads: list[AdapterLoad] = field(default_factory=list)
     evictions: list[tuple[LoadTier, str]] = field(default_factory=list)  # (tier, policy)
+    # Per model step that ran (a failed one is not, its request-by-request reruns are): (path, scheduled tokens).
+    steps: list[tuple[StepPath, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -82,6 +89,9 @@ class StatsRecorder:
 
     def eviction(self, tier: LoadTier, policy: str) -> None:
         self.events.evictions.append((tier, policy))
+
+    def step(self, path: StepPath, tokens: int) -> None:
+        self.events.steps.append((path, tokens))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ def test_events_map_onto_collectors_with_bounded_labels() -> None:
                       slot_waits=[0.0, 1.5], loads=[AdapterLoad("cpu", True, 0.01), AdapterLoad("gpu", False, 0.002)],
                       evictions=[("gpu", "fifo"), ("cpu", "lru")],
                       prefix_cache_lookups=[(None, 40, 32), ("a", 20, 0), ("b", 50, 48), ("a", 20, 16)],
-                      prefix_cache_evictions=3)
+                      prefix_cache_evictions=3,
+                      steps=[("graph", 8), ("piecewise", 300), ("eager", 600), ("eager", 1500), ("graph", 3)])
     m.record_events(ev)
     s = page(m)
     assert s.label_values("adapter") == {"base", "a", "other"}  # "b" is beyond the bound
@@ -57,6 +58,10 @@ def test_events_map_onto_collectors_with_bounded_labels() -> None:
     assert s.get("appliance_prefix_cache_hits_total", adapter="other") == 48
     assert s.get("appliance_prefix_cache_queries_total", adapter="base") == 40
     assert s.get("appliance_prefix_cache_evictions_total") == 3
+    assert [s.get("appliance_engine_steps_total", path=p) for p in ("graph", "piecewise", "eager")] == [2, 1, 2]
+    assert s.get("appliance_engine_step_tokens_bucket", path="eager", le="512.0") == 0  # none fit a piecewise graph
+    assert s.get("appliance_engine_step_tokens_bucket", path="eager", le="1024.0") == 1
+    assert s.get("appliance_engine_step_tokens_sum", path="graph") == 11
     assert promtool_check_metrics(s.text).returncode == 0
 
 
