@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from appliance.bench.serve_client import Result
 from appliance.bench.workload import percentile
+from appliance.telemetry.stats import STEP_PATHS
 
 PERCENTILES = (50, 90, 99)
 
@@ -114,8 +115,17 @@ def server_summary(deltas: dict[str, float]) -> dict:
         # Share of the admitted requests' tokens served from the prefix cache; None with it off.
         "prefix_cache_hit_ratio": round(total("appliance_prefix_cache_hits_total") / queried, 4) if queried else None,
         "prefix_cache_evictions": total("appliance_prefix_cache_evictions_total"),
+        # How the engine ran its steps (a CUDA graph, piecewise graphs, eagerly) and their mean scheduled tokens.
+        "steps_by_path": {p: total("appliance_engine_steps_total", path=p) for p in STEP_PATHS},
+        "step_tokens_mean_by_path": {p: _mean(total("appliance_engine_step_tokens_sum", path=p),
+                                              total("appliance_engine_step_tokens_count", path=p))
+                                     for p in STEP_PATHS},
     }
 
 
 def _mean_ms(total_s: float, count: float) -> Optional[float]:
     return round(1e3 * total_s / count, 3) if count else None
+
+
+def _mean(total: float, count: float) -> Optional[float]:
+    return round(total / count, 1) if count else None

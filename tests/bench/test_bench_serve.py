@@ -265,16 +265,23 @@ appliance_lora_slot_wait_seconds_bucket{le="0.1"} 1.0
 appliance_lora_slot_wait_seconds_bucket{le="+Inf"} %s
 appliance_lora_slot_wait_seconds_count %s
 appliance_lora_slot_wait_seconds_sum %s
+# TYPE appliance_engine_step_tokens histogram
+appliance_engine_step_tokens_bucket{le="+Inf",path="eager"} %s
+appliance_engine_step_tokens_count{path="eager"} %s
+appliance_engine_step_tokens_sum{path="eager"} %s
 # TYPE appliance_requests_running gauge
 appliance_requests_running 7.0
 """
-    before = counter_samples(page % (1, 0, 1, 1, 0.0))
-    after = counter_samples(page % (5, 2, 3, 3, 0.5))
+    before = counter_samples(page % (1, 0, 1, 1, 0.0, 1, 1, 600))
+    after = counter_samples(page % (5, 2, 3, 3, 0.5, 3, 3, 3000))
     assert before['appliance_requests_total{finish_reason="length"}'] == 4  # summed over `adapter`
     d = counter_deltas(before, after)
-    assert d == {'appliance_lora_evictions_total{policy="lru",tier="gpu"}': 2,
+    assert d == {'appliance_engine_step_tokens_count{path="eager"}': 2,
+                 'appliance_engine_step_tokens_sum{path="eager"}': 2400,
+                 'appliance_lora_evictions_total{policy="lru",tier="gpu"}': 2,
                  "appliance_lora_slot_wait_seconds_count": 2, "appliance_lora_slot_wait_seconds_sum": 0.5,
                  'appliance_requests_total{finish_reason="length"}': 4}
     s = server_summary(d)
     assert s["slot_evictions"] == 2 and s["slot_waits"] == 2 and s["slot_wait_mean_ms"] == 250
     assert s["requests_by_reason"]["length"] == 4 and s["preemptions"] == 0 and s["queue_time_mean_ms"] is None
+    assert s["step_tokens_mean_by_path"] == {"graph": None, "piecewise": None, "eager": 1200}
