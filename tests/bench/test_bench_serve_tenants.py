@@ -72,6 +72,10 @@ def test_two_tenant_mix_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture
     assert sum(a["server"]["rejections"].values()) == a["failures"]["429"]
     assert a["server"]["admitted"] == a["ok"]
     assert a["server_total"]["requests_by_reason"]["error"] == 0
+    # The server's step-path counters reach serve.json: on CPU every step runs eagerly.
+    steps = a["server_total"]["steps_by_path"]
+    assert steps["eager"] > 0 and steps["graph"] == steps["piecewise"] == 0
+    assert a["server_total"]["step_tokens_mean_by_path"]["eager"] > 0
 
     [f] = t["fairness"]
     assert f["mix"] == "one" and f["target"] == 1.5 and f["b_429"] == 0 and f["b_failures"] == 0
