@@ -59,7 +59,10 @@ def test_tp2_static_decode_gives_the_eager_tokens(tmp_path: Path, tiny_model_dir
         used: list[int] = []
         real_run = sd.run
         sd.run = lambda plan, *a: (used.append(len(plan.decodes)), real_run(plan, *a))[1]  # type: ignore[method-assign]
+        engine.stats.take()
         assert run_lengths(engine) == want  # tp 2, static buffers on both ranks
         assert sorted(set(used)) == [1, 2, 4, 5], used  # padded sizes 8, 4, 2, 1
+        # Rank 0 records each step once (the workers never execute a plan).
+        assert [t for p, t in engine.stats.take().steps if p == "graph"] == used
     finally:
         engine.close()
