@@ -192,8 +192,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="mixed-ads-"))
-    # The piecewise sizes of engine.piecewise_graph_tokens null (16..512) unless the overrides say otherwise.
-    cfg = compose_config(overrides=["engine.piecewise_graph_tokens=null", *args.overrides])
+    cfg = compose_config(overrides=args.overrides)
     cfg.lora.adapter_roots = [*cfg.lora.adapter_roots, str(root)]
     shape, std, dtype = served_shape(Path(cfg.model.path), cfg.model.dtype)
     ads = make_adapters(root, shape, args.rank, args.adapters, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_engine_check import time_cuda  # noqa: E402
 from appliance.models.attention import (AttentionMetadata, PrefillSeq, context_groups,  # noqa: E402
-                                        kernel_prefill_tiles, paged_attention, write_kv)
+                                        paged_attention, write_kv)
 from kernels import reference as ref  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.prefill_tiles import prefill_tiles  # noqa: E402
@@ -90,7 +90,7 @@ def meta_for(prefills: list, backend: str, group: int, dev: torch.device) -> Att
         decode_context_lens=torch.zeros(0, dtype=torch.long, device=dev), decode_max_len=0,
         attention_backend=backend,
         context_groups=context_groups(prefills, BS, dev) if torch_path else [],
-        prefill_tiles=None if torch_path else kernel_prefill_tiles(prefills, BS, group, dev))
+        prefill_tiles=None if torch_path else prefill_tiles(prefills, BS, group, dev))
 
 
 REPS = 20 if torch.cuda.is_available() else 1  # the CPU smoke run only checks that it runs

@@ -22,11 +22,12 @@ from appliance.engine.piecewise import PiecewiseStep
 from appliance.engine.runtime import piecewise_off_reason, resolve_device, resolve_runtime
 from appliance.engine.scheduler import SchedulerOutput
 from appliance.engine.step import StepBatch, StepInputs
-from appliance.models.attention import AttentionMetadata, PrefillSeq, context_groups, kernel_prefill_tiles
+from appliance.models.attention import AttentionMetadata, PrefillSeq, context_groups
 from appliance.models.llama import LlamaModel, ModelArgs
 from appliance.models.weights import load_model, random_model, read_hf_config
 from appliance.parallel.group import SingleRank, TPGroup
 from appliance.telemetry.stats import StatsRecorder, StepPath
+from kernels.prefill_tiles import prefill_tiles
 
 if TYPE_CHECKING:
     from appliance.lora.layers import LoRAContext
@@ -298,7 +299,7 @@ class ModelRunner:
             decode_splits=self.decode_splits(len(b.decode_context_lens), max(b.decode_context_lens, default=0)),
             decode_len_bound=max(b.decode_context_lens, default=0),
             context_groups=context_groups(b.prefills, self.block_size, dev) if not kernel else [],
-            prefill_tiles=kernel_prefill_tiles(b.prefills, self.block_size, group, dev) if kernel else None,
+            prefill_tiles=prefill_tiles(b.prefills, self.block_size, group, dev) if kernel else None,
         )
 
     def runs_static(self, plan: SchedulerOutput) -> bool:

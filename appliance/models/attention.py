@@ -8,8 +8,8 @@ Backend `triton` (engine.attention_backend): decode tokens in one launch of kern
 (each K/V tile read once for all query heads of its KV head, lengths read on the device); with
 engine.prefill_attention_kernel, all prefill chunks of the step in one launch of
 kernels/prefill_attention.py, which reads K/V straight from the paged cache (this step's are written
-before attention) through `PrefillTiles` built once per step, else prefills as below. Backend `torch` (the CPU default and the kernels' oracle): prefill chunks use SDPA per
-sequence; a lone chunk that continues a cached context gets a lower-right causal bias, two or more
+before attention) through `PrefillTiles` built once per step, else prefills as below. Backend
+`torch` (the CPU default and the kernels' oracle): prefill chunks use SDPA per sequence; a lone chunk that continues a cached context gets a lower-right causal bias, two or more
 such chunks (prefix-cache hits, chunked prefill) one padded SDPA call per group (`ContextGroup`,
 built once per step); decode tokens the decode kernel's twin (gathers the KV up to the longest context).
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels import reference as ref
-from kernels.prefill_tiles import PrefillTiles, prefill_tiles
+from kernels.prefill_tiles import PrefillTiles
 
 
 @dataclass
@@ -36,13 +36,6 @@ class PrefillSeq:
     context_len: int  # tokens already in the cache before this step
     # [num_blocks_of_seq] long, on device; backend torch only (the triton kernel reads PrefillTiles.tables)
     block_table: Optional[torch.Tensor]
-
-
-def kernel_prefill_tiles(prefills: Sequence[tuple[int, int, int, Sequence[int]]], block_size: int, group: int,
-                         device: torch.device) -> PrefillTiles:
-    """Backend triton's per-step layout: the tiles of every prefill chunk (q_start, q_len, context_len,
-    block table); group: query heads per KV head."""
-    return prefill_tiles(prefills, block_size, group, device)
 
 
 # Gathered K/V positions of one group (B x longest context): bounds its transient memory.
@@ -127,7 +120,7 @@ class AttentionMetadata:
     decode_len_bound: int = 0
     # Backend torch: chunks with a cached context batched per group (context_groups); [] = each on its own.
     context_groups: list[ContextGroup] = field(default_factory=list)
-    # engine.prefill_attention_kernel (backend triton): the prefill chunks' tiles (kernel_prefill_tiles);
+    # engine.prefill_attention_kernel (backend triton): the prefill chunks' tiles (kernels/prefill_tiles.py);
     # None = prefills by SDPA per chunk (context_groups above).
     prefill_tiles: Optional[PrefillTiles] = None
 
@@ -152,7 +145,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     out = torch.empty_like(q)
     if meta.prefill_tiles is not None:  # engine.prefill_attention_kernel (backend triton)
-        _kernel_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        _kernel_prefills(q, k_cache, v_cache, meta.prefill_tiles, scale, out)
     else:
         _torch_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
     if meta.num_decodes:
@@ -170,12 +163,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _kernel_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Backend triton: every chunk's rows of `out` in one kernel launch."""
-    if not meta.prefills:
-        return
-    tiles = meta.prefill_tiles
+def _kernel_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: PrefillTiles,
+                     scale: float, out: torch.Tensor) -> None:
+    """Backend triton: every prefill chunk's rows of `out` in one kernel launch (K/V from the paged cache)."""
     if tiles.num_tiles:
         from kernels.prefill_attention import prefill_attention  # needs triton: only when chosen
 

@@ -104,7 +104,7 @@ def test_backend_triton_runs_every_chunk_in_the_kernel_and_matches_torch() -> No
         return m
 
     want = paged_attention(q, k, v, kc, vc, meta("torch", groups=context_groups(prefills, 4, q.device)), 0.3)
-    tiles = attention.kernel_prefill_tiles(prefills, 4, 3, q.device)
+    tiles = prefill_tiles(prefills, 4, 3, q.device)
     assert tiles.num_tiles == 5 and tiles.num_tokens == tp
     got = paged_attention(q, k, v, kc, vc, meta("triton", tiles), 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
