@@ -104,7 +104,7 @@ BASE_NEW = [3] * len(BASE_JOBS)  # the same count each: the run ends two decode 
 @pytest.fixture(scope="module")
 def base_eager(tiny_model_dir: Path) -> dict:
     eng = make_engine(tiny_model_dir)
-    assert eng.runner.piecewise is None  # off by default (and on cpu even with null)
+    assert eng.runner.piecewise is None  # cpu: the shipped null is off
     return run_all(eng, BASE_JOBS, BASE_NEW, stagger=True)
 
 
